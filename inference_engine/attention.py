@@ -1,0 +1,162 @@
+"""Paged attention registered with transformers' ``AttentionInterface`` as ``"paged_engine"``.
+
+The model runs one packed row per step (``[1, T]``) with ``attention_mask=None``. The runner
+passes a ``PagedMetadata`` as the ``paged_metadata`` forward kwarg; transformers forwards it to
+every attention call. This function writes the step's K/V into the paged cache of
+``module.layer_idx`` and attends each request over its own blocks, causally:
+
+- decodes (one new token) are batched in buckets of similar context length: one gather of
+  their blocks and one SDPA call per bucket;
+- prefill chunks run one SDPA call each, over the step's own K/V when nothing precedes them,
+  else over their gathered blocks with an offset causal mask;
+- on CUDA with flash-attn installed, every request goes through one varlen call instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "paged_engine"
+
+
+@dataclass
+class DecodeBucket:
+    query_index: torch.Tensor  # [B] rows of the packed step
+    block_table: torch.Tensor  # [B, max_blocks] padded with 0
+    key_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True where attended
+    max_context_len: int
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the packed step
+    num_tokens: int
+    context_len: int  # tokens with KV after this chunk (cached prefix + chunk)
+    block_ids: torch.Tensor | None  # [num_blocks] when context precedes the chunk
+    mask: torch.Tensor | None  # [num_tokens, context_len] causal with offset
+
+
+@dataclass
+class VarlenMetadata:
+    cu_seqlens_q: torch.Tensor  # [R + 1] int32
+    cu_seqlens_k: torch.Tensor  # [R + 1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    key_slots: torch.Tensor  # [sum(context_len)] cache slots in request order
+
+
+@dataclass
+class PagedMetadata:
+    """One step's paged layout, built once by the runner and shared by every layer."""
+
+    key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    value_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] cache slot of each packed token
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    varlen: VarlenMetadata | None = None
+
+
+def _flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+flash_attn_varlen_func = _flash_attn_varlen() if torch.cuda.is_available() else None
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    paged_metadata: PagedMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query ``[1, H, T, D]``, key/value ``[1, KVH, T, D]`` -> output ``[1, T, H, D]``."""
+    if paged_metadata is None:
+        raise RuntimeError("paged_engine attention needs the paged_metadata forward kwarg")
+    meta = paged_metadata
+    key_cache = meta.key_caches[module.layer_idx]
+    value_cache = meta.value_caches[module.layer_idx]
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    num_kv_heads = key.shape[1]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    flat_shape = (-1, num_kv_heads, head_dim)
+    key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v.to(value_cache.dtype))
+
+    if meta.varlen is not None and flash_attn_varlen_func is not None:
+        varlen = meta.varlen
+        out = flash_attn_varlen_func(
+            q,
+            key_cache.view(flat_shape)[varlen.key_slots],
+            value_cache.view(flat_shape)[varlen.key_slots],
+            varlen.cu_seqlens_q,
+            varlen.cu_seqlens_k,
+            varlen.max_seqlen_q,
+            varlen.max_seqlen_k,
+            softmax_scale=scaling,
+            causal=True,
+        )
+        return out.unsqueeze(0), None
+
+    gqa = num_heads != num_kv_heads
+    out = torch.empty_like(q)
+    for chunk in meta.prefill_chunks:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        chunk_q = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if chunk.block_ids is None:
+            chunk_k = k[rows].transpose(0, 1).unsqueeze(0)
+            chunk_v = v[rows].transpose(0, 1).unsqueeze(0)
+        else:
+            chunk_k = _gather(key_cache, chunk.block_ids, chunk.context_len)
+            chunk_v = _gather(value_cache, chunk.block_ids, chunk.context_len)
+        result = F.scaled_dot_product_attention(
+            chunk_q,
+            chunk_k.to(q.dtype),
+            chunk_v.to(q.dtype),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        out[rows] = result[0].transpose(0, 1)
+    for bucket in meta.decode_buckets:
+        num_slots = bucket.block_table.shape[1] * key_cache.shape[1]
+        batch = bucket.block_table.shape[0]
+        bucket_k = key_cache[bucket.block_table].view(batch, num_slots, num_kv_heads, head_dim)
+        bucket_v = value_cache[bucket.block_table].view(batch, num_slots, num_kv_heads, head_dim)
+        bucket_q = q[bucket.query_index].unsqueeze(2)  # [B, H, 1, D]
+        result = F.scaled_dot_product_attention(
+            bucket_q,
+            bucket_k.transpose(1, 2).to(q.dtype),
+            bucket_v.transpose(1, 2).to(q.dtype),
+            attn_mask=bucket.key_mask,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        out.index_copy_(0, bucket.query_index, result.squeeze(2))
+    return out.unsqueeze(0), None
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first ``context_len`` cached tokens of one request as ``[1, KVH, L, D]``."""
+    tokens = cache[block_ids].flatten(0, 1)[:context_len]
+    return tokens.transpose(0, 1).unsqueeze(0)
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

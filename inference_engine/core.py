@@ -1,0 +1,158 @@
+"""EngineCore: the in-process engine loop, shared by ``LLM`` and the server.
+
+``step()`` never raises for a bad request: rejections, aborts and runner failures come back as
+``EngineOutput``s with a finish reason (and an error code where it is an error).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from inference_engine.config import EngineConfig
+from inference_engine.protocol import EngineOutput, ErrorCode, FinishReason, SamplingParams
+from inference_engine.request import Request
+from inference_engine.scheduler import RequestRejected, Scheduler
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: Any | None = None) -> None:
+        if runner is None:
+            from inference_engine.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner = runner
+        model_max_len = runner.spec.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's {model_max_len}"
+            )
+        self.max_model_len = config.max_model_len or model_max_len
+        self.vocab_size = runner.vocab_size
+        self.eos_token_ids = runner.spec.eos_token_ids
+        self.scheduler = Scheduler(
+            num_blocks=runner.num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self._pending: list[EngineOutput] = []
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. A request that cannot be served gets an error output from the
+        next ``step()`` instead of an exception."""
+        request = Request(
+            req_id,
+            prompt_token_ids,
+            sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=arrival_time,
+            max_model_len=self.max_model_len,
+        )
+        error = self.validate_prompt(prompt_token_ids)
+        if error is None:
+            try:
+                self.scheduler.add_request(request)
+            except RequestRejected as exc:
+                error = (ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
+            except ValueError as exc:
+                error = (ErrorCode.INVALID_REQUEST, str(exc))
+        if error is not None:
+            request.timings.finished = time.time()
+            self._pending.append(self._output(request, FinishReason.ERROR, *error))
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> tuple[ErrorCode, str] | None:
+        if not prompt_token_ids:
+            return ErrorCode.INVALID_REQUEST, "the prompt is empty"
+        if len(prompt_token_ids) > self.max_model_len:
+            return ErrorCode.CONTEXT_LENGTH_EXCEEDED, (
+                f"the prompt has {len(prompt_token_ids)} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            return ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
+        return None
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        aborted = self.scheduler.abort_requests(req_ids)
+        self.runner.release([request.req_id for request in aborted])
+        self._pending.extend(self._output(request, FinishReason.ABORT) for request in aborted)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def step(self) -> list[EngineOutput]:
+        """Schedule, run the model and return one delta per request that got a token or
+        finished (including queued errors and aborts)."""
+        outputs, self._pending = self._pending, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return outputs
+        kv_cache = self.scheduler.kv_cache
+        block_tables = [
+            kv_cache.get_block_ids(item.request.req_id) for item in scheduler_output.scheduled
+        ]
+        try:
+            sampled, logprobs = self.runner.execute(scheduler_output.scheduled, block_tables)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+            requests = [item.request for item in scheduler_output.scheduled]
+            self.scheduler.abort_requests([request.req_id for request in requests])
+            self.runner.release([request.req_id for request in requests])
+            message = f"model step failed: {type(exc).__name__}: {exc}"
+            outputs.extend(
+                self._output(r, FinishReason.ERROR, ErrorCode.ENGINE_ERROR, message)
+                for r in requests
+            )
+            return outputs
+        finished = []
+        for request in self.scheduler.update_from_output(scheduler_output, sampled):
+            output = self._output(request, request.finish_reason)
+            output.new_token_ids = [request.output_token_ids[-1]]
+            if request.req_id in logprobs:
+                output.new_logprobs = [logprobs[request.req_id]]
+            outputs.append(output)
+            if request.is_finished:
+                finished.append(request.req_id)
+        if finished:
+            self.runner.release(finished)
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": self.scheduler.kv_cache.usage,
+            "num_kv_blocks": self.scheduler.kv_cache.num_blocks,
+            "max_model_len": self.max_model_len,
+        }
+
+    @staticmethod
+    def _output(
+        request: Request,
+        finish_reason: FinishReason | None,
+        error_code: ErrorCode | None = None,
+        error_message: str | None = None,
+    ) -> EngineOutput:
+        return EngineOutput(
+            req_id=request.req_id,
+            finish_reason=finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            timings=request.timings if finish_reason is not None else None,
+            error_code=error_code,
+            error_message=error_message,
+        )

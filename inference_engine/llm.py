@@ -1,0 +1,149 @@
+"""``LLM``: the offline API. Tokenizes, runs ``EngineCore`` to completion, detokenizes and
+applies stop strings.
+
+Bad input: ``generate`` validates every prompt before it adds any, and raises ``ValueError``
+naming the prompt's index for an empty prompt or one longer than ``max_model_len`` (nothing
+runs then). Requests the core itself rejects (e.g. one that could never fit the KV cache) come
+back as outputs with ``finish_reason="error"`` and an ``error`` message; the others are served.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from inference_engine.config import EngineConfig
+from inference_engine.core import EngineCore
+from inference_engine.protocol import FinishReason, SamplingParams, TokenLogprobs
+from inference_engine.tokenization import IncrementalDetokenizer, find_stop_string, render_chat
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+        )
+        self.core = EngineCore(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self._req_counter = itertools.count()
+
+    def chat(
+        self,
+        conversations: list[list[dict[str, str]]] | list[dict[str, str]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to each conversation (a list of role/content
+        messages), rendered with the tokenizer's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [render_chat(self.tokenizer, conversation) for conversation in conversations]
+        return self.generate(prompts, params)
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in input order. Prompts are strings or token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+
+        outputs = [self._new_output(prompt) for prompt in prompts]
+        for index, output in enumerate(outputs):
+            error = self.core.validate_prompt(output.prompt_token_ids)
+            if error is not None:
+                raise ValueError(f"prompt {index}: {error[1]}")
+        by_id = {output.req_id: output for output in outputs}
+        detokenizers: dict[str, IncrementalDetokenizer] = {}
+        for output, request_params in zip(outputs, params, strict=True):
+            detokenizers[output.req_id] = IncrementalDetokenizer(
+                self.tokenizer, output.prompt_token_ids
+            )
+            if request_params.logprobs is not None:
+                output.logprobs = []
+            self.core.add_request(
+                output.req_id,
+                output.prompt_token_ids,
+                request_params,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        stops = {output.req_id: p.stop for output, p in zip(outputs, params, strict=True)}
+        while self.core.has_unfinished_requests():
+            for delta in self.core.step():
+                output = by_id[delta.req_id]
+                if output.finish_reason is not None:
+                    continue  # already stopped by a stop string
+                output.token_ids.extend(delta.new_token_ids)
+                if delta.new_logprobs and output.logprobs is not None:
+                    output.logprobs.extend(delta.new_logprobs)
+                detokenizer = detokenizers[delta.req_id]
+                new_text = detokenizer.push(delta.new_token_ids)
+                if delta.is_finished:
+                    new_text += detokenizer.flush()
+                output.text += new_text
+                hit = find_stop_string(output.text, stops[delta.req_id], len(new_text))
+                if hit is not None:
+                    output.text = output.text[:hit]
+                    output.finish_reason = str(FinishReason.STOP)
+                    if not delta.is_finished:
+                        self.core.abort_requests([delta.req_id])
+                elif delta.is_finished:
+                    output.finish_reason = str(delta.finish_reason)
+                    output.error = delta.error_message
+                output.num_cached_tokens = delta.num_cached_tokens
+        return outputs
+
+    def _new_output(self, prompt: Prompt) -> RequestOutput:
+        req_id = f"llm-{next(self._req_counter)}"
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+            return RequestOutput(req_id, prompt, token_ids)
+        return RequestOutput(req_id, None, list(prompt))

@@ -1,0 +1,89 @@
+"""One request's state as the scheduler and KV cache see it. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from inference_engine.protocol import FinishReason, RequestTimings, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    """Prompt and output token ids, how many of them have KV in the cache
+    (``num_computed_tokens``), the block hashes of its full blocks, status and timings."""
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.max_model_len = max_model_len
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        # tokens served from the prefix cache when first scheduled; -1 until then
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # chained hashes of this request's full blocks, extended as tokens arrive
+        self.block_hashes: list[bytes] = []
+        self.timings = RequestTimings(arrival=time.time() if arrival_time is None else arrival_time)
+        # set by the scheduler: FCFS order within one priority
+        self.arrival_order = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens this request can ever hold (prompt plus outputs)."""
+        limit = self.num_prompt_tokens + self.sampling_params.max_tokens
+        return limit if self.max_model_len is None else min(limit, self.max_model_len)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> FinishReason | None:
+        """Stop reason after the last appended token, if any (stop strings are checked outside)."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return FinishReason.STOP
+            if params.stop_token_ids and last in params.stop_token_ids:
+                return FinishReason.STOP
+        if self.num_tokens >= self.max_num_tokens:
+            return FinishReason.LENGTH
+        return None

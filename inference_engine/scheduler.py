@@ -1,0 +1,210 @@
+"""Continuous batching, vLLM V1 style: token budget, chunked prefill, admission, preemption.
+
+Each step serves running requests first (a decode takes one token, an unfinished prefill its
+next chunk) out of ``max_num_batched_tokens``, then admits waiting requests while the budget,
+``max_num_seqs`` and free KV blocks allow. When blocks run out the lowest-priority, newest
+running request is preempted by recompute: its blocks are freed and it goes back to the front
+of the waiting queue. Waiting requests are served by (priority, arrival); lower priority values
+go first, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from inference_engine.kv_cache import KVCacheManager
+from inference_engine.protocol import FinishReason
+from inference_engine.request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """The request can never be served with this configuration."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # num_computed_tokens when scheduled: the position of the first new token
+    start: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        # heap of (priority, arrival_order, request); aborted entries are skipped lazily
+        self._waiting: list[tuple[int, int, Request]] = []
+        self._arrival_counter = itertools.count()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.requests) - len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise RequestRejected when the request could not run even with the cache to itself.
+        The last token never needs KV, so ``max_num_tokens - 1`` slots suffice."""
+        num_needed = self.kv_cache.num_blocks_for(request.max_num_tokens - 1)
+        if num_needed > self.kv_cache.num_blocks:
+            raise RequestRejected(
+                f"request {request.req_id} needs up to {request.max_num_tokens} tokens "
+                f"({num_needed} KV blocks) but the cache has only {self.kv_cache.num_blocks} "
+                f"blocks of {self.kv_cache.block_size} tokens"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"duplicate request id {request.req_id!r}")
+        self.check_fits(request)
+        request.arrival_order = next(self._arrival_counter)
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        heapq.heappush(self._waiting, (request.priority, request.arrival_order, request))
+
+    def abort_requests(self, req_ids: list[str]) -> list[Request]:
+        """Finish the given unfinished requests with ABORT; unknown ids are ignored."""
+        aborted = [self.requests[req_id] for req_id in req_ids if req_id in self.requests]
+        for request in aborted:
+            self._finish(request, FinishReason.ABORT)
+        if aborted:
+            self.running = [request for request in self.running if not request.is_finished]
+        return aborted
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        scheduled: dict[str, ScheduledRequest] = {}
+        budget = self.max_num_batched_tokens
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_order))
+                self._preempt(victim)
+                output.preempted_req_ids.append(victim.req_id)
+                if victim.req_id in scheduled:
+                    budget += scheduled.pop(victim.req_id).num_new_tokens
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                scheduled[request.req_id] = ScheduledRequest(
+                    request, num_new_tokens, request.num_computed_tokens
+                )
+                budget -= num_new_tokens
+
+        while (
+            not output.preempted_req_ids
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and (request := self._peek_waiting()) is not None
+        ):
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_cached, budget)
+            if self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                break
+            heapq.heappop(self._waiting)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if not request.timings.first_scheduled:
+                request.timings.first_scheduled = time.time()
+            self.running.append(request)
+            scheduled[request.req_id] = ScheduledRequest(request, num_new_tokens, num_cached)
+            budget -= num_new_tokens
+
+        output.scheduled = list(scheduled.values())
+        return output
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens (req_id -> token id) and finish
+        requests that hit EOS, a stop token or their length. Returns the requests that got a
+        new token, finished ones included."""
+        updated = []
+        now = time.time()
+        for item in output.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_new_tokens
+            token_id = sampled_token_ids.get(request.req_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            if not request.timings.first_token:
+                request.timings.first_token = now
+            reason = request.check_stop()
+            if reason is not None:
+                self._finish(request, reason)
+            updated.append(request)
+        if any(request.is_finished for request in updated):
+            self.running = [request for request in self.running if not request.is_finished]
+        return updated
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting:
+            request = self._waiting[0][2]
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                return request
+            heapq.heappop(self._waiting)
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.req_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        heapq.heappush(self._waiting, (request.priority, request.arrival_order, request))
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.timings.finished = time.time()
+        self.kv_cache.free(request.req_id)
+        self.requests.pop(request.req_id, None)

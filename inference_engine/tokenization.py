@@ -1,0 +1,76 @@
+"""Chat templates, the incremental detokenizer and stop strings. No torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# prompt tokens kept as left context so the first output token decodes with the right spacing
+NUM_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation rendered with the tokenizer's chat template, ready for the
+    assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat_template")
+    for message in messages:
+        if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+            raise ValueError(f"each message needs 'role' and 'content': {message!r}")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    A character whose bytes are split across tokens is held back until it is complete: text
+    that ends in U+FFFD is not emitted yet. Each decode covers only a short window that starts
+    where the previous emitted delta started, so the cost per token stays constant.
+    """
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """Add tokens; returns the newly completed text (may be empty)."""
+        self.token_ids.extend(new_token_ids)
+        text = self._decode(self.token_ids[self.prefix_offset :])
+        if text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        """Emit whatever is held back (at the end of a request)."""
+        if self.read_offset == len(self.token_ids):
+            return ""
+        return self._emit(self._decode(self.token_ids[self.prefix_offset :]))
+
+    def _emit(self, text: str) -> str:
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        delta = text[len(prefix) :] if text.startswith(prefix) else text
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+def find_stop_string(text: str, stop: list[str], num_new_chars: int) -> int | None:
+    """Index where the earliest stop string starts in ``text``, looking only where the last
+    ``num_new_chars`` characters could complete one; None when there is none."""
+    if not stop:
+        return None
+    longest = max(len(s) for s in stop)
+    search_from = max(0, len(text) - num_new_chars - longest + 1)
+    hits = [i for s in stop if (i := text.find(s, search_from)) >= 0]
+    return min(hits) if hits else None
