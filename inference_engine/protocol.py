@@ -35,7 +35,7 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
-class ErrorCode(str, enum.Enum):
+class ErrorCode(enum.StrEnum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     OVERLOADED = "overloaded"
     INVALID_REQUEST = "invalid_request"

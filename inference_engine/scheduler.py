@@ -69,6 +69,7 @@ class Scheduler:
         # heap of (priority, arrival_order, request); aborted entries are skipped lazily
         self._waiting: list[tuple[int, int, Request]] = []
         self._arrival_counter = itertools.count()
+        self.num_preemptions = 0
 
     @property
     def num_running(self) -> int:
@@ -200,6 +201,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         heapq.heappush(self._waiting, (request.priority, request.arrival_order, request))
 
     def _finish(self, request: Request, reason: FinishReason) -> None:

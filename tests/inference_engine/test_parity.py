@@ -1,0 +1,93 @@
+"""Greedy output equals HF ``generate(do_sample=False)`` token for token, for every request of
+a mixed batch, also with chunked prefill, prefix-cache hits and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from inference_engine import SamplingParams
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        output = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return output[0, len(prompt) :].tolist()
+
+
+def mixed_batch(seed: int, num_prompts: int = 6) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 7, 16, 33, 90, 150][:num_prompts]
+    prompts = [[rng.randrange(5, 384) for _ in range(n)] for n in lengths]
+    max_tokens = [rng.randrange(4, 24) for _ in prompts]
+    return prompts, max_tokens
+
+
+def assert_parity(llm, hf_model, prompts, max_tokens):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(prompts, params)
+    for prompt, n, output in zip(prompts, max_tokens, outputs, strict=True):
+        assert output.prompt_token_ids == prompt
+        assert output.finish_reason == "length"
+        assert output.token_ids == hf_greedy(hf_model, prompt, n)
+    return outputs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "qwen3", "mistral"])
+def test_greedy_parity_mixed_batch(family, llm_cache, hf_models):
+    prompts, max_tokens = mixed_batch(seed=1)
+    assert_parity(llm_cache(family), hf_models(family), prompts, max_tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_parity_with_chunked_prefill(family, llm_cache, hf_models):
+    llm = llm_cache(family, max_num_batched_tokens=24)
+    prompts, max_tokens = mixed_batch(seed=2)
+    assert_parity(llm, hf_models(family), prompts, max_tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_parity_with_prefix_cache_hits(family, model_dirs, hf_models):
+    from inference_engine import LLM
+
+    llm = LLM(model_dirs[family], dtype="float32", block_size=8, max_num_batched_tokens=64)
+    rng = random.Random(3)
+    shared = [rng.randrange(5, 384) for _ in range(40)]
+    prompts = [shared + [rng.randrange(5, 384) for _ in range(n)] for n in (0, 3, 17)]
+    assert_parity(llm, hf_models(family), prompts[:1], [5])
+    outputs = assert_parity(llm, hf_models(family), prompts, [9, 12, 6])
+    # 40 shared tokens are 5 full blocks; the first prompt must still compute its last token
+    assert [output.num_cached_tokens for output in outputs] == [32, 40, 40]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_parity_with_preemption(family, model_dirs, hf_models):
+    from inference_engine import LLM
+
+    llm = LLM(model_dirs[family], dtype="float32", block_size=4, num_kv_blocks=40)
+    prompts, max_tokens = mixed_batch(seed=4, num_prompts=5)
+    max_tokens = [40] * len(prompts)
+    assert_parity(llm, hf_models(family), prompts, max_tokens)
+    assert llm.core.scheduler.num_preemptions > 0
+    assert llm.core.scheduler.kv_cache.num_free_blocks == 40
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm_cache):
+    llm = llm_cache("llama")
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], seeded)[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True) for n in (5, 30)]
+    batched = llm.generate([[9] * 50, [5, 6, 7], [11, 12]], [others[0], seeded, others[1]])
+    assert batched[1].token_ids == alone
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    draws = {tuple(llm.generate([[5, 6, 7]], unseeded)[0].token_ids) for _ in range(3)}
+    assert len(draws) > 1
