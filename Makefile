@@ -1,0 +1,49 @@
+# The two commands: `make run` serves the platform, `make test` runs the checks.
+# Both build the virtual environment they need on first use.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+PYTEST_ARGS ?=
+
+.PHONY: run test lint format worker migrate clean
+
+run: $(RUN_STAMP)
+	exec $(BIN)/python manage.py runplatform
+
+test: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# A Celery worker with beat, in whichever mode the environment selects.
+worker: $(RUN_STAMP)
+	exec $(BIN)/celery -A config worker --beat --loglevel INFO
+
+migrate: $(RUN_STAMP)
+	$(BIN)/python manage.py migrate
+
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) var test-artifacts
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The .pth file puts platform/ (the web tier's source root) and the project root on the
+# path of every process that runs from the venv: Daphne, Celery, pytest, scripts.
+$(RUN_STAMP): requirements.txt | $(BIN)/python
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/python -c "import pathlib, sysconfig; root = pathlib.Path.cwd(); \
+	pathlib.Path(sysconfig.get_paths()['purelib'], 'llm_platform.pth').write_text( \
+	f'{root / \"platform\"}\n{root}\n')"
+	touch $@
+
+$(TEST_STAMP): requirements-test.txt $(RUN_STAMP)
+	$(BIN)/pip install --quiet -r requirements-test.txt
+	touch $@

@@ -1,0 +1,3 @@
+"""WebSocket URL patterns; each app that speaks WebSocket adds its own here."""
+
+websocket_urlpatterns: list = []

@@ -1,0 +1,36 @@
+from datetime import timedelta
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
+
+from tenants import services
+from tenants.management.errors import describe_validation_error
+from tenants.models import Tenant
+
+
+class Command(BaseCommand):
+    help = "Create an API key for a tenant and print it (it is shown only once)."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("slug", help="The tenant's slug")
+        parser.add_argument("--name", default="cli")
+        parser.add_argument("--expires-in-days", type=int, help="Expire the key after N days")
+
+    def handle(self, *args, **options) -> None:
+        tenant = Tenant.objects.filter(slug=options["slug"]).first()
+        if tenant is None:
+            raise CommandError(f"No tenant with slug {options['slug']!r}.")
+        expires_at = None
+        if options["expires_in_days"] is not None:
+            if options["expires_in_days"] <= 0:
+                raise CommandError("--expires-in-days must be positive.")
+            expires_at = timezone.now() + timedelta(days=options["expires_in_days"])
+        try:
+            api_key, raw_key = services.api_key_create(
+                tenant=tenant, name=options["name"], expires_at=expires_at
+            )
+        except ValidationError as exc:
+            raise CommandError(describe_validation_error(exc)) from exc
+        self.stdout.write(f"Created key {api_key.display_prefix} for tenant {tenant.slug!r}:")
+        self.stdout.write(raw_key)

@@ -1,0 +1,164 @@
+"""Tenants, their people, plans and keys, and the usage they are metered for.
+
+Models stay thin: writes live in ``tenants.services``, reads in ``tenants.selectors``.
+A limit left empty (NULL) means "no limit" everywhere.
+"""
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class Plan(models.Model):
+    """What a tenant may spend. Tenants may override any limit individually."""
+
+    slug = models.SlugField(max_length=64, unique=True)
+    name = models.CharField(max_length=200)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
+    monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    allowed_models = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Served model names this plan may use; an empty list allows every model.",
+    )
+    is_prefix_cache_isolated = models.BooleanField(
+        default=False,
+        help_text="Give each tenant on this plan its own prefix cache (a per-tenant cache salt).",
+    )
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Tenant(models.Model):
+    slug = models.SlugField(max_length=64, unique=True)
+    name = models.CharField(max_length=200)
+    is_active = models.BooleanField(default=True)
+    plan = models.ForeignKey(Plan, on_delete=models.PROTECT, related_name="tenants")
+    # Per-tenant overrides of the plan's limits; NULL means "use the plan's".
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
+    monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        OWNER = "owner", "Owner"
+        ADMIN = "admin", "Admin"
+        MEMBER = "member", "Member"
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["user", "tenant"], name="unique_membership"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.tenant} ({self.role})"
+
+
+class ApiKey(models.Model):
+    """A tenant's API key. The plaintext is shown once; only its SHA-256 is kept."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=200)
+    prefix = models.CharField(max_length=16, unique=True, editable=False)
+    key_hash = models.CharField(max_length=64, editable=False)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="created_api_keys",
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    # Optional per-key limits, applied on top of the tenant's.
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
+    monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.display_prefix})"
+
+    @property
+    def display_prefix(self) -> str:
+        return f"sk-{self.prefix}…"
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def is_expired(self, now=None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())
+
+
+class UsageRecord(models.Model):
+    """Exactly one row per admitted request, written when the request ends."""
+
+    class Source(models.TextChoices):
+        API = "api", "API"
+        CHAT = "chat", "Chat"
+        BATCH = "batch", "Batch"
+
+    class Status(models.TextChoices):
+        OK = "ok", "OK"
+        CANCELLED = "cancelled", "Cancelled"
+        ERROR = "error", "Error"
+        REJECTED = "rejected", "Rejected"
+
+    request_id = models.CharField(max_length=64, unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_records")
+    api_key = models.ForeignKey(
+        ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="usage_records"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="usage_records",
+    )
+    model = models.CharField(max_length=200)
+    source = models.CharField(max_length=8, choices=Source.choices)
+    status = models.CharField(max_length=16, choices=Status.choices)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0)
+    time_to_first_token_ms = models.FloatField(null=True, blank=True)
+    latency_ms = models.FloatField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "started_at"], name="usage_tenant_time"),
+            models.Index(fields=["tenant", "api_key", "started_at"], name="usage_tenant_key_time"),
+            models.Index(fields=["tenant", "model", "started_at"], name="usage_tenant_model_time"),
+            models.Index(fields=["created_at"], name="usage_created"),
+        ]
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

@@ -1,0 +1,81 @@
+"""Reads. Every selector of tenant-owned data takes the tenant and filters by it."""
+
+from dataclasses import dataclass, fields
+from datetime import datetime
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import QuerySet
+
+from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
+
+DEFAULT_PLAN_SLUG = "default"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Quota limits; None means unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    monthly_token_budget: int | None = None
+
+
+LIMIT_FIELDS = tuple(field.name for field in fields(Limits))
+
+
+def tenant_get(*, slug: str) -> Tenant:
+    return Tenant.objects.select_related("plan").get(slug=slug)
+
+
+def tenant_limits(*, tenant: Tenant) -> Limits:
+    """The plan's limits with the tenant's own overrides applied."""
+    values = {}
+    for name in LIMIT_FIELDS:
+        override = getattr(tenant, name)
+        values[name] = override if override is not None else getattr(tenant.plan, name)
+    return Limits(**values)
+
+
+def api_key_limits(*, api_key: ApiKey) -> Limits:
+    """The key's own limits, enforced in addition to its tenant's."""
+    return Limits(**{name: getattr(api_key, name) for name in LIMIT_FIELDS})
+
+
+def tenant_allows_model(*, tenant: Tenant, model: str) -> bool:
+    allowed = tenant.plan.allowed_models
+    return not allowed or model in allowed
+
+
+def tenant_cache_salt(*, tenant: Tenant) -> str | None:
+    """The prefix-cache salt sent to the engine, or None to share the cache."""
+    return f"tenant-{tenant.pk}" if tenant.plan.is_prefix_cache_isolated else None
+
+
+def tenant_api_keys(*, tenant: Tenant) -> QuerySet[ApiKey]:
+    return ApiKey.objects.filter(tenant=tenant).order_by("-created_at")
+
+
+def user_tenants(*, user: AbstractBaseUser) -> QuerySet[Tenant]:
+    return Tenant.objects.filter(memberships__user=user, is_active=True).order_by("name")
+
+
+def user_role(*, user: AbstractBaseUser, tenant: Tenant) -> str | None:
+    membership = Membership.objects.filter(user=user, tenant=tenant).only("role").first()
+    return membership.role if membership else None
+
+
+def tenant_usage_records(
+    *, tenant: Tenant, start: datetime | None = None, end: datetime | None = None
+) -> QuerySet[UsageRecord]:
+    """The tenant's usage records that started in [start, end)."""
+    records = UsageRecord.objects.filter(tenant=tenant)
+    if start is not None:
+        records = records.filter(started_at__gte=start)
+    if end is not None:
+        records = records.filter(started_at__lt=end)
+    return records.order_by("-started_at")
+
+
+def plan_default() -> Plan | None:
+    return Plan.objects.filter(slug=DEFAULT_PLAN_SLUG).first()

@@ -1,0 +1,98 @@
+"""`make run`'s command end to end: a real Daphne serving the admin, the printed
+credentials logging in, and SIGTERM stopping everything."""
+
+import http.cookiejar
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tests.conftest import PYTHON, ROOT, subprocess_env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _read_until(process: subprocess.Popen, pattern: str, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+    raise AssertionError(f"{pattern!r} not printed; output was:\n{''.join(seen)}")
+
+
+def _wait_for_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"{url} never answered")
+
+
+@pytest.fixture
+def platform_process(tmp_path):
+    port = _free_port()
+    process = subprocess.Popen(
+        [PYTHON, "manage.py", "runplatform", "--port", str(port)],
+        cwd=ROOT,
+        env=subprocess_env(
+            VAR_DIR=str(tmp_path / "var"), DATABASE_URL=None, REDIS_URL=None, DEBUG=None
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    yield process, f"http://127.0.0.1:{port}"
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_run_serves_the_admin_and_the_printed_credentials_log_in(platform_process):
+    process, base = platform_process
+    login = _read_until(process, r"login: (\S+) / (\S+)", timeout=120)
+    api_key = _read_until(process, r"API key: (sk-\S+)", timeout=10).group(1)
+    _wait_for_http(f"{base}/admin/login/", timeout=60)
+
+    jar = http.cookiejar.CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    page = opener.open(f"{base}/admin/login/").read().decode()
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page).group(1)
+    form = urllib.parse.urlencode(
+        {
+            "csrfmiddlewaretoken": token,
+            "username": login.group(1),
+            "password": login.group(2),
+            "next": "/admin/",
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"{base}/admin/login/", data=form, headers={"Referer": f"{base}/admin/login/"}
+    )
+    admin_index = opener.open(request).read().decode()
+    assert "Site administration" in admin_index
+    assert "Tenants, plans, keys and usage" in admin_index
+    assert opener.open(f"{base}/static/admin/css/base.css").status == 200
+    assert api_key.startswith("sk-")
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{base}/admin/login/", timeout=2)

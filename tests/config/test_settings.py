@@ -1,0 +1,104 @@
+"""Settings resolve in each mode; each case runs in a fresh interpreter."""
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import PYTHON, subprocess_env
+
+PROBE = """
+import json, django
+from django.conf import settings
+django.setup()
+db = settings.DATABASES["default"]
+print(json.dumps({
+    "embedded": settings.IS_EMBEDDED,
+    "debug": settings.DEBUG,
+    "db_engine": db["ENGINE"],
+    "db_name": str(db["NAME"]),
+    "db_host": db.get("HOST"),
+    "db_pool": db.get("OPTIONS", {}).get("pool"),
+    "conn_max_age": db.get("CONN_MAX_AGE"),
+    "cache": settings.CACHES["default"]["BACKEND"],
+    "cache_location": settings.CACHES["default"].get("LOCATION"),
+    "channel_layer": settings.CHANNEL_LAYERS["default"]["BACKEND"],
+    "broker": settings.CELERY_BROKER_URL,
+    "celery_broker": __import__("config").celery_app.conf.broker_url,
+    "allowed_hosts": settings.ALLOWED_HOSTS,
+    "csrf_trusted_origins": settings.CSRF_TRUSTED_ORIGINS,
+    "secret_key": settings.SECRET_KEY,
+}))
+"""
+
+PRODUCTION_ENV = {
+    "DATABASE_URL": "postgres://app:pw@db.internal:5432/platform",
+    "REDIS_URL": "redis://cache.internal:6379/2",
+    "SECRET_KEY": "x" * 60,
+    "ALLOWED_HOSTS": "llm.example.com, api.example.com",
+    "CSRF_TRUSTED_ORIGINS": "https://llm.example.com",
+    "DEBUG": None,
+}
+
+
+def _settings(tmp_path, **env: str | None) -> dict:
+    base = {"DATABASE_URL": None, "REDIS_URL": None, "SECRET_KEY": None, "DEBUG": None}
+    base.update(env)
+    result = subprocess.run(
+        [PYTHON, "-c", PROBE],
+        env=subprocess_env(VAR_DIR=str(tmp_path / "var"), **base),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if result.returncode != 0:
+        raise AssertionError(result.stderr)
+    return json.loads(result.stdout)
+
+
+def test_embedded_mode_needs_no_environment(tmp_path):
+    settings = _settings(tmp_path)
+
+    assert settings["embedded"] and settings["debug"]
+    assert settings["db_engine"] == "django.db.backends.sqlite3"
+    assert settings["db_name"] == str(tmp_path / "var" / "db.sqlite3")
+    assert settings["cache"] == "django.core.cache.backends.locmem.LocMemCache"
+    assert settings["channel_layer"] == "channels.layers.InMemoryChannelLayer"
+    assert settings["broker"] == settings["celery_broker"] == "filesystem://"
+    assert "127.0.0.1" in settings["allowed_hosts"]
+
+
+def test_embedded_secret_key_is_generated_once_and_kept(tmp_path):
+    first = _settings(tmp_path)["secret_key"]
+    assert len(first) >= 50
+    assert _settings(tmp_path)["secret_key"] == first
+    assert (tmp_path / "var" / "secret_key").stat().st_mode & 0o077 == 0
+
+
+def test_production_mode_from_the_environment(tmp_path):
+    settings = _settings(tmp_path, **PRODUCTION_ENV)
+
+    assert not settings["embedded"] and not settings["debug"]
+    assert settings["db_engine"] == "django.db.backends.postgresql"
+    assert (settings["db_host"], settings["db_name"]) == ("db.internal", "platform")
+    assert settings["db_pool"]["max_size"] == 20 and settings["conn_max_age"] == 0
+    assert settings["cache"] == "django.core.cache.backends.redis.RedisCache"
+    assert settings["cache_location"] == PRODUCTION_ENV["REDIS_URL"]
+    assert settings["channel_layer"] == "channels_redis.core.RedisChannelLayer"
+    assert settings["broker"] == settings["celery_broker"] == PRODUCTION_ENV["REDIS_URL"]
+    assert settings["allowed_hosts"] == ["llm.example.com", "api.example.com"]
+    assert settings["csrf_trusted_origins"] == ["https://llm.example.com"]
+    assert settings["secret_key"] == "x" * 60
+
+
+def test_secret_key_is_required_when_debug_is_off(tmp_path):
+    env = {**PRODUCTION_ENV, "SECRET_KEY": None}
+    with pytest.raises(AssertionError, match="SECRET_KEY must be set"):
+        _settings(tmp_path, **env)
+    with pytest.raises(AssertionError, match="SECRET_KEY must be set"):
+        _settings(tmp_path, DEBUG="0")
+
+
+def test_malformed_boolean_is_refused(tmp_path):
+    with pytest.raises(AssertionError, match="DEBUG must be a boolean"):
+        _settings(tmp_path, DEBUG="maybe")

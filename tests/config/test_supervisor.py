@@ -1,0 +1,116 @@
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from config.supervisor import ProcessSpec, Supervisor
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
+
+
+def _run_in_thread(supervisor: Supervisor) -> tuple[threading.Thread, list[int]]:
+    result: list[int] = []
+    # signal handlers can only be installed from the main thread; patch them out here and
+    # deliver the stop request directly, as the handler would.
+    supervisor_run = supervisor.run
+
+    def target() -> None:
+        original = signal.signal
+        signal.signal = lambda *args: None  # type: ignore[assignment]
+        try:
+            result.append(supervisor_run())
+        finally:
+            signal.signal = original
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, result
+
+
+def _wait_started(supervisor: Supervisor, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(supervisor.children) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(supervisor.children) == count
+
+
+def test_a_stop_signal_stops_every_child():
+    supervisor = Supervisor([ProcessSpec("a", SLEEPER), ProcessSpec("b", SLEEPER)])
+    thread, result = _run_in_thread(supervisor)
+    _wait_started(supervisor, 2)
+    pids = [child.pid for child in supervisor.children.values()]
+
+    supervisor._on_signal(signal.SIGTERM, None)
+    thread.join(timeout=20)
+
+    assert result == [0]
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_dying_child_stops_the_others_and_fails_the_run():
+    crash = [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"]
+    supervisor = Supervisor([ProcessSpec("crash", crash), ProcessSpec("b", SLEEPER)])
+    thread, result = _run_in_thread(supervisor)
+    _wait_started(supervisor, 2)
+    survivor = supervisor.children["b"].pid
+
+    thread.join(timeout=20)
+
+    assert result == [3]
+    assert not _alive(survivor)
+
+
+def test_a_child_ignoring_sigterm_is_killed_after_the_grace_period():
+    stubborn = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+    ]
+    supervisor = Supervisor([ProcessSpec("stubborn", stubborn)], grace_seconds=0.5)
+    thread, result = _run_in_thread(supervisor)
+    _wait_started(supervisor, 1)
+    time.sleep(0.3)  # let the child install its handler
+    supervisor._on_signal(signal.SIGINT, None)
+    thread.join(timeout=20)
+
+    assert result == [0]
+    assert supervisor.children["stubborn"].returncode == -signal.SIGKILL
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_die_with_a_killed_supervisor(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = f"""
+import sys
+from config.supervisor import ProcessSpec, Supervisor
+code = "import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+child = [sys.executable, "-c", code]
+Supervisor([ProcessSpec("child", child)]).run()
+"""
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    )
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child_pid = int(pid_file.read_text())
+
+    supervisor.kill()
+    supervisor.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child_pid)

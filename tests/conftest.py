@@ -1,0 +1,57 @@
+"""Fixtures shared across the suite. Engine fixtures live in tests/inference_engine/."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def user(django_user_model):
+    return django_user_model.objects.create_user("alice", password="correct horse battery")
+
+
+@pytest.fixture
+def tenant(db):
+    from tenants import services
+
+    return services.tenant_create(slug="acme", name="Acme")
+
+
+@pytest.fixture
+def other_tenant(db):
+    from tenants import services
+
+    return services.tenant_create(slug="globex", name="Globex")
+
+
+def subprocess_env(**overrides: str | None) -> dict[str, str]:
+    """The environment for a child process of the project: paths set, overrides applied
+    (None removes a variable)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "platform"), str(ROOT)])
+    env["DJANGO_SETTINGS_MODULE"] = "config.settings"
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+PYTHON = sys.executable
+
+
+@pytest.fixture
+async def async_db(transactional_db):
+    """Database access from async tests. ORM calls made through ``sync_to_async`` run on
+    asgiref's executor thread, which keeps its own connection: close it afterwards, or the
+    test database cannot be dropped at the end of the run."""
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    yield
+    await sync_to_async(connections.close_all)()
