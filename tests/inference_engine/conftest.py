@@ -57,9 +57,7 @@ def build_config(family: str, **overrides):
         tie_word_embeddings=False,
     )
     if family == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=64, n_layer=2, n_head=4, n_positions=512, **common
-        )
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
     else:
         config_class = {
             "llama": transformers.LlamaConfig,

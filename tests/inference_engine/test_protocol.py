@@ -73,8 +73,13 @@ def test_output_round_trip():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"block_size": 0}, {"max_num_seqs": -1}, {"dtype": "int8"}, {"num_kv_blocks": 0},
-     {"num_kv_blocks": 4, "kv_cache_memory": 1024}],
+    [
+        {"block_size": 0},
+        {"max_num_seqs": -1},
+        {"dtype": "int8"},
+        {"num_kv_blocks": 0},
+        {"num_kv_blocks": 4, "kv_cache_memory": 1024},
+    ],
 )
 def test_engine_config_validation(kwargs):
     with pytest.raises(ValueError):

@@ -121,11 +121,16 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
 
 def test_stop_conditions():
     scheduler = make_scheduler()
-    eos = Request("eos", [1, 2], SamplingParams(max_tokens=9, min_tokens=2),
-                  eos_token_ids=frozenset({7}))
+    eos = Request(
+        "eos", [1, 2], SamplingParams(max_tokens=9, min_tokens=2), eos_token_ids=frozenset({7})
+    )
     stop = Request("stop", [1, 2], SamplingParams(max_tokens=9, stop_token_ids=[7]))
-    ignore = Request("ignore", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True),
-                     eos_token_ids=frozenset({7}))
+    ignore = Request(
+        "ignore",
+        [1, 2],
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        eos_token_ids=frozenset({7}),
+    )
     capped = Request("capped", [1, 2], SamplingParams(max_tokens=9), max_model_len=4)
     for request in (eos, stop, ignore, capped):
         scheduler.add_request(request)
@@ -168,8 +173,13 @@ def test_random_traffic_never_leaks_or_double_frees_blocks(actions, num_blocks, 
     counter = 0
     for action, length, max_tokens, choice in actions:
         if action == "add":
-            request = make_request(f"r{counter}", length, max_tokens, priority=choice % 2,
-                                   first_token=100 * (choice % 2))
+            request = make_request(
+                f"r{counter}",
+                length,
+                max_tokens,
+                priority=choice % 2,
+                first_token=100 * (choice % 2),
+            )
             counter += 1
             try:
                 scheduler.add_request(request)

@@ -1,0 +1,138 @@
+"""The offline API end to end on a tiny llama: order, text, chat, stop strings, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_engine import LLM, SamplingParams
+from inference_engine.core import EngineCore
+from inference_engine.protocol import ErrorCode, FinishReason
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_outputs_come_back_in_input_order_with_text(llm_cache, tokenizer):
+    llm = llm_cache("llama")
+    prompts = ["the quick brown fox", [5, 6, 7], "hello world"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5)]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outputs] == [3, 9, 5]
+    assert outputs[0].prompt_token_ids == tokenizer("the quick brown fox")["input_ids"]
+    assert outputs[1].prompt_token_ids == [5, 6, 7]
+    for output in outputs:
+        assert output.text == tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        assert output.finish_reason == "length"
+    single = llm.generate("hello world", params[2])
+    assert single[0].token_ids == outputs[2].token_ids
+
+
+def test_chat_uses_the_template(llm_cache, tokenizer):
+    llm = llm_cache("llama")
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    [output] = llm.chat([conversation], GREEDY)
+    rendered = "<|system|>be brief<|end|><|user|>hi<|end|><|assistant|>"
+    assert output.prompt_token_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert llm.chat(conversation, GREEDY)[0].token_ids == output.token_ids
+
+
+def test_stop_strings_trim_the_text_and_stop_the_request(llm_cache):
+    llm = llm_cache("llama")
+    [full] = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )
+    assert len(full.text) > 6
+    stop = full.text[4:6]
+    [stopped] = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    )
+    cut = full.text.find(stop)
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:cut]
+    assert len(stopped.token_ids) < len(full.token_ids)
+    assert not llm.core.has_unfinished_requests()
+    assert llm.core.scheduler.kv_cache.usage == 0.0
+
+
+def test_eos_stops_unless_ignored(eos_llama_dir):
+    llm = LLM(eos_llama_dir, dtype="float32")
+    prompts = [[i, i + 1, i + 2] for i in range(5, 200, 3)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+    stopped = [o for o in outputs if o.finish_reason == "stop"]
+    assert stopped, "some greedy continuation should reach EOS (token 0)"
+    for output in stopped:
+        assert output.token_ids[-1] == 0 and 0 not in output.token_ids[:-1]
+    output = llm.generate(
+        stopped[0].prompt_token_ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )[0]
+    assert output.finish_reason == "length" and len(output.token_ids) == 40
+
+
+def test_bad_prompts_raise_before_anything_runs(llm_cache):
+    llm = llm_cache("llama", max_model_len=64)
+    with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
+        llm.generate(["hello", ""], GREEDY)
+    with pytest.raises(ValueError, match="prompt 0: .*max_model_len=64"):
+        llm.generate([[5] * 65], GREEDY)
+    assert not llm.core.has_unfinished_requests()
+    assert llm.generate([[5] * 60], GREEDY)[0].finish_reason == "length"
+
+
+def test_logprobs_are_returned_per_token(llm_cache):
+    llm = llm_cache("llama")
+    [output] = llm.generate(
+        [[5, 6]], SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    )
+    assert len(output.logprobs) == 4
+    for token_id, logprobs in zip(output.token_ids, output.logprobs, strict=True):
+        assert logprobs.top_token_ids[0] == token_id
+        assert logprobs.logprob == pytest.approx(logprobs.top_logprobs[0])
+
+
+def run_core(core: EngineCore) -> dict:
+    outputs: dict = {}
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            outputs.setdefault(delta.req_id, []).append(delta)
+    return outputs
+
+
+def test_core_reports_errors_per_request_and_keeps_serving(llm_cache):
+    core = llm_cache("llama", max_model_len=64, num_kv_blocks=3, block_size=16).core
+    core.add_request("empty", [], GREEDY)
+    core.add_request("long", [5] * 65, GREEDY)
+    core.add_request("huge", [5] * 40, SamplingParams(max_tokens=20))  # needs 4 blocks
+    core.add_request("vocab", [10_000], GREEDY)
+    core.add_request("ok", [5, 6, 7], GREEDY)
+    core.add_request("ok", [5, 6, 7], GREEDY)
+    outputs = run_core(core)
+    errors = {
+        delta.req_id: delta.error_code
+        for deltas in outputs.values()
+        for delta in deltas
+        if delta.finish_reason == FinishReason.ERROR
+    }
+    assert errors.pop("empty") == ErrorCode.INVALID_REQUEST
+    assert errors.pop("long") == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert errors.pop("huge") == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert errors.pop("vocab") == ErrorCode.INVALID_REQUEST
+    assert errors.pop("ok") == ErrorCode.INVALID_REQUEST  # the duplicate id
+    finished = outputs["ok"][-1]
+    assert finished.finish_reason == FinishReason.LENGTH
+    assert sum(len(d.new_token_ids) for d in outputs["ok"]) == 12 == finished.num_output_tokens
+    assert finished.num_prompt_tokens == 3
+    timings = finished.timings
+    assert timings.arrival <= timings.first_scheduled <= timings.first_token <= timings.finished
+
+
+def test_core_abort_reports_and_frees(llm_cache):
+    core = llm_cache("llama").core
+    core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+    core.add_request("b", [8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    first = core.step()
+    assert {d.req_id for d in first} == {"a", "b"}
+    core.abort_requests(["a", "missing"])
+    outputs = run_core(core)
+    assert outputs["a"][-1].finish_reason == FinishReason.ABORT
+    assert outputs["b"][-1].finish_reason == FinishReason.LENGTH
+    assert core.scheduler.kv_cache.usage == 0.0
+    assert core.stats()["num_running"] == 0

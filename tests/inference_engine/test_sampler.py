@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from inference_engine.protocol import SamplingParams
+from inference_engine.sampler import Sampler, SamplingRow
+
+VOCAB = 10
+
+
+def row(req_id="r", outputs=(), prompt=(1,), eos=frozenset(), **params) -> SamplingRow:
+    return SamplingRow(req_id, SamplingParams(**params), list(prompt), list(outputs), eos)
+
+
+def logits_for(*rows_of_values: list[float]) -> torch.Tensor:
+    return torch.tensor(rows_of_values, dtype=torch.float32)
+
+
+LINEAR = [float(i) for i in range(VOCAB)]  # token 9 is the argmax
+
+
+def sample_many(params: dict, logits_row=LINEAR, n=200, **row_kwargs) -> set[int]:
+    sampler = Sampler(torch.device("cpu"))
+    logits = logits_for(*[logits_row] * n)
+    rows = [row(f"r{i}", **row_kwargs, **params) for i in range(n)]
+    return set(sampler(logits, rows)[0])
+
+
+def test_greedy_takes_the_argmax_per_row():
+    sampler = Sampler(torch.device("cpu"))
+    logits = logits_for(LINEAR, LINEAR[::-1])
+    tokens, logprobs = sampler(logits, [row(temperature=0), row(temperature=0)])
+    assert tokens == [9, 0] and logprobs == [None, None]
+
+
+def test_top_k_limits_candidates():
+    assert sample_many({"top_k": 3, "temperature": 5.0}) == {7, 8, 9}
+    assert sample_many({"top_k": 1}) == {9}
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    # probabilities 0.5, 0.3, 0.2: top_p=0.7 keeps two tokens, the first always survives
+    logits_row = [math.log(0.5), math.log(0.3), math.log(0.2)] + [-1e9] * (VOCAB - 3)
+    assert sample_many({"top_p": 0.7}, logits_row) == {0, 1}
+    assert sample_many({"top_p": 0.01}, logits_row) == {0}
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits_row = [math.log(0.6), math.log(0.3), math.log(0.1)] + [-1e9] * (VOCAB - 3)
+    assert sample_many({"min_p": 0.4}, logits_row) == {0, 1}
+
+
+def test_repetition_presence_and_frequency_penalties():
+    sampler = Sampler(torch.device("cpu"))
+    logits = logits_for([5.0, 4.5, 0.0] + [-10.0] * (VOCAB - 3))
+    # token 0 appeared in the prompt: divided by 2 it falls below token 1
+    tokens, _ = sampler(logits, [row(temperature=0, prompt=[0], repetition_penalty=2.0)])
+    assert tokens == [1]
+    tokens, _ = sampler(logits, [row(temperature=0, outputs=[0], presence_penalty=1.0)])
+    assert tokens == [1]
+    tokens, _ = sampler(logits, [row(temperature=0, outputs=[0], frequency_penalty=0.3)])
+    assert tokens == [0]  # one occurrence costs 0.3 only
+    tokens, _ = sampler(logits, [row(temperature=0, outputs=[0, 0], frequency_penalty=0.3)])
+    assert tokens == [1]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    sampler = Sampler(torch.device("cpu"))
+    logits = logits_for(LINEAR)
+    banned = row(temperature=0, eos=frozenset({9}), stop_token_ids=[8], min_tokens=2, max_tokens=5)
+    assert sampler(logits, [banned])[0] == [7]
+    reached = row(temperature=0, outputs=[1, 2], eos=frozenset({9}), min_tokens=2, max_tokens=5)
+    assert sampler(logits, [reached])[0] == [9]
+    ignored = row(temperature=0, eos=frozenset({9}), min_tokens=2, ignore_eos=True, max_tokens=5)
+    assert sampler(logits, [ignored])[0] == [9]
+
+
+def test_logprobs_of_the_sampled_token_and_top_n():
+    sampler = Sampler(torch.device("cpu"))
+    logits = logits_for(LINEAR, LINEAR)
+    tokens, logprobs = sampler(logits, [row("a", temperature=0, logprobs=3), row("b")])
+    expected = torch.tensor(LINEAR).log_softmax(-1)
+    assert logprobs[1] is None
+    assert logprobs[0].logprob == pytest.approx(expected[9].item())
+    assert logprobs[0].top_token_ids == [9, 8, 7]
+    assert logprobs[0].top_logprobs == pytest.approx(expected[[9, 8, 7]].tolist())
+    _, none_top = sampler(logits[:1], [row(temperature=0, logprobs=0)])
+    assert none_top[0].top_token_ids == [] and none_top[0].logprob == pytest.approx(
+        expected[9].item()
+    )
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    flat = [0.0] * VOCAB
+
+    def draws(batch_size: int, index: int) -> list[int]:
+        sampler = Sampler(torch.device("cpu"))
+        out = []
+        for _ in range(8):
+            rows = [row(f"other{i}") for i in range(batch_size)]
+            rows.insert(index, row("seeded", seed=42))
+            tokens, _ = sampler(logits_for(*[flat] * (batch_size + 1)), rows)
+            out.append(tokens[index])
+        return out
+
+    assert draws(0, 0) == draws(5, 3) == draws(2, 2)
+    assert len(set(draws(0, 0))) > 1
+
+
+def test_mixed_greedy_and_random_rows():
+    sampler = Sampler(torch.device("cpu"))
+    logits = logits_for(LINEAR, [0.0] * VOCAB)
+    tokens, _ = sampler(logits, [row("g", temperature=0), row("s", seed=1, top_k=2)])
+    assert tokens[0] == 9 and tokens[1] in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
