@@ -46,7 +46,10 @@ class LLM:
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
+        skip_tokenizer_init: bool = False,
     ) -> None:
+        """``skip_tokenizer_init`` loads no tokenizer: prompts must be token ids, texts stay
+        empty and stop strings are ignored."""
         from transformers import AutoTokenizer
 
         config = EngineConfig(
@@ -62,7 +65,7 @@ class LLM:
             max_model_len=max_model_len,
         )
         self.core = EngineCore(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(model)
         self._req_counter = itertools.count()
 
     def chat(
@@ -72,6 +75,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to each conversation (a list of role/content
         messages), rendered with the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=False)")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [render_chat(self.tokenizer, conversation) for conversation in conversations]
@@ -103,9 +108,10 @@ class LLM:
         by_id = {output.req_id: output for output in outputs}
         detokenizers: dict[str, IncrementalDetokenizer] = {}
         for output, request_params in zip(outputs, params, strict=True):
-            detokenizers[output.req_id] = IncrementalDetokenizer(
-                self.tokenizer, output.prompt_token_ids
-            )
+            if self.tokenizer is not None:
+                detokenizers[output.req_id] = IncrementalDetokenizer(
+                    self.tokenizer, output.prompt_token_ids
+                )
             if request_params.logprobs is not None:
                 output.logprobs = []
             self.core.add_request(
@@ -124,11 +130,13 @@ class LLM:
                 output.token_ids.extend(delta.new_token_ids)
                 if delta.new_logprobs and output.logprobs is not None:
                     output.logprobs.extend(delta.new_logprobs)
-                detokenizer = detokenizers[delta.req_id]
-                new_text = detokenizer.push(delta.new_token_ids)
-                if delta.is_finished:
-                    new_text += detokenizer.flush()
-                output.text += new_text
+                new_text = ""
+                detokenizer = detokenizers.get(delta.req_id)
+                if detokenizer is not None:
+                    new_text = detokenizer.push(delta.new_token_ids)
+                    if delta.is_finished:
+                        new_text += detokenizer.flush()
+                    output.text += new_text
                 hit = find_stop_string(output.text, stops[delta.req_id], len(new_text))
                 if hit is not None:
                     output.text = output.text[:hit]
@@ -144,6 +152,8 @@ class LLM:
     def _new_output(self, prompt: Prompt) -> RequestOutput:
         req_id = f"llm-{next(self._req_counter)}"
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=False)")
             token_ids = list(self.tokenizer(prompt)["input_ids"]) if prompt else []
             return RequestOutput(req_id, prompt, token_ids)
         return RequestOutput(req_id, None, list(prompt))
