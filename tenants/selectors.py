@@ -4,7 +4,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import QuerySet
+from django.db.models import QuerySet, Sum
 
 from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
 
@@ -79,3 +79,13 @@ def tenant_usage_records(
 
 def plan_default() -> Plan | None:
     return Plan.objects.filter(slug=DEFAULT_PLAN_SLUG).first()
+
+
+def month_tokens_used(*, tenant: Tenant, since: datetime, api_key: ApiKey | None = None) -> int:
+    """Prompt plus completion tokens recorded for the tenant (or one of its keys) since
+    ``since``."""
+    records = UsageRecord.objects.filter(tenant=tenant, started_at__gte=since)
+    if api_key is not None:
+        records = records.filter(api_key=api_key)
+    totals = records.aggregate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
+    return (totals["prompt"] or 0) + (totals["completion"] or 0)

@@ -1,0 +1,295 @@
+"""Admission: requests per minute, tokens per minute, concurrent requests and the monthly
+token budget, per tenant and per API key.
+
+Counters live in Django's cache (Redis in production, so every web process shares them;
+local memory in the embedded mode). Every check is increment-then-compare on an atomic
+counter, rolled back on refusal, so no burst over-admits however many processes race:
+of N racing requests against a limit L, the ones that drew the values 1..L get in.
+
+Per-minute limits use a sliding-window counter (the previous minute's count weighted by how
+much of it still overlaps the last 60 seconds, plus the current minute's), which avoids the
+double burst a fixed window allows at its edge.
+
+Tokens per minute and the month are *reserved* on admission (prompt estimate plus
+``max_tokens``) and reconciled with the engine's real counts by ``admission_release``.
+The month counter is seeded from the usage records when the cache has none, so a cache
+restart does not reset anybody's budget.
+
+Public API: ``admission_acquire`` / ``aadmission_acquire`` -> ``AdmissionTicket`` or
+``QuotaExceeded``; ``admission_release`` / ``aadmission_release`` (idempotent, call it in
+``finally``); ``quota_usage`` for dashboards.
+"""
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from asgiref.sync import sync_to_async
+from django.core.cache import cache
+
+from tenants.models import ApiKey, Tenant
+from tenants.selectors import Limits, api_key_limits, month_tokens_used, tenant_limits
+
+WINDOW_SECONDS = 60
+# A concurrency counter survives an hour without traffic; leaked slots (a process killed
+# between acquire and release) expire with it instead of blocking the tenant forever.
+CONCURRENCY_TTL_SECONDS = 3600
+MONTH_TTL_SECONDS = 40 * 24 * 3600
+
+
+def _now() -> float:
+    return time.time()
+
+
+class QuotaExceeded(Exception):
+    """A refusal: which limit, whose, and when to retry. Maps to HTTP 429."""
+
+    def __init__(
+        self, *, kind: str, scope: str, limit: int, retry_after: int, headers: dict[str, str]
+    ) -> None:
+        self.kind = kind
+        self.scope = scope
+        self.limit = limit
+        self.retry_after = retry_after
+        self.headers = {**headers, "Retry-After": str(retry_after)}
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        owner = "your organization" if self.scope == "tenant" else "this API key"
+        what = {
+            "requests": f"requests per minute (limit {self.limit})",
+            "tokens": f"tokens per minute (limit {self.limit})",
+            "concurrency": f"concurrent requests (limit {self.limit})",
+            "monthly_tokens": f"the monthly token budget ({self.limit} tokens)",
+            "request_too_large": f"tokens per minute: this request alone needs more than the "
+            f"limit of {self.limit}",
+        }[self.kind]
+        return f"Rate limit reached for {owner} on {what}. Please try again in {self.retry_after}s."
+
+
+@dataclass
+class _Scope:
+    name: str  # "tenant" or "key"
+    ident: str
+    limits: Limits
+
+    def key(self, *parts: object) -> str:
+        return ":".join(["quota", self.name, self.ident, *map(str, parts)])
+
+
+@dataclass
+class AdmissionTicket:
+    """What an admitted request holds until ``admission_release``."""
+
+    tenant_id: int
+    api_key_id: int | None
+    reserved_tokens: int
+    headers: dict[str, str]
+    # Cache keys of the counters that hold the token reservation, and the concurrency slots.
+    token_counters: list[str] = field(default_factory=list)
+    concurrency_counters: list[str] = field(default_factory=list)
+    is_released: bool = False
+
+
+def _scopes(tenant: Tenant, api_key: ApiKey | None) -> list[_Scope]:
+    scopes = [_Scope("tenant", str(tenant.pk), tenant_limits(tenant=tenant))]
+    if api_key is not None:
+        scopes.append(_Scope("key", str(api_key.pk), api_key_limits(api_key=api_key)))
+    return scopes
+
+
+def _add(key: str, amount: int, timeout: int) -> int:
+    """Atomically add ``amount`` to a counter, creating it when missing; the new value."""
+    for _ in range(3):
+        cache.add(key, 0, timeout=timeout)
+        try:
+            return cache.incr(key, amount)
+        except ValueError:  # evicted between add and incr
+            continue
+    raise RuntimeError(f"quota counter {key} keeps disappearing")
+
+
+def _subtract(key: str, amount: int) -> None:
+    # A missing key means its window expired: nothing is left to give back or correct.
+    with contextlib.suppress(ValueError):
+        cache.incr(key, -amount)
+
+
+def _format_reset(seconds: float) -> str:
+    """OpenAI's reset format: 850ms, 12s, 1m30s."""
+    if seconds < 1:
+        return f"{max(0, int(seconds * 1000))}ms"
+    seconds = math.ceil(seconds)
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
+class _Admission:
+    """One attempt to admit; remembers what it added so a refusal can undo it."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.window = int(now // WINDOW_SECONDS)
+        self.elapsed = now - self.window * WINDOW_SECONDS
+        self.previous_weight = 1 - self.elapsed / WINDOW_SECONDS
+        self.added: list[tuple[str, int]] = []
+        self.headers: dict[str, str] = {}
+
+    def rollback(self) -> None:
+        for key, amount in reversed(self.added):
+            _subtract(key, amount)
+
+    def per_minute(self, scope: _Scope, kind: str, limit: int | None, amount: int) -> str | None:
+        if limit is None:
+            return None
+        header = "requests" if kind == "requests" else "tokens"
+        if amount > limit:
+            raise self._refuse("request_too_large", scope, limit, WINDOW_SECONDS)
+        key = scope.key(kind, self.window)
+        current = _add(key, amount, timeout=2 * WINDOW_SECONDS + 5)
+        self.added.append((key, amount))
+        previous = cache.get(scope.key(kind, self.window - 1), 0)
+        used = previous * self.previous_weight + current
+        until_next_window = WINDOW_SECONDS - self.elapsed
+        if used > limit:
+            if current > limit or previous == 0:
+                retry = until_next_window
+            else:
+                # The previous minute's share decays linearly to zero over this minute.
+                retry = min(until_next_window, (used - limit) / (previous / WINDOW_SECONDS))
+            raise self._refuse(kind, scope, limit, max(1, math.ceil(retry)))
+        self._record_headers(header, limit, limit - used, until_next_window)
+        return key
+
+    def concurrency(self, scope: _Scope, limit: int | None) -> str | None:
+        if limit is None:
+            return None
+        key = scope.key("concurrent")
+        current = _add(key, 1, timeout=CONCURRENCY_TTL_SECONDS)
+        cache.touch(key, CONCURRENCY_TTL_SECONDS)
+        self.added.append((key, 1))
+        if current > limit:
+            raise self._refuse("concurrency", scope, limit, 1)
+        return key
+
+    def month(
+        self, scope: _Scope, tenant: Tenant, api_key: ApiKey | None, amount: int
+    ) -> str | None:
+        budget = scope.limits.monthly_token_budget
+        if budget is None:
+            return None
+        month_start = datetime.fromtimestamp(self.now, UTC).replace(
+            day=1, hour=0, minute=0, second=0, microsecond=0
+        )
+        key = scope.key("month", month_start.strftime("%Y%m"))
+        if cache.get(key) is None:
+            used = month_tokens_used(
+                tenant=tenant, api_key=api_key if scope.name == "key" else None, since=month_start
+            )
+            cache.add(key, used, timeout=MONTH_TTL_SECONDS)
+        current = _add(key, amount, timeout=MONTH_TTL_SECONDS)
+        self.added.append((key, amount))
+        if current > budget:
+            raise self._refuse("monthly_tokens", scope, budget, _seconds_to_next_month(self.now))
+        return key
+
+    def _record_headers(self, header: str, limit: int, remaining: float, reset: float) -> None:
+        """Report the tighter of the tenant's and the key's limits."""
+        remaining = max(0, int(remaining))
+        previous = self.headers.get(f"x-ratelimit-remaining-{header}")
+        if previous is not None and int(previous) <= remaining:
+            return
+        self.headers[f"x-ratelimit-limit-{header}"] = str(limit)
+        self.headers[f"x-ratelimit-remaining-{header}"] = str(remaining)
+        self.headers[f"x-ratelimit-reset-{header}"] = _format_reset(reset)
+
+    def _refuse(self, kind: str, scope: _Scope, limit: int, retry_after: int) -> QuotaExceeded:
+        self.rollback()
+        headers = dict(self.headers)
+        if kind in ("requests", "tokens"):
+            self._record_headers(kind, limit, 0, WINDOW_SECONDS - self.elapsed)
+            headers = dict(self.headers)
+        return QuotaExceeded(
+            kind=kind, scope=scope.name, limit=limit, retry_after=retry_after, headers=headers
+        )
+
+
+def _seconds_to_next_month(now: float) -> int:
+    current = datetime.fromtimestamp(now, UTC)
+    year, month = divmod(current.year * 12 + current.month, 12)  # the next month, 0-based
+    return max(1, math.ceil(datetime(year, month + 1, 1, tzinfo=UTC).timestamp() - now))
+
+
+def admission_acquire(
+    *, tenant: Tenant, api_key: ApiKey | None = None, estimated_tokens: int
+) -> AdmissionTicket:
+    """Admit one request that may use up to ``estimated_tokens`` (prompt plus max tokens),
+    or raise ``QuotaExceeded`` having changed nothing."""
+    if estimated_tokens < 0:
+        raise ValueError("estimated_tokens must be >= 0")
+    attempt = _Admission(_now())
+    ticket = AdmissionTicket(
+        tenant_id=tenant.pk,
+        api_key_id=api_key.pk if api_key else None,
+        reserved_tokens=estimated_tokens,
+        headers=attempt.headers,
+    )
+    for scope in _scopes(tenant, api_key):
+        limits = scope.limits
+        month_key = attempt.month(scope, tenant, api_key, estimated_tokens)
+        attempt.per_minute(scope, "requests", limits.requests_per_minute, 1)
+        tokens_key = attempt.per_minute(scope, "tokens", limits.tokens_per_minute, estimated_tokens)
+        concurrency_key = attempt.concurrency(scope, limits.max_concurrent_requests)
+        ticket.token_counters.extend(key for key in (month_key, tokens_key) if key)
+        if concurrency_key:
+            ticket.concurrency_counters.append(concurrency_key)
+    return ticket
+
+
+def admission_release(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
+    """Free the request's concurrency slots and replace its token reservation with what it
+    really used. Safe to call more than once; only the first call counts."""
+    if ticket.is_released:
+        return
+    ticket.is_released = True
+    correction = actual_tokens - ticket.reserved_tokens
+    if correction:
+        for key in ticket.token_counters:
+            _subtract(key, -correction)
+    for key in ticket.concurrency_counters:
+        _subtract(key, 1)
+
+
+aadmission_acquire = sync_to_async(admission_acquire)
+aadmission_release = sync_to_async(admission_release)
+
+
+@dataclass(frozen=True)
+class QuotaUsage:
+    """Live counters against limits, for dashboards; None where there is no limit."""
+
+    requests_this_minute: float
+    tokens_this_minute: float
+    concurrent_requests: int
+    month_tokens: int | None
+    limits: Limits
+
+
+def quota_usage(*, tenant: Tenant, api_key: ApiKey | None = None) -> QuotaUsage:
+    scope = _scopes(tenant, api_key)[-1]
+    attempt = _Admission(_now())
+
+    def sliding(kind: str) -> float:
+        previous = cache.get(scope.key(kind, attempt.window - 1), 0)
+        return previous * attempt.previous_weight + cache.get(scope.key(kind, attempt.window), 0)
+
+    month_start = datetime.fromtimestamp(attempt.now, UTC).strftime("%Y%m")
+    return QuotaUsage(
+        requests_this_minute=sliding("requests"),
+        tokens_this_minute=sliding("tokens"),
+        concurrent_requests=cache.get(scope.key("concurrent"), 0),
+        month_tokens=cache.get(scope.key("month", month_start)),
+        limits=scope.limits,
+    )

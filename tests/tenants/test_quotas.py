@@ -1,0 +1,240 @@
+import os
+import subprocess
+import threading
+from datetime import timedelta
+
+import pytest
+from django.core.cache import cache
+from django.utils import timezone
+
+from tenants import quotas, services
+from tenants.models import Plan, UsageRecord
+from tests.conftest import PYTHON, ROOT, subprocess_env
+
+pytestmark = pytest.mark.django_db
+
+MINUTE_START = 1_800_000_000.0 - (1_800_000_000.0 % 60)
+
+
+@pytest.fixture(autouse=True)
+def clean_counters():
+    cache.clear()
+    yield
+    cache.clear()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    class Clock:
+        now = MINUTE_START + 1
+
+    monkeypatch.setattr(quotas, "_now", lambda: Clock.now)
+    return Clock
+
+
+def _tenant(**limits):
+    """A tenant on a plan without limits, with only ``limits`` set."""
+    plan = Plan.objects.create(slug="unlimited", name="Unlimited")
+    return services.tenant_create(slug="acme", plan=plan, **limits)
+
+
+def _admit(tenant, api_key=None, tokens=10):
+    return quotas.admission_acquire(tenant=tenant, api_key=api_key, estimated_tokens=tokens)
+
+
+def test_requests_per_minute_admits_up_to_the_limit(clock):
+    tenant = _tenant(requests_per_minute=3)
+    tickets = [_admit(tenant) for _ in range(3)]
+
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant)
+
+    assert refused.value.kind == "requests" and refused.value.scope == "tenant"
+    assert refused.value.headers["Retry-After"] == "59"
+    assert refused.value.headers["x-ratelimit-limit-requests"] == "3"
+    assert refused.value.headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused.value.headers["x-ratelimit-reset-requests"] == "59s"
+    assert "requests per minute" in str(refused.value)
+    assert tickets[0].headers["x-ratelimit-remaining-requests"] == "2"
+    assert tickets[2].headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_the_next_minute_admits_again_as_the_previous_one_slides_out(clock):
+    tenant = _tenant(requests_per_minute=10)
+    for _ in range(10):
+        _admit(tenant)
+
+    clock.now = MINUTE_START + 60 + 30  # half of the previous minute still counts: 5
+    for _ in range(5):
+        _admit(tenant)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant)
+    assert 1 <= refused.value.retry_after <= 30
+
+    clock.now = MINUTE_START + 180
+    assert _admit(tenant).headers["x-ratelimit-remaining-requests"] == "9"
+
+
+def test_tokens_are_reserved_then_reconciled(clock):
+    tenant = _tenant(tokens_per_minute=1000)
+    first = _admit(tenant, tokens=600)
+    assert first.headers["x-ratelimit-remaining-tokens"] == "400"
+
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, tokens=600)
+    assert refused.value.kind == "tokens"
+
+    quotas.admission_release(ticket=first, actual_tokens=100)
+    second = _admit(tenant, tokens=600)
+    assert second.headers["x-ratelimit-remaining-tokens"] == "300"
+
+
+def test_a_request_larger_than_the_token_limit_is_refused_outright(clock):
+    tenant = _tenant(tokens_per_minute=100)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, tokens=101)
+    assert refused.value.kind == "request_too_large"
+
+
+def test_concurrency_slots_are_released(clock):
+    tenant = _tenant(max_concurrent_requests=2)
+    first, _second = _admit(tenant), _admit(tenant)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant)
+    assert refused.value.kind == "concurrency"
+
+    quotas.admission_release(ticket=first, actual_tokens=10)
+    quotas.admission_release(ticket=first, actual_tokens=10)  # idempotent
+    _admit(tenant)
+    with pytest.raises(quotas.QuotaExceeded):
+        _admit(tenant)
+
+
+def test_a_refusal_rolls_back_every_counter_it_touched(clock):
+    tenant = _tenant(requests_per_minute=100, tokens_per_minute=10_000, max_concurrent_requests=1)
+    held = _admit(tenant, tokens=100)
+    for _ in range(5):
+        with pytest.raises(quotas.QuotaExceeded):
+            _admit(tenant, tokens=100)
+
+    usage = quotas.quota_usage(tenant=tenant)
+    assert usage.requests_this_minute == 1
+    assert usage.tokens_this_minute == 100
+    assert usage.concurrent_requests == 1
+    quotas.admission_release(ticket=held, actual_tokens=40)
+    assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 40
+
+
+def test_monthly_budget_counts_recorded_usage(clock):
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant(monthly_token_budget=1000)
+    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+    now = timezone.now()
+    services.usage_record_create(
+        request_id="earlier",
+        tenant=tenant,
+        api_key=api_key,
+        model="demo-chat",
+        source=UsageRecord.Source.API,
+        status=UsageRecord.Status.OK,
+        started_at=now - timedelta(seconds=5),
+        finished_at=now,
+        prompt_tokens=400,
+        completion_tokens=500,
+    )
+
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, tokens=200)
+    assert refused.value.kind == "monthly_tokens"
+    assert refused.value.retry_after > 0
+    ticket = _admit(tenant, tokens=100)
+    quotas.admission_release(ticket=ticket, actual_tokens=30)
+    assert quotas.quota_usage(tenant=tenant).month_tokens == 930
+
+
+def test_key_limits_apply_on_top_of_the_tenants(clock):
+    tenant = _tenant(requests_per_minute=100)
+    limited, _ = services.api_key_create(tenant=tenant, name="small", requests_per_minute=2)
+    free, _ = services.api_key_create(tenant=tenant, name="big")
+
+    ticket = _admit(tenant, limited)
+    assert ticket.headers["x-ratelimit-remaining-requests"] == "1"  # the tighter limit
+    _admit(tenant, limited)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, limited)
+    assert refused.value.scope == "key"
+    assert "this API key" in str(refused.value)
+    _admit(tenant, free)
+    assert quotas.quota_usage(tenant=tenant).requests_this_minute == 3
+
+
+def test_racing_threads_never_over_admit():
+    tenant = _tenant(requests_per_minute=20)
+    admitted, refused = [], []
+
+    def attempt() -> None:
+        try:
+            admitted.append(_admit(tenant))
+        except quotas.QuotaExceeded:
+            refused.append(1)
+
+    threads = [threading.Thread(target=attempt) for _ in range(60)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (len(admitted), len(refused)) == (20, 40)
+
+
+RACER = """
+import sys, threading, django
+django.setup()
+from tenants import quotas
+from tenants.models import Tenant
+tenant = Tenant.objects.select_related("plan").get(pk=int(sys.argv[1]))
+barrier_file = sys.argv[2]
+admitted = []
+def attempt():
+    try:
+        quotas.admission_acquire(tenant=tenant, estimated_tokens=1)
+        admitted.append(1)
+    except quotas.QuotaExceeded:
+        pass
+threads = [threading.Thread(target=attempt) for _ in range(50)]
+import os, time
+while not os.path.exists(barrier_file):
+    time.sleep(0.01)
+for t in threads: t.start()
+for t in threads: t.join()
+print(len(admitted))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL: counters shared")
+@pytest.mark.django_db(transaction=True)
+def test_processes_sharing_redis_admit_exactly_the_limit(tmp_path):
+    tenant = _tenant(requests_per_minute=20)
+    barrier = tmp_path / "go"
+    racers = [
+        subprocess.Popen(
+            [PYTHON, "-c", RACER, str(tenant.pk), str(barrier)],
+            cwd=ROOT,
+            env=subprocess_env(DATABASE_URL=_test_database_url()),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    barrier.touch()
+    counts = [int(racer.communicate(timeout=120)[0].strip()) for racer in racers]
+    assert sum(counts) == 20
+
+
+def _test_database_url() -> str:
+    from django.db import connection
+
+    settings = connection.settings_dict
+    return (
+        f"postgres://{settings['USER']}:{settings['PASSWORD']}@{settings['HOST']}:"
+        f"{settings['PORT']}/{settings['NAME']}"
+    )
