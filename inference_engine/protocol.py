@@ -12,6 +12,10 @@ import math
 import msgspec
 
 MAX_LOGPROBS = 20
+# longest request_id, tenant_id, cache_salt or message role the engine accepts
+MAX_ID_CHARS = 256
+# a bigger frame from a client is dropped by ZeroMQ before it is read
+MAX_FRAME_BYTES = 16 << 20
 
 
 class RequestType(bytes, enum.Enum):
@@ -20,6 +24,15 @@ class RequestType(bytes, enum.Enum):
     GENERATE = b"\x00"
     ABORT = b"\x01"
     STATS = b"\x02"
+    CONTROL = b"\x03"
+
+
+class ResponseType(bytes, enum.Enum):
+    """First frame of every message from the engine to a client."""
+
+    # payload: list[GenerateDelta], this client's deltas from one engine step
+    OUTPUTS = b"\x00"
+    STATS = b"\x01"
     CONTROL = b"\x03"
 
 
@@ -140,17 +153,71 @@ class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A client's generate request; exactly one of messages, prompt, prompt_token_ids is set."""
+    """A client's generate request; exactly one of prompt, messages, prompt_token_ids is set.
 
-    req_id: str
-    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    messages: list[Message] | None = None
+    ``messages`` may be given as role/content dicts; they become ``Message``s. The client fills
+    ``request_id`` with a uuid when it is None. ``validate()`` raises ``ValueError`` for a request
+    the engine must refuse with ``invalid_request``; the engine calls it on every decode.
+    """
+
     prompt: str | None = None
+    messages: list[Message] | None = None
     prompt_token_ids: list[int] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    request_id: str | None = None
     tenant_id: str | None = None
     # Lower values are served first, as in vLLM.
     priority: int = 0
     cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.messages is not None and isinstance(self.messages, list):
+            self.messages = [
+                Message(**m) if isinstance(m, dict) and m.keys() == {"role", "content"} else m
+                for m in self.messages
+            ]
+
+    def validate(self) -> None:
+        given = [
+            name
+            for name in ("prompt", "messages", "prompt_token_ids")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})"
+            )
+        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
+            raise ValueError("prompt must be a non-empty string")
+        if self.messages is not None:
+            if not isinstance(self.messages, list) or not self.messages:
+                raise ValueError("messages must be a non-empty list")
+            for message in self.messages:
+                if not isinstance(message, Message) or not (
+                    isinstance(message.role, str)
+                    and 0 < len(message.role) <= MAX_ID_CHARS
+                    and isinstance(message.content, str)
+                ):
+                    raise ValueError(f"each message needs a role and string content: {message!r}")
+        if self.prompt_token_ids is not None and (
+            not isinstance(self.prompt_token_ids, list)
+            or not self.prompt_token_ids
+            or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.prompt_token_ids
+            )
+        ):
+            raise ValueError("prompt_token_ids must be a non-empty list of non-negative integers")
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError("params must be SamplingParams")
+        self.params.validate()
+        for name in ("request_id", "tenant_id", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
+                raise ValueError(f"{name} must be a string of at most {MAX_ID_CHARS} characters")
+        if not self.request_id:
+            raise ValueError("request_id must be set")
+        _check_number("priority", self.priority, integer=True)
 
 
 class AbortRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -193,3 +260,65 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class Usage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # prompt tokens served from the prefix cache
+    cached_tokens: int = 0
+
+
+class GenerateDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one request got from one engine step. The last delta has ``finish_reason`` set
+    (``str()`` gives "stop", "length", "abort" or "error"), ``usage`` and ``timings``; an error
+    ends the stream with ``finish_reason=ERROR`` and ``error`` set."""
+
+    request_id: str
+    # the new text; holds back characters that may still become part of a stop string
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: ErrorCode | None = None
+    error_message: str | None = None
+    usage: Usage | None = None
+    timings: RequestTimings | None = None
+    # one entry per token in token_ids when logprobs were requested
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StatsResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Health and load of one engine: the gauges and counters of its Prometheus metrics."""
+
+    model: str = ""
+    max_model_len: int = 0
+    # False while the model loads and once shutdown has begun
+    ready: bool = False
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    # 0..1, share of KV blocks held by requests
+    kv_cache_usage: float = 0.0
+    num_kv_blocks: int = 0
+    max_queued_requests: int = 0
+    # prompt tokens looked up in / found in the prefix cache
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions: int = 0
+
+
+class ControlRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Reserved for model load and unload; the engine answers ``ok=False`` for now."""
+
+    action: str
+    model: str | None = None
+
+
+class ControlResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ok: bool
+    message: str = ""
