@@ -132,27 +132,32 @@ def paged_attention_forward(
             enable_gqa=gqa,
         )
         out[rows] = result[0].transpose(0, 1)
+    num_groups = num_heads // num_kv_heads
     for bucket in meta.decode_buckets:
-        num_slots = bucket.block_table.shape[1] * key_cache.shape[1]
-        batch = bucket.block_table.shape[0]
-        bucket_k = key_cache[bucket.block_table].view(batch, num_slots, num_kv_heads, head_dim)
-        bucket_v = value_cache[bucket.block_table].view(batch, num_slots, num_kv_heads, head_dim)
-        bucket_q = q[bucket.query_index].unsqueeze(2)  # [B, H, 1, D]
+        batch, num_blocks = bucket.block_table.shape
+        shape = (batch, num_blocks * key_cache.shape[1], num_kv_heads, head_dim)
+        flat_ids = bucket.block_table.view(-1)
+        bucket_k = key_cache.flatten(1).index_select(0, flat_ids).view(shape).transpose(1, 2)
+        bucket_v = value_cache.flatten(1).index_select(0, flat_ids).view(shape).transpose(1, 2)
+        # a decode has one query per head: the heads that share a KV head become its query
+        # rows, which avoids expanding K/V for grouped-query attention
+        bucket_q = q.index_select(0, bucket.query_index).view(
+            batch, num_kv_heads, num_groups, head_dim
+        )
         result = F.scaled_dot_product_attention(
             bucket_q,
-            bucket_k.transpose(1, 2).to(q.dtype),
-            bucket_v.transpose(1, 2).to(q.dtype),
+            bucket_k.to(q.dtype),
+            bucket_v.to(q.dtype),
             attn_mask=bucket.key_mask,
             scale=scaling,
-            enable_gqa=gqa,
         )
-        out.index_copy_(0, bucket.query_index, result.squeeze(2))
+        out.index_copy_(0, bucket.query_index, result.view(batch, num_heads, head_dim))
     return out.unsqueeze(0), None
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
     """The first ``context_len`` cached tokens of one request as ``[1, KVH, L, D]``."""
-    tokens = cache[block_ids].flatten(0, 1)[:context_len]
+    tokens = cache.flatten(1).index_select(0, block_ids).view(-1, *cache.shape[2:])[:context_len]
     return tokens.transpose(0, 1).unsqueeze(0)
 
 

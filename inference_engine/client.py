@@ -1,0 +1,265 @@
+"""``AsyncEngineClient``: the web tier's connection to one engine process. No torch, no Django.
+
+    client = AsyncEngineClient("ipc:///tmp/engine.sock")
+    await client.wait_ready(timeout=60)
+    async for delta in client.generate(GenerateRequest(prompt="Hello")):
+        print(delta.text, end="")
+    stats = await client.stats()
+    client.close()
+
+One DEALER socket carries every stream of one event loop; a reader task routes the engine's
+frames to the streams by ``request_id``. Leaving a stream early (``break``, ``aclose()``,
+cancelling its task) sends ABORT; ``contextlib.aclosing`` makes that happen at once rather
+than when the generator is collected. Errors the engine reports arrive as the stream's last
+delta (``finish_reason`` "error", ``error`` a code). When the engine stays silent past
+``heartbeat_timeout`` (the client sends STATS every ``heartbeat_interval`` and any frame counts
+as an answer), every open stream raises ``EngineUnavailable``; ZeroMQ reconnects on its own
+when the engine comes back, and new requests work again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from inference_engine.protocol import (
+    AbortRequest,
+    ControlRequest,
+    ControlResponse,
+    GenerateDelta,
+    GenerateRequest,
+    RequestType,
+    ResponseType,
+    StatsResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUnavailable(ConnectionError):
+    """The engine cannot be reached, stopped answering, or the client was closed."""
+
+
+class AsyncEngineClient:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        # request_id -> (queue of deltas or an exception, when the stream started)
+        self._streams: dict[str, tuple[asyncio.Queue, float]] = {}
+        self._stats_waiters: list[asyncio.Future] = []
+        self._control_waiters: list[asyncio.Future] = []
+        self._last_heard = 0.0
+        self._closed = False
+        self._encoder = msgspec.msgpack.Encoder()
+        self._deltas_decoder = msgspec.msgpack.Decoder(list[GenerateDelta])
+        self._stats_decoder = msgspec.msgpack.Decoder(StatsResponse)
+        self._control_decoder = msgspec.msgpack.Decoder(ControlResponse)
+
+    # -- public API --------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream the request's deltas; the last one has ``finish_reason`` set. Fills
+        ``request.request_id`` with a uuid when it is None. Raises ``EngineUnavailable``."""
+        self._start()
+        if request.request_id is None:
+            request.request_id = uuid.uuid4().hex
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already streaming")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (stream, time.monotonic())
+        finished = False
+        try:
+            if not self._send(RequestType.GENERATE, request):
+                raise EngineUnavailable(f"no engine connected at {self.endpoint}")
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    # still sends ABORT: a stalled engine that resumes drops the request
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(RequestType.ABORT, AbortRequest([request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the engine to abort a request; its stream ends with finish reason "abort"."""
+        self._start()
+        self._send(RequestType.ABORT, AbortRequest([request_id]))
+
+    async def stats(self, timeout: float | None = None) -> StatsResponse:
+        """The engine's health and load. Raises ``EngineUnavailable`` when it does not answer
+        within ``timeout`` (default: the heartbeat timeout)."""
+        self._start()
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(waiter)
+        try:
+            if not self._send(RequestType.STATS, None):
+                raise EngineUnavailable(f"no engine connected at {self.endpoint}")
+            return await asyncio.wait_for(waiter, timeout or self.heartbeat_timeout)
+        except TimeoutError:
+            raise EngineUnavailable(f"no answer from the engine at {self.endpoint}") from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._stats_waiters.remove(waiter)
+
+    async def wait_ready(self, timeout: float = 60) -> StatsResponse:
+        """Wait until the engine answers STATS with ``ready``; raises ``EngineUnavailable``
+        after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineUnavailable(f"the engine at {self.endpoint} is not ready")
+            with contextlib.suppress(EngineUnavailable):
+                stats = await self.stats(timeout=min(left, 1.0))
+                if stats.ready:
+                    return stats
+            await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+
+    async def control(self, request: ControlRequest) -> ControlResponse:
+        """Reserved for model load and unload (the engine refuses for now)."""
+        self._start()
+        waiter = asyncio.get_running_loop().create_future()
+        self._control_waiters.append(waiter)
+        try:
+            if not self._send(RequestType.CONTROL, request):
+                raise EngineUnavailable(f"no engine connected at {self.endpoint}")
+            return await asyncio.wait_for(waiter, self.heartbeat_timeout)
+        except TimeoutError:
+            raise EngineUnavailable(f"no answer from the engine at {self.endpoint}") from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._control_waiters.remove(waiter)
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    def close(self) -> None:
+        """Fail open streams with ``EngineUnavailable`` and close the socket."""
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        self._fail_all(EngineUnavailable("the client was closed"))
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._closed:
+            raise EngineUnavailable("the client was closed")
+        if self._socket is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        socket = self._ctx.socket(zmq.DEALER)
+        # queue nothing while no engine is connected: a send then fails at once
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.connect(self.endpoint)
+        self._socket = socket
+        self._last_heard = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="engine-client-reader"),
+            asyncio.create_task(self._heartbeat_loop(), name="engine-client-heartbeat"),
+        ]
+
+    def _send(self, kind: RequestType, message: msgspec.Struct | None) -> bool:
+        """Send without waiting; False when no engine is connected (or the send failed)."""
+        if self._socket is None:
+            return False
+        payload = b"" if message is None else self._encoder.encode(message)
+        future = self._socket.send_multipart([kind.value, payload], flags=zmq.NOBLOCK)
+        if future.done():
+            return future.exception() is None
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return True
+
+    async def _read_loop(self) -> None:
+        socket = self._socket
+        while True:
+            try:
+                frames = await socket.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                logger.exception("engine client socket failed")
+                return
+            self._last_heard = time.monotonic()
+            try:
+                self._dispatch(frames)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                logger.warning("dropped a bad frame from the engine: %s", exc)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        kind, payload = frames[0], frames[-1]
+        if kind == ResponseType.OUTPUTS.value:
+            for delta in self._deltas_decoder.decode(payload):
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    stream[0].put_nowait(delta)
+        elif kind == ResponseType.STATS.value:
+            _resolve(self._stats_waiters, self._stats_decoder.decode(payload))
+        elif kind == ResponseType.CONTROL.value:
+            _resolve(self._control_waiters, self._control_decoder.decode(payload))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            self._send(RequestType.STATS, None)
+            now = time.monotonic()
+            if now - self._last_heard <= self.heartbeat_timeout:
+                continue
+            # a stream gets a full timeout from its own start, so a request made while the
+            # engine restarts can still be served
+            for request_id, (stream, started) in list(self._streams.items()):
+                if now - started > self.heartbeat_timeout:
+                    self._streams.pop(request_id)
+                    stream.put_nowait(self._unavailable())
+
+    def _unavailable(self) -> EngineUnavailable:
+        silent = time.monotonic() - self._last_heard
+        return EngineUnavailable(f"the engine at {self.endpoint} has been silent for {silent:.1f}s")
+
+    def _fail_all(self, exc: EngineUnavailable) -> None:
+        for stream, _ in self._streams.values():
+            stream.put_nowait(exc)
+        self._streams.clear()
+
+
+def _resolve(waiters: list[asyncio.Future], result: object) -> None:
+    """Every caller waiting gets the newest answer: a STATS reply is a snapshot."""
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(result)
+    waiters.clear()

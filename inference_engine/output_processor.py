@@ -1,0 +1,187 @@
+"""Turns the core's per-step ``EngineOutput``s into the clients' ``GenerateDelta`` frames.
+
+Per request: incremental detokenization, stop strings, usage and timings on the last delta.
+The text of a delta never contains a stop string: characters that could still grow into one
+are held back until they cannot. A stop-string hit ends the text at once and asks the core to
+abort the request; the last delta (finish reason ``stop``, usage and timings) goes out when the
+core's final output for the request arrives, one step later, unless the core finished it in the
+same step. A failure while processing one request's output fails that request only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from inference_engine.metrics import EngineMetrics
+from inference_engine.protocol import (
+    EngineOutput,
+    ErrorCode,
+    FinishReason,
+    GenerateDelta,
+    ResponseType,
+    SamplingParams,
+    Usage,
+)
+from inference_engine.tokenization import IncrementalDetokenizer, find_stop_string
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    identity: bytes
+    request_id: str
+    detokenizer: IncrementalDetokenizer
+    stop: list[str] | None
+    # characters kept back so that a stop string is never sent in part
+    holdback: int
+    wants_logprobs: bool
+    text: str = ""
+    num_sent_chars: int = 0
+    num_tokens: int = 0
+    last_token_time: float = 0.0
+    # a stop string was hit; waiting for the core's final output
+    is_stopped: bool = False
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        abort: Callable[[list[str]], None],
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        """``abort(req_ids)`` asks the busy loop to abort requests in the core."""
+        self.tokenizer = tokenizer
+        self.abort = abort
+        self.metrics = metrics
+        # req_id -> state; written by the input thread (add) and this processor (remove)
+        self.states: dict[str, RequestState] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def add_request(
+        self,
+        req_id: str,
+        identity: bytes,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        stop = params.stop or None
+        self.states[req_id] = RequestState(
+            identity=identity,
+            request_id=request_id,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            stop=stop,
+            holdback=max(map(len, stop)) - 1 if stop else 0,
+            wants_logprobs=params.logprobs is not None,
+        )
+
+    def process(self, outputs: list[EngineOutput], step_time: float) -> list[list[bytes]]:
+        """Frames ``[identity, OUTPUTS, payload]``: one per client, with its deltas of this
+        step. ``step_time`` is when the step's tokens were sampled."""
+        by_identity: dict[bytes, list[GenerateDelta]] = {}
+        for output in outputs:
+            state = self.states.get(output.req_id)
+            if state is None:
+                continue  # finished here already (stop string, failure)
+            try:
+                delta = self._process_one(output, state, step_time)
+            except Exception as exc:  # noqa: BLE001 - one request's failure fails it alone
+                logger.exception("processing the output of %s failed", output.req_id)
+                delta = self._finish(
+                    output.req_id,
+                    state,
+                    GenerateDelta(
+                        state.request_id,
+                        finish_reason=FinishReason.ERROR,
+                        error=ErrorCode.ENGINE_ERROR,
+                        error_message=f"output processing failed: {type(exc).__name__}: {exc}",
+                    ),
+                )
+                if not output.is_finished:
+                    self.abort([output.req_id])
+            if delta is not None:
+                by_identity.setdefault(state.identity, []).append(delta)
+        return [
+            [identity, ResponseType.OUTPUTS.value, self._encoder.encode(deltas)]
+            for identity, deltas in by_identity.items()
+        ]
+
+    def _process_one(
+        self, output: EngineOutput, state: RequestState, step_time: float
+    ) -> GenerateDelta | None:
+        token_ids = output.new_token_ids
+        if token_ids and self.metrics is not None:
+            self.metrics.record_tokens(len(token_ids))
+            if state.last_token_time:
+                self.metrics.record_inter_token_latency(step_time - state.last_token_time)
+        state.last_token_time = step_time
+        if state.is_stopped:
+            if not output.is_finished:
+                return None  # computed after the stop string, before the core's abort
+            return self._finish(
+                output.req_id, state, self._last_delta(output, state, FinishReason.STOP)
+            )
+
+        state.num_tokens += len(token_ids)
+        new_text = state.detokenizer.push(token_ids) if token_ids else ""
+        if output.is_finished:
+            new_text += state.detokenizer.flush()
+        state.text += new_text
+        stop_at = find_stop_string(state.text, state.stop, len(new_text)) if state.stop else None
+        if stop_at is not None:
+            state.text = state.text[:stop_at]
+        if stop_at is not None or output.is_finished:
+            send_upto = len(state.text)
+        else:
+            send_upto = max(state.num_sent_chars, len(state.text) - state.holdback)
+        delta = GenerateDelta(
+            state.request_id,
+            text=state.text[state.num_sent_chars : send_upto],
+            token_ids=token_ids,
+            logprobs=output.new_logprobs if state.wants_logprobs else None,
+        )
+        state.num_sent_chars = send_upto
+        if stop_at is not None and not output.is_finished:
+            state.is_stopped = True
+            self.abort([output.req_id])
+        elif output.is_finished:
+            reason = FinishReason.STOP if stop_at is not None else output.finish_reason
+            last = self._last_delta(output, state, reason)
+            delta.finish_reason = last.finish_reason
+            delta.error, delta.error_message = last.error, last.error_message
+            delta.usage, delta.timings = last.usage, last.timings
+            return self._finish(output.req_id, state, delta)
+        return delta
+
+    @staticmethod
+    def _last_delta(
+        output: EngineOutput, state: RequestState, reason: FinishReason
+    ) -> GenerateDelta:
+        return GenerateDelta(
+            state.request_id,
+            finish_reason=FinishReason.ERROR if output.error_code is not None else reason,
+            error=output.error_code,
+            error_message=output.error_message,
+            usage=Usage(
+                prompt_tokens=output.num_prompt_tokens,
+                completion_tokens=state.num_tokens,
+                cached_tokens=output.num_cached_tokens,
+            ),
+            timings=output.timings,
+        )
+
+    def _finish(self, req_id: str, state: RequestState, delta: GenerateDelta) -> GenerateDelta:
+        self.states.pop(req_id, None)
+        if self.metrics is not None:
+            usage = delta.usage or Usage()
+            self.metrics.record_finished(
+                delta.finish_reason, delta.timings, usage.prompt_tokens, usage.cached_tokens
+            )
+        return delta

@@ -1,0 +1,464 @@
+"""The engine process: a ROUTER socket, an input thread, the busy loop and an output thread.
+
+- The **I/O thread** owns the ROUTER socket (ZeroMQ sockets are not thread-safe). It decodes
+  and validates client frames, tokenizes prompts (applying the chat template), refuses what it
+  must at once (``invalid_request``, ``overloaded``), answers STATS and CONTROL itself, and
+  queues generates and aborts for the busy loop. It also forwards the output thread's frames,
+  which arrive on an inproc PULL socket, to the ROUTER.
+- The **busy loop** (the main thread) applies queued aborts and adds, then runs
+  ``EngineCore.step()`` and hands the outputs on. It does nothing else.
+- The **output thread** runs ``OutputProcessor`` (detokenize, stop strings, serialize) on one
+  step's outputs while the next step runs, and pushes one frame per client per step. With
+  ``async_output=False`` the busy loop does this work inline.
+
+A client is known by its ROUTER identity; its request ids are namespaced by that identity in
+the core, so one client can never abort another's request. SIGTERM stops intake, lets
+in-flight requests finish within the grace period, fails the rest with ``engine_error`` and
+closes the sockets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from inference_engine.config import EngineConfig
+from inference_engine.metrics import EngineMetrics
+from inference_engine.output_processor import OutputProcessor
+from inference_engine.protocol import (
+    MAX_FRAME_BYTES,
+    MAX_ID_CHARS,
+    AbortRequest,
+    ControlRequest,
+    ControlResponse,
+    EngineOutput,
+    ErrorCode,
+    FinishReason,
+    GenerateDelta,
+    GenerateRequest,
+    RequestType,
+    ResponseType,
+    StatsResponse,
+)
+from inference_engine.tokenization import render_chat
+
+logger = logging.getLogger(__name__)
+
+# lower sorts first in the input queue: aborts never wait behind adds
+_ABORT, _ADD = 0, 1
+# frames queued per client before ZeroMQ drops more; a client this far behind is stuck
+SEND_HWM = 100_000
+
+
+@dataclass
+class ServerConfig:
+    endpoint: str
+    served_model_name: str | None = None
+    max_queued_requests: int = 1024
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    async_output: bool = True
+    shutdown_grace_period: float = 30.0
+    max_frame_bytes: int = MAX_FRAME_BYTES
+
+
+@dataclass
+class _Snapshot:
+    """What the busy loop last saw; read by the I/O thread and by metrics scrapes."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+
+
+class EngineServer:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.config = server_config
+        self.model_name = server_config.served_model_name or engine_config.model
+        self.core: Any = None
+        self.processor: OutputProcessor | None = None
+        self.max_model_len = 0
+        self.num_kv_blocks = 0
+        self.snapshot = _Snapshot()
+        self.metrics = EngineMetrics(self.model_name, self._gauges)
+        self.input_queue: queue.PriorityQueue = queue.PriorityQueue()
+        self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._seq = itertools.count()
+        # one writer each, so their difference (adds not yet in the core) needs no lock
+        self._num_adds_queued = 0
+        self._num_adds_taken = 0
+        self._ready = threading.Event()
+        self._draining = threading.Event()
+        self._abort_now = threading.Event()
+        self._io_stop = threading.Event()
+        self._io_bound = threading.Event()
+        self._io_error: BaseException | None = None
+        self.ctx = zmq.Context()
+        self._outputs_endpoint = f"inproc://engine-outputs-{id(self)}"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Bind, load the model, serve until SIGTERM (or ``request_shutdown()``), clean up."""
+        io_thread = threading.Thread(target=self._io_loop, name="engine-io", daemon=True)
+        io_thread.start()
+        self._io_bound.wait()
+        if self._io_error is not None:
+            raise self._io_error
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+        self._install_signal_handlers()
+        output_thread = None
+        try:
+            self._load()
+            self._ready.set()
+            logger.info("engine ready: %s on %s", self.model_name, self.config.endpoint)
+            if self.config.async_output:
+                output_thread = threading.Thread(
+                    target=self._output_loop, name="engine-output", daemon=True
+                )
+                output_thread.start()
+                self._busy_loop(self.output_queue.put)
+            else:
+                push = self._connect_push()
+                try:
+                    self._busy_loop(lambda item: self._send_frames(push, self._process(*item)))
+                finally:
+                    push.close(linger=-1)
+        finally:
+            self._ready.clear()
+            self._draining.set()
+            if output_thread is not None:
+                self.output_queue.put(None)
+                output_thread.join()
+            self._io_stop.set()
+            io_thread.join(timeout=10)
+            self.ctx.term()
+            logger.info("engine stopped")
+
+    def request_shutdown(self) -> None:
+        """Stop intake and drain; a second call aborts what is left at once."""
+        if self._draining.is_set():
+            self._abort_now.set()
+        self._draining.set()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.request_shutdown())
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        from inference_engine.core import EngineCore
+
+        self.core = EngineCore(self.engine_config)
+        self.max_model_len = self.core.max_model_len
+        self.num_kv_blocks = self.core.scheduler.kv_cache.num_blocks
+        # one tokenizer per thread: the input thread encodes while the output thread decodes
+        self.input_tokenizer = AutoTokenizer.from_pretrained(self.engine_config.model)
+        self.processor = OutputProcessor(
+            AutoTokenizer.from_pretrained(self.engine_config.model),
+            abort=self._queue_abort,
+            metrics=self.metrics,
+        )
+
+    # -- busy loop ---------------------------------------------------------------------------
+
+    def _busy_loop(self, hand_off) -> None:
+        core = self.core
+        deadline = None
+        shutdown_aborted: set[str] = set()
+        while True:
+            self._apply_inputs(block=not core.has_unfinished_requests())
+            if self._draining.is_set():
+                if deadline is None:
+                    deadline = time.monotonic() + self.config.shutdown_grace_period
+                    logger.info("draining %d requests", len(self.processor.states))
+                if (time.monotonic() >= deadline or self._abort_now.is_set()) and (
+                    left := [r for r in list(self.processor.states) if r not in shutdown_aborted]
+                ):
+                    shutdown_aborted.update(left)
+                    core.abort_requests(left)
+                if not core.has_unfinished_requests() and self.input_queue.empty():
+                    return
+            if not core.has_unfinished_requests():
+                continue
+            outputs = core.step()
+            if shutdown_aborted:
+                _mark_shutdown_aborts(outputs, shutdown_aborted)
+            hand_off((outputs, time.time()))
+
+    def _apply_inputs(self, block: bool) -> None:
+        items = []
+        try:
+            get = self.input_queue.get
+            items.append(get(timeout=0.1) if block else get(block=False))
+            while True:
+                items.append(self.input_queue.get_nowait())
+        except queue.Empty:
+            pass
+        aborts = []
+        for kind, _, payload in items:
+            if kind == _ABORT:
+                aborts.extend(payload)
+            else:
+                req_id, token_ids, params, priority, cache_salt, arrival = payload
+                self.core.add_request(
+                    req_id,
+                    token_ids,
+                    params,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    arrival_time=arrival,
+                )
+                self._num_adds_taken += 1
+        # after the adds: an abort may name a request that arrived in the same batch
+        if aborts:
+            self.core.abort_requests(aborts)
+        scheduler = self.core.scheduler
+        self.snapshot = _Snapshot(
+            scheduler.num_running,
+            scheduler.num_waiting,
+            scheduler.kv_cache.usage,
+            scheduler.num_preemptions,
+        )
+
+    def _queue_abort(self, req_ids: list[str]) -> None:
+        self.input_queue.put((_ABORT, next(self._seq), req_ids))
+
+    # -- output thread -----------------------------------------------------------------------
+
+    def _output_loop(self) -> None:
+        push = self._connect_push()
+        try:
+            while (item := self.output_queue.get()) is not None:
+                try:
+                    self._send_frames(push, self._process(*item))
+                except Exception:  # noqa: BLE001 - keep serving the other steps
+                    logger.exception("output processing failed")
+        finally:
+            push.close(linger=-1)
+
+    def _process(self, outputs: list[EngineOutput], step_time: float) -> list[list[bytes]]:
+        return self.processor.process(outputs, step_time)
+
+    def _connect_push(self) -> zmq.Socket:
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.connect(self._outputs_endpoint)
+        return push
+
+    @staticmethod
+    def _send_frames(push: zmq.Socket, frames: list[list[bytes]]) -> None:
+        for frame in frames:
+            push.send_multipart(frame, copy=False)
+
+    # -- I/O thread --------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        try:
+            router = self.ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+            router.setsockopt(zmq.SNDHWM, SEND_HWM)
+            router.setsockopt(zmq.LINGER, 2000)
+            router.bind(self.config.endpoint)
+            pull = self.ctx.socket(zmq.PULL)
+            pull.setsockopt(zmq.RCVHWM, 0)
+            pull.bind(self._outputs_endpoint)
+        except Exception as exc:  # noqa: BLE001 - reported to run() on the main thread
+            self._io_error = exc
+            self._io_bound.set()
+            return
+        self._io_bound.set()
+        self._generate_decoder = msgspec.msgpack.Decoder(GenerateRequest)
+        self._abort_decoder = msgspec.msgpack.Decoder(AbortRequest)
+        self._control_decoder = msgspec.msgpack.Decoder(ControlRequest)
+        self._encoder = msgspec.msgpack.Encoder()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        try:
+            while not self._io_stop.is_set():
+                events = dict(poller.poll(100))
+                if pull in events:
+                    _forward(pull, router)
+                if router in events:
+                    for _ in range(256):
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle_frames(router, frames)
+            _forward(pull, router)
+        finally:
+            pull.close(linger=0)
+            router.close()
+
+    def _handle_frames(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        identity = frames[0]
+        try:
+            if len(frames) != 3:
+                raise ValueError(f"expected [type, payload] frames, got {len(frames) - 1}")
+            kind, payload = frames[1], frames[2]
+            if kind == RequestType.GENERATE.value:
+                self._on_generate(router, identity, payload)
+            elif kind == RequestType.ABORT.value:
+                abort = self._abort_decoder.decode(payload)
+                self._queue_abort([_req_id(identity, r) for r in abort.req_ids])
+            elif kind == RequestType.STATS.value:
+                router.send_multipart(
+                    [identity, ResponseType.STATS.value, self._encoder.encode(self.stats())]
+                )
+            elif kind == RequestType.CONTROL.value:
+                control = self._control_decoder.decode(payload)
+                reply = ControlResponse(False, f"control {control.action!r} is not supported yet")
+                router.send_multipart(
+                    [identity, ResponseType.CONTROL.value, self._encoder.encode(reply)]
+                )
+            else:
+                raise ValueError(f"unknown request type {kind[:8]!r}")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            logger.warning("bad frame from %s: %s", identity.hex(), exc)
+            self._reply_error(router, identity, "", ErrorCode.INVALID_REQUEST, str(exc))
+        except Exception:  # noqa: BLE001 - one bad frame must not stop the engine
+            logger.exception("handling a frame from %s failed", identity.hex())
+
+    def _on_generate(self, router: zmq.Socket, identity: bytes, payload: bytes) -> None:
+        arrival = time.time()
+        try:
+            request = self._generate_decoder.decode(payload)
+            request.validate()
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            request_id = _recover_request_id(payload)
+            self._reply_error(router, identity, request_id, ErrorCode.INVALID_REQUEST, str(exc))
+            return
+        request_id = request.request_id
+        req_id = _req_id(identity, request_id)
+        if self._draining.is_set() or not self._ready.is_set():
+            reason = "shutting down" if self._draining.is_set() else "loading the model"
+            self._reply_error(
+                router, identity, request_id, ErrorCode.OVERLOADED, f"the engine is {reason}"
+            )
+            return
+        num_queued = self.snapshot.num_waiting + self._num_adds_queued - self._num_adds_taken
+        if num_queued >= self.config.max_queued_requests:
+            self._reply_error(
+                router,
+                identity,
+                request_id,
+                ErrorCode.OVERLOADED,
+                f"the waiting queue is full ({self.config.max_queued_requests} requests)",
+            )
+            return
+        if req_id in self.processor.states:
+            self._reply_error(
+                router,
+                identity,
+                request_id,
+                ErrorCode.INVALID_REQUEST,
+                f"request_id {request_id!r} is already in use",
+            )
+            return
+        try:
+            token_ids = self._tokenize(request)
+        except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects the roles
+            self._reply_error(
+                router, identity, request_id, ErrorCode.INVALID_REQUEST, f"cannot tokenize: {exc}"
+            )
+            return
+        self.processor.add_request(req_id, identity, request_id, token_ids, request.params)
+        self._num_adds_queued += 1
+        self.input_queue.put(
+            (
+                _ADD,
+                next(self._seq),
+                (req_id, token_ids, request.params, request.priority, request.cache_salt, arrival),
+            )
+        )
+
+    def _tokenize(self, request: GenerateRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        if request.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            return render_chat(self.input_tokenizer, messages)
+        return list(self.input_tokenizer(request.prompt)["input_ids"])
+
+    def _reply_error(
+        self, router: zmq.Socket, identity: bytes, request_id: str, code: ErrorCode, message: str
+    ) -> None:
+        delta = GenerateDelta(
+            request_id, finish_reason=FinishReason.ERROR, error=code, error_message=message
+        )
+        router.send_multipart([identity, ResponseType.OUTPUTS.value, self._encoder.encode([delta])])
+
+    # -- stats -------------------------------------------------------------------------------
+
+    def _gauges(self) -> tuple[int, int, float]:
+        snapshot = self.snapshot
+        return snapshot.num_running, snapshot.num_waiting, snapshot.kv_cache_usage
+
+    def stats(self) -> StatsResponse:
+        snapshot, metrics = self.snapshot, self.metrics
+        return StatsResponse(
+            model=self.model_name,
+            max_model_len=self.max_model_len,
+            ready=self._ready.is_set() and not self._draining.is_set(),
+            num_requests_running=snapshot.num_running,
+            num_requests_waiting=snapshot.num_waiting,
+            kv_cache_usage=snapshot.kv_cache_usage,
+            num_kv_blocks=self.num_kv_blocks,
+            max_queued_requests=self.config.max_queued_requests,
+            prefix_cache_queries=metrics.prefix_cache_queries,
+            prefix_cache_hits=metrics.prefix_cache_hits,
+            prompt_tokens_total=metrics.prompt_tokens_total,
+            generation_tokens_total=metrics.generation_tokens_total,
+            num_preemptions=snapshot.num_preemptions,
+        )
+
+
+def _req_id(identity: bytes, request_id: str) -> str:
+    return f"{identity.hex()}/{request_id}"
+
+
+def _forward(pull: zmq.Socket, router: zmq.Socket) -> None:
+    while True:
+        try:
+            frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        router.send_multipart(frames, copy=False)
+
+
+def _recover_request_id(payload: bytes) -> str:
+    """The request_id of an invalid GENERATE payload, when it can be read, so the client's
+    stream gets the error; else ""."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+    except Exception:  # noqa: BLE001 - garbage
+        return ""
+    index = list(GenerateRequest.__struct_fields__).index("request_id")
+    if isinstance(fields, list) and len(fields) > index and isinstance(fields[index], str):
+        return fields[index][:MAX_ID_CHARS]
+    return ""
+
+
+def _mark_shutdown_aborts(outputs: list[EngineOutput], shutdown_aborted: set[str]) -> None:
+    for output in outputs:
+        if output.finish_reason == FinishReason.ABORT and output.req_id in shutdown_aborted:
+            output.finish_reason = FinishReason.ERROR
+            output.error_code = ErrorCode.ENGINE_ERROR
+            output.error_message = "the engine shut down before the request finished"
