@@ -82,6 +82,8 @@ INSTALLED_APPS = [
     "channels",
     "config",
     "tenants",
+    "serving",
+    "gateway",
 ]
 
 MIDDLEWARE = [
@@ -127,6 +129,8 @@ if IS_EMBEDDED:
                 "timeout": 20,
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
+            # A file, not memory, so live-server tests can share it with their subprocesses.
+            "TEST": {"NAME": str(VAR_DIR / "test-db.sqlite3")},
         }
     }
 else:
@@ -199,6 +203,12 @@ if not DEBUG:
     SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", default=not IS_EMBEDDED)
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+# --- API gateway ------------------------------------------------------------------------------
+
+GATEWAY_MAX_BODY_BYTES = int(os.environ.get("GATEWAY_MAX_BODY_BYTES", str(8 * 1024 * 1024)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
+METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")
 
 LOGGING = {
     "version": 1,

@@ -1,9 +1,10 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
 from config import views
 
 urlpatterns = [
     path("", views.landing, name="landing"),
     path("admin/", admin.site.urls),
+    path("", include("gateway.urls")),
 ]

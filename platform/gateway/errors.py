@@ -1,0 +1,61 @@
+"""OpenAI's error object, and the exceptions the gateway turns into it."""
+
+import msgspec
+from django.http import HttpResponse
+
+from gateway.schemas import ErrorBody, ErrorResponse
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error the API reports to the client as OpenAI does."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorBody(
+                message=self.message,
+                type=ERROR_TYPES.get(self.status, "invalid_request_error"),
+                param=self.param,
+                code=self.code,
+            )
+        )
+
+    def response(self) -> HttpResponse:
+        response = HttpResponse(
+            msgspec.json.encode(self.body()), status=self.status, content_type="application/json"
+        )
+        for name, value in self.headers.items():
+            response[name] = value
+        return response
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)

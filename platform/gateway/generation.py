@@ -1,0 +1,353 @@
+"""Runs one API request on an engine: fans it out into one engine request per choice,
+turns the engine's deltas into OpenAI objects (whole, or as server-sent events) and keeps
+the meter up to date for exactly-once usage records.
+
+Errors the engine reports before the first token become proper HTTP errors (the first delta
+of every choice is awaited before a response starts); errors after it end the stream with a
+``data: {"error": …}`` event.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gateway import schemas
+from gateway.errors import ApiError
+from gateway.validation import GenerationPlan
+from inference_engine.client import AsyncEngineClient, EngineUnavailable
+from inference_engine.protocol import ErrorCode, FinishReason, GenerateDelta, GenerateRequest
+from tenants.metering import Meter
+from tenants.models import UsageRecord
+
+# engine error code -> (HTTP status, API code, usage status)
+ENGINE_ERRORS = {
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "context_length_exceeded", "rejected"),
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request", "rejected"),
+    ErrorCode.OVERLOADED: (503, "engine_overloaded", "rejected"),
+    ErrorCode.ENGINE_ERROR: (500, "engine_error", "error"),
+}
+RETRY_AFTER_SECONDS = {503: "1"}
+
+
+def engine_error(code: ErrorCode | str | None, message: str | None) -> ApiError:
+    status, api_code, _ = ENGINE_ERRORS.get(code, (503, str(code or "engine_error"), "error"))
+    headers = {"Retry-After": RETRY_AFTER_SECONDS[status]} if status in RETRY_AFTER_SECONDS else {}
+    return ApiError(status, message or api_code, code=api_code, headers=headers)
+
+
+def unavailable(exc: Exception) -> ApiError:
+    return ApiError(
+        503,
+        f"The model's engine is unavailable: {exc}",
+        code="engine_unavailable",
+        headers={"Retry-After": "5"},
+    )
+
+
+@dataclass
+class _Choice:
+    index: int
+    is_first_of_prompt: bool
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+def fan_out(plan: GenerationPlan, response_id: str, cache_salt: str | None, tenant: str) -> list:
+    """One engine request per choice; a choice's seed is offset so the n samples differ."""
+    requests = []
+    for prompt_index, prompt in enumerate(plan.prompts):
+        for sample in range(plan.n):
+            params = msgspec.structs.replace(prompt.params)
+            if params.seed is not None and sample:
+                params.seed += sample
+            requests.append(
+                msgspec.structs.replace(
+                    prompt,
+                    params=params,
+                    request_id=f"{response_id}-{prompt_index * plan.n + sample}",
+                    tenant_id=tenant,
+                    cache_salt=cache_salt,
+                )
+            )
+    return requests
+
+
+class Generation:
+    def __init__(
+        self,
+        *,
+        kind: str,
+        plan: GenerationPlan,
+        requests: list[GenerateRequest],
+        client: AsyncEngineClient,
+        meter: Meter,
+        response_id: str,
+        model: str,
+    ) -> None:
+        self.kind = kind  # "chat" or "completion"
+        self.plan = plan
+        self.client = client
+        self.meter = meter
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.requests = requests
+        self.choices = [_Choice(i, i % plan.n == 0) for i in range(len(requests))]
+        self._streams: list[AsyncIterator[GenerateDelta]] = []
+        self._first: list[GenerateDelta] = []
+        # choice index -> (prompt tokens, cached tokens), for each prompt's first choice
+        self._prompt_usage: dict[int, tuple[int, int]] = {}
+
+    # --- engine side ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Send every choice's request and wait for its first delta; raises ``ApiError``
+        (having aborted the others) when the engine refuses or is unavailable."""
+        self._streams = [self.client.generate(request) for request in self.requests]
+        try:
+            self._first = list(await asyncio.gather(*(anext(s) for s in self._streams)))
+        except EngineUnavailable as exc:
+            await self.close()
+            self.meter.fail("engine_unavailable")
+            raise unavailable(exc) from exc
+        except StopAsyncIteration as exc:
+            await self.close()
+            self.meter.fail("engine_error")
+            raise engine_error(ErrorCode.ENGINE_ERROR, "The engine closed the stream.") from exc
+        for delta in self._first:
+            if delta.error is not None:
+                await self.close()
+                _, _, usage_status = ENGINE_ERRORS.get(delta.error, (0, "", "error"))
+                self.meter.fail(str(delta.error), usage_status)
+                raise engine_error(delta.error, delta.error_message)
+
+    async def close(self) -> None:
+        """Close every engine stream (an unfinished one is aborted in the engine)."""
+        await asyncio.gather(*(s.aclose() for s in self._streams), return_exceptions=True)
+
+    async def deltas(self) -> AsyncIterator[tuple[_Choice, GenerateDelta]]:
+        """Every delta of every choice, as they arrive, starting with the prefetched ones."""
+        for choice, delta in zip(self.choices, self._first, strict=True):
+            self._account(choice, delta)
+            yield choice, delta
+        open_streams = [
+            (choice, stream)
+            for choice, stream, first in zip(self.choices, self._streams, self._first, strict=True)
+            if first.finish_reason is None
+        ]
+        if len(open_streams) == 1:
+            choice, stream = open_streams[0]
+            async for delta in stream:
+                self._account(choice, delta)
+                yield choice, delta
+            return
+        async for choice, delta in _merge(open_streams):
+            self._account(choice, delta)
+            yield choice, delta
+
+    def _account(self, choice: _Choice, delta: GenerateDelta) -> None:
+        if delta.token_ids:
+            self.meter.mark_first_token()
+            choice.num_tokens += len(delta.token_ids)
+        if delta.text:
+            choice.text.append(delta.text)
+        if delta.finish_reason is not None:
+            choice.finish_reason = _finish_reason(delta.finish_reason)
+        if delta.error is not None:
+            _, _, usage_status = ENGINE_ERRORS.get(delta.error, (0, "", "error"))
+            self.meter.fail(str(delta.error), usage_status)
+        self._update_usage(choice, delta)
+
+    def _update_usage(self, choice: _Choice, delta: GenerateDelta) -> None:
+        self.meter.completion_tokens = sum(c.num_tokens for c in self.choices)
+        if delta.usage is not None and choice.is_first_of_prompt:
+            # The prompt is billed once per prompt, not once per choice.
+            usage = (delta.usage.prompt_tokens, delta.usage.cached_tokens)
+            self._prompt_usage[choice.index] = usage
+            self.meter.prompt_tokens = sum(p for p, _ in self._prompt_usage.values())
+            self.meter.cached_tokens = sum(c for _, c in self._prompt_usage.values())
+
+    def usage(self) -> schemas.Usage:
+        return schemas.Usage(
+            prompt_tokens=self.meter.prompt_tokens,
+            completion_tokens=self.meter.completion_tokens,
+            total_tokens=self.meter.total_tokens,
+            prompt_tokens_details=schemas.PromptTokensDetails(
+                cached_tokens=self.meter.cached_tokens
+            ),
+        )
+
+    # --- API side ---------------------------------------------------------------------------
+
+    async def complete(self) -> schemas.ChatCompletion | schemas.Completion:
+        """Run to the end and build the whole response object."""
+        try:
+            async for _choice, delta in self.deltas():
+                if delta.error is not None:
+                    raise engine_error(delta.error, delta.error_message)
+        except EngineUnavailable as exc:
+            self.meter.fail("engine_unavailable")
+            raise unavailable(exc) from exc
+        finally:
+            await self.close()
+        if self.kind == "chat":
+            return schemas.ChatCompletion(
+                id=self.response_id,
+                object="chat.completion",
+                created=self.created,
+                model=self.model,
+                choices=[
+                    schemas.ChatChoice(
+                        index=c.index,
+                        message=schemas.AssistantMessage(role="assistant", content="".join(c.text)),
+                        logprobs=None,
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in self.choices
+                ],
+                usage=self.usage(),
+            )
+        return schemas.Completion(
+            id=self.response_id,
+            object="text_completion",
+            created=self.created,
+            model=self.model,
+            choices=[
+                schemas.CompletionChoice(
+                    index=c.index,
+                    text="".join(c.text),
+                    logprobs=None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in self.choices
+            ],
+            usage=self.usage(),
+        )
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """The response as server-sent events, ending with ``data: [DONE]``."""
+        try:
+            if self.kind == "chat":
+                for choice in self.choices:
+                    yield self._chat_chunk(choice, schemas.ChunkDelta(role="assistant", content=""))
+            async for choice, delta in self.deltas():
+                if delta.error is not None:
+                    yield _event(engine_error(delta.error, delta.error_message).body())
+                    return
+                if delta.text:
+                    yield self._text_event(choice, delta.text, None)
+                if choice.finish_reason is not None:
+                    yield self._text_event(choice, None, choice.finish_reason)
+            if self.plan.include_usage:
+                yield self._usage_event()
+            yield b"data: [DONE]\n\n"
+        except EngineUnavailable as exc:
+            self.meter.fail("engine_unavailable")
+            yield _event(unavailable(exc).body())
+        except asyncio.CancelledError:
+            self.meter.fail("cancelled", UsageRecord.Status.CANCELLED)
+            raise
+        finally:
+            await self.close()
+
+    def _text_event(self, choice: _Choice, text: str | None, finish: str | None) -> bytes:
+        if self.kind == "chat":
+            delta = schemas.ChunkDelta(content=text)
+            return self._chat_chunk(choice, delta, finish)
+        return _event(
+            schemas.Completion(
+                id=self.response_id,
+                object="text_completion",
+                created=self.created,
+                model=self.model,
+                choices=[
+                    schemas.CompletionChoice(
+                        index=choice.index, text=text or "", logprobs=None, finish_reason=finish
+                    )
+                ],
+            )
+        )
+
+    def _chat_chunk(
+        self, choice: _Choice, delta: schemas.ChunkDelta, finish: str | None = None
+    ) -> bytes:
+        return _event(
+            schemas.ChatCompletionChunk(
+                id=self.response_id,
+                object="chat.completion.chunk",
+                created=self.created,
+                model=self.model,
+                choices=[
+                    schemas.ChatChunkChoice(
+                        index=choice.index, delta=delta, logprobs=None, finish_reason=finish
+                    )
+                ],
+            )
+        )
+
+    def _usage_event(self) -> bytes:
+        if self.kind == "chat":
+            return _event(
+                schemas.ChatCompletionChunk(
+                    id=self.response_id,
+                    object="chat.completion.chunk",
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=self.usage(),
+                )
+            )
+        return _event(
+            schemas.Completion(
+                id=self.response_id,
+                object="text_completion",
+                created=self.created,
+                model=self.model,
+                choices=[],
+                usage=self.usage(),
+            )
+        )
+
+
+def _event(payload: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def _finish_reason(reason: FinishReason) -> str:
+    return "stop" if reason == FinishReason.ERROR else str(reason)
+
+
+async def _merge(
+    streams: list[tuple[_Choice, AsyncIterator[GenerateDelta]]],
+) -> AsyncIterator[tuple[_Choice, GenerateDelta]]:
+    """Interleave several choices' streams in arrival order."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(choice: _Choice, stream: AsyncIterator[GenerateDelta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((choice, delta))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((choice, exc))
+        await queue.put((choice, done))
+
+    tasks = [asyncio.create_task(pump(choice, stream)) for choice, stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            choice, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

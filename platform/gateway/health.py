@@ -1,0 +1,58 @@
+"""Readiness: the database, the cache, and a ready engine for every enabled deployment."""
+
+import asyncio
+import uuid
+
+from asgiref.sync import sync_to_async
+from django.core.cache import cache
+from django.db import connection
+
+from serving.models import ModelDeployment
+from serving.pool import get_pool
+
+
+@sync_to_async
+def _check_database() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+
+
+@sync_to_async
+def _check_cache() -> None:
+    key = f"health:{uuid.uuid4().hex}"
+    cache.set(key, "ok", timeout=10)
+    if cache.get(key) != "ok":
+        raise RuntimeError("the cache did not return what was written")
+    cache.delete(key)
+
+
+@sync_to_async
+def _enabled_deployments() -> list[ModelDeployment]:
+    return list(ModelDeployment.objects.filter(is_enabled=True))
+
+
+async def _check(name: str, check) -> tuple[str, str]:
+    try:
+        await check()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return name, f"error: {type(exc).__name__}: {exc}"
+    return name, "ok"
+
+
+async def _deployment_state(deployment: ModelDeployment) -> tuple[str, str]:
+    pool = get_pool()
+    all_stats = await asyncio.gather(*(pool.stats(ep) for ep in deployment.endpoints))
+    ready = sum(1 for stats in all_stats if stats is not None and stats.ready)
+    state = "ok" if ready else "error: no ready replica"
+    return f"model:{deployment.name}", f"{state} ({ready}/{len(all_stats)} replicas ready)"
+
+
+async def readiness() -> dict:
+    checks = dict(
+        await asyncio.gather(_check("database", _check_database), _check("cache", _check_cache))
+    )
+    if checks["database"] == "ok":
+        deployments = await _enabled_deployments()
+        checks.update(await asyncio.gather(*(_deployment_state(d) for d in deployments)))
+    is_ready = all(value.startswith("ok") for value in checks.values())
+    return {"status": "ok" if is_ready else "unavailable", "checks": checks}

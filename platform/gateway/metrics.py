@@ -1,0 +1,84 @@
+"""The gateway's Prometheus metrics: requests by tenant, model and status; tokens; TTFT and
+latency histograms. Label values are bounded: past ``MAX_LABEL_VALUES`` distinct tenants or
+models, new ones are counted as "other", so a flood of names cannot blow up the registry."""
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from tenants.metering import Meter
+from tenants.models import Tenant
+
+MAX_LABEL_VALUES = 200
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+registry = CollectorRegistry(auto_describe=True)
+requests_total = Counter(
+    "llm_gateway_requests",
+    "API requests by tenant, model and outcome.",
+    ["tenant", "model", "status"],
+    registry=registry,
+)
+tokens_total = Counter(
+    "llm_gateway_tokens",
+    "Tokens metered, by tenant, model and kind (prompt, completion, cached).",
+    ["tenant", "model", "kind"],
+    registry=registry,
+)
+time_to_first_token = Histogram(
+    "llm_gateway_time_to_first_token_seconds",
+    "Time from admission to the first token.",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+    registry=registry,
+)
+request_latency = Histogram(
+    "llm_gateway_request_latency_seconds",
+    "Time from admission to the last byte.",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+    registry=registry,
+)
+
+
+class BoundedLabel:
+    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        with self._lock:
+            if len(self._seen) >= self.limit:
+                return "other"
+            self._seen.add(value)
+        return value
+
+
+tenant_label = BoundedLabel()
+model_label = BoundedLabel()
+
+
+def observe_refusal(model: str, status: str, tenant: str = "unknown") -> None:
+    requests_total.labels(tenant_label(tenant), model_label(model), status).inc()
+
+
+def observe_finished(model: str, tenant: Tenant, meter: Meter) -> None:
+    tenant_name, model_name = tenant_label(tenant.slug), model_label(model)
+    requests_total.labels(tenant_name, model_name, meter.status).inc()
+    for kind, count in (
+        ("prompt", meter.prompt_tokens),
+        ("completion", meter.completion_tokens),
+        ("cached", meter.cached_tokens),
+    ):
+        if count:
+            tokens_total.labels(tenant_name, model_name, kind).inc(count)
+    if meter.first_token_at is not None:
+        time_to_first_token.labels(model_name).observe(meter.first_token_at - meter.started_at)
+    request_latency.labels(model_name).observe(meter.finished_at - meter.started_at)
+
+
+def exposition() -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,195 @@
+"""One API generation request from HTTP to engine and back: authenticate, validate, route,
+admit, run, meter. Views stay thin and call ``serve_generation``."""
+
+import asyncio
+import contextlib
+import functools
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+
+from gateway import metrics
+from gateway.auth import authenticate
+from gateway.errors import ApiError
+from gateway.generation import Generation, fan_out
+from gateway.validation import GenerationPlan, finalize_max_tokens
+from serving.models import ModelDeployment
+from serving.pool import NoReadyReplica, get_pool
+from serving.selectors import deployment_for_tenant
+from tenants.metering import metered
+from tenants.models import ApiKey, UsageRecord
+from tenants.quotas import QuotaExceeded
+from tenants.selectors import tenant_cache_salt
+
+RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
+
+
+def read_body(request: HttpRequest) -> bytes:
+    limit = settings.GATEWAY_MAX_BODY_BYTES
+    length = request.headers.get("Content-Length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+    content_type = request.content_type or ""
+    if content_type and content_type != "application/json":
+        raise ApiError(
+            415, "Send the request body as application/json.", code="unsupported_media_type"
+        )
+    try:
+        body = request.body
+    except RequestDataTooBig as exc:
+        raise ApiError(
+            413, f"The request body exceeds {limit} bytes.", code="request_too_large"
+        ) from exc
+    if len(body) > limit:
+        raise ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+    return body
+
+
+@sync_to_async
+def _resolve(api_key: ApiKey, model: str) -> tuple[ModelDeployment, str | None]:
+    deployment = deployment_for_tenant(tenant=api_key.tenant, name=model)
+    if deployment is None:
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist or you do not have access to it.",
+            code="model_not_found",
+            param="model",
+        )
+    return deployment, tenant_cache_salt(tenant=api_key.tenant)
+
+
+async def _route(deployment: ModelDeployment) -> tuple[str, int]:
+    """The replica to use and the context length it serves."""
+    pool = get_pool()
+    try:
+        endpoint = await pool.choose(deployment.endpoints)
+    except NoReadyReplica as exc:
+        raise ApiError(
+            503,
+            f"The model '{deployment.name}' has no ready replica right now.",
+            code="engine_unavailable",
+            headers={"Retry-After": "5"},
+        ) from exc
+    max_context = deployment.max_context or await pool.max_model_len(endpoint)
+    if max_context is None:
+        raise ApiError(
+            503,
+            f"The model '{deployment.name}' is not answering right now.",
+            code="engine_unavailable",
+            headers={"Retry-After": "5"},
+        )
+    return endpoint, max_context
+
+
+async def serve_generation(
+    request: HttpRequest, kind: str, plan_of: Callable[[bytes], GenerationPlan]
+) -> HttpResponse:
+    model, tenant = "unknown", "unknown"
+    try:
+        api_key = await authenticate(request)
+        tenant = api_key.tenant.slug
+        plan = plan_of(read_body(request))
+        deployment, cache_salt = await _resolve(api_key, plan.model)
+        model = deployment.name
+        endpoint, max_context = await _route(deployment)
+        reserved = finalize_max_tokens(plan, max_context)
+        response_id = RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
+        requests = fan_out(plan, response_id, cache_salt, str(api_key.tenant_id))
+        return await _run(
+            kind, plan, requests, api_key, deployment, endpoint, reserved, response_id
+        )
+    except QuotaExceeded as exc:
+        metrics.observe_refusal(model, "rate_limited", tenant)
+        return ApiError(429, str(exc), code="rate_limit_exceeded", headers=exc.headers).response()
+    except ApiError as exc:
+        metrics.observe_refusal(model, str(exc.status), tenant)
+        return exc.response()
+
+
+async def _run(
+    kind: str,
+    plan: GenerationPlan,
+    requests: list,
+    api_key: ApiKey,
+    deployment: ModelDeployment,
+    endpoint: str,
+    reserved: int,
+    response_id: str,
+) -> HttpResponse:
+    stack = contextlib.AsyncExitStack()
+    meter = await stack.enter_async_context(
+        metered(
+            request_id=response_id,
+            tenant=api_key.tenant,
+            api_key=api_key,
+            model=deployment.name,
+            source=UsageRecord.Source.API,
+            estimated_tokens=reserved,
+            on_finish=functools.partial(metrics.observe_finished, deployment.name, api_key.tenant),
+        )
+    )
+    pool = get_pool()
+    stack.enter_context(pool.track(endpoint))
+    generation = Generation(
+        kind=kind,
+        plan=plan,
+        requests=requests,
+        client=pool.client(endpoint),
+        meter=meter,
+        response_id=response_id,
+        model=deployment.name,
+    )
+    headers = {"x-request-id": response_id, **meter.headers}
+    try:
+        await generation.start()
+        if not plan.stream:
+            body = await generation.complete()
+    except BaseException:
+        await stack.aclose()
+        raise
+    if not plan.stream:
+        await stack.aclose()
+        response = HttpResponse(msgspec.json.encode(body), content_type="application/json")
+    else:
+        response = GenerationStreamResponse(generation, stack)
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+class GenerationStreamResponse(StreamingHttpResponse):
+    """Server-sent events of a started ``Generation``; the usage record is written when the
+    stream ends, is cancelled by a disconnect, or is never started at all."""
+
+    def __init__(self, generation: Generation, stack: contextlib.AsyncExitStack) -> None:
+        self._generation = generation
+        self._stack = stack
+        self._is_started = False
+        self._loop = asyncio.get_running_loop()
+        super().__init__(self._events(), content_type="text/event-stream")
+        self["Cache-Control"] = "no-cache"
+        self["X-Accel-Buffering"] = "no"
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        self._is_started = True
+        try:
+            async for event in self._generation.sse():
+                yield event
+        finally:
+            await self._stack.aclose()
+
+    def close(self) -> None:
+        super().close()
+        if not self._is_started:
+            # Django never iterated the stream (the client left first): finish it here.
+            self._loop.call_soon_threadsafe(asyncio.ensure_future, self._abandon())
+
+    async def _abandon(self) -> None:
+        self._generation.meter.fail("cancelled", UsageRecord.Status.CANCELLED)
+        await self._generation.close()
+        await self._stack.aclose()

@@ -1,0 +1,203 @@
+"""From a request body to engine requests, or a 400 that names the offending ``param``."""
+
+import re
+from dataclasses import dataclass
+
+import msgspec
+
+from gateway.errors import invalid
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from inference_engine.protocol import GenerateRequest, Message, SamplingParams
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_LOGPROBS = 20
+MAX_MESSAGES = 1024
+MAX_USER_CHARS = 256
+SEED_RANGE = range(-(2**63), 2**63)
+# max_tokens until the context length is known (see finalize_max_tokens)
+UNBOUNDED = 2**31 - 1
+# OpenAI's rule of thumb, used only to reserve tokens per minute before the engine counts.
+CHARS_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_FIELD = re.compile(r"field `([^`]+)`")
+# SamplingParams names its field in its ValueError; the API may call it differently.
+_API_PARAM = {"logprobs": "top_logprobs", "stop_token_ids": "stop"}
+
+
+@dataclass
+class GenerationPlan:
+    """What one API request asks the engine for: one engine request per choice."""
+
+    model: str
+    prompts: list[GenerateRequest]  # one per prompt, before the fan-out by n
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    estimated_prompt_tokens: int
+    max_tokens: int | None  # None: up to the context length
+
+
+def decode(body: bytes, request_type: type) -> msgspec.Struct:
+    if not body:
+        raise invalid("The request body is empty; send a JSON object.")
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as exc:
+        raise invalid(str(exc), param=_param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise invalid(f"The request body is not valid JSON: {exc}") from exc
+
+
+def _param_of(message: str) -> str | None:
+    path = _PATH.search(message)
+    prefix = path.group(1) if path else ""
+    field = _FIELD.search(message)
+    if field:
+        return f"{prefix}.{field.group(1)}" if prefix else field.group(1)
+    return prefix or None
+
+
+def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
+    if not request.model:
+        raise invalid("model must be a non-empty string.", "model")
+    n = 1 if request.n is None else request.n
+    if not 1 <= n <= MAX_N:
+        raise invalid(f"n must be between 1 and {MAX_N}.", "n")
+    if request.stop is not None:
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop
+        if len(stops) > MAX_STOP or not all(stops):
+            raise invalid(f"stop must be a non-empty string or up to {MAX_STOP} of them.", "stop")
+    if request.stream_options is not None and not request.stream:
+        raise invalid("stream_options is only allowed when stream is true.", "stream_options")
+    if request.seed is not None and request.seed not in SEED_RANGE:
+        raise invalid("seed must fit in a signed 64-bit integer.", "seed")
+    if request.user is not None and len(request.user) > MAX_USER_CHARS:
+        raise invalid(f"user must be at most {MAX_USER_CHARS} characters.", "user")
+
+
+def _sampling_params(
+    request: ChatCompletionRequest | CompletionRequest,
+    *,
+    max_tokens: int | None,
+    max_tokens_param: str,
+    logprobs: int | None,
+) -> SamplingParams:
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    values = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "repetition_penalty": request.repetition_penalty,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "seed": request.seed,
+        "max_tokens": max_tokens,
+        "min_tokens": request.min_tokens,
+        "stop": stop,
+        "ignore_eos": request.ignore_eos,
+        "logprobs": logprobs,
+    }
+    try:
+        return SamplingParams(**{name: v for name, v in values.items() if v is not None})
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        param = max_tokens_param if field == "max_tokens" else _API_PARAM.get(field, field)
+        raise invalid(str(exc).replace(field, param, 1), param) from exc
+
+
+def plan_chat(body: bytes) -> GenerationPlan:
+    request = decode(body, ChatCompletionRequest)
+    _check_common(request)
+    if not request.messages:
+        raise invalid("messages must contain at least one message.", "messages")
+    if len(request.messages) > MAX_MESSAGES:
+        raise invalid(f"messages may hold at most {MAX_MESSAGES} messages.", "messages")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise invalid("top_logprobs needs logprobs to be true.", "top_logprobs")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
+    params = _sampling_params(
+        request,
+        max_tokens=max_tokens if max_tokens is not None else UNBOUNDED,
+        max_tokens_param=max_tokens_param,
+        logprobs=logprobs,
+    )
+    messages = [Message(role=m.role, content=m.text()) for m in request.messages]
+    estimate = sum(len(m.content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE for m in messages)
+    return GenerationPlan(
+        model=request.model,
+        prompts=[GenerateRequest(messages=messages, params=params)],
+        n=request.n or 1,
+        stream=bool(request.stream),
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        logprobs=logprobs,
+        estimated_prompt_tokens=estimate,
+        max_tokens=max_tokens,
+    )
+
+
+def plan_completion(body: bytes) -> GenerationPlan:
+    request = decode(body, CompletionRequest)
+    _check_common(request)
+    if request.echo:
+        raise invalid("echo is not supported.", "echo")
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be between 0 and {MAX_LOGPROBS}.", "logprobs")
+    params = _sampling_params(
+        request,
+        max_tokens=request.max_tokens if request.max_tokens is not None else UNBOUNDED,
+        max_tokens_param="max_tokens",
+        logprobs=request.logprobs,
+    )
+    prompts, estimate = _completion_prompts(request.prompt, params)
+    return GenerationPlan(
+        model=request.model,
+        prompts=prompts,
+        n=request.n or 1,
+        stream=bool(request.stream),
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        logprobs=request.logprobs,
+        estimated_prompt_tokens=estimate,
+        max_tokens=request.max_tokens,
+    )
+
+
+def _completion_prompts(
+    prompt: str | list[str | int], params: SamplingParams
+) -> tuple[list[GenerateRequest], int]:
+    if isinstance(prompt, str):
+        texts: list[str] = [prompt]
+    elif prompt and all(isinstance(item, int) for item in prompt):
+        if any(item < 0 for item in prompt):
+            raise invalid("prompt token ids must be non-negative.", "prompt")
+        return [GenerateRequest(prompt_token_ids=list(prompt), params=params)], len(prompt)
+    elif prompt and all(isinstance(item, str) for item in prompt):
+        texts = list(prompt)
+    else:
+        raise invalid(
+            "prompt must be a string, a non-empty list of strings or a list of token ids.",
+            "prompt",
+        )
+    if len(texts) > MAX_N:
+        raise invalid(f"prompt may hold at most {MAX_N} strings.", "prompt")
+    if not all(texts):
+        raise invalid("prompt must not be empty.", "prompt")
+    requests = [GenerateRequest(prompt=text, params=params) for text in texts]
+    return requests, sum(len(text) // CHARS_PER_TOKEN + 1 for text in texts)
+
+
+def finalize_max_tokens(plan: GenerationPlan, max_context: int) -> int:
+    """Give every request its max_tokens (as asked, else the whole context: the engine stops
+    at its context length) and return the tokens to reserve for the whole plan."""
+    max_tokens = plan.max_tokens or max_context
+    for request in plan.prompts:
+        request.params.max_tokens = max_tokens
+    completion = plan.max_tokens or max(0, max_context - plan.estimated_prompt_tokens)
+    return plan.estimated_prompt_tokens + completion * plan.n * len(plan.prompts)

@@ -1,0 +1,110 @@
+"""Thin async views: each one hands the request to a service and returns its response."""
+
+import msgspec
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from gateway import health, metrics, openapi
+from gateway.auth import authenticate
+from gateway.errors import ApiError
+from gateway.schemas import Model, ModelList
+from gateway.service import serve_generation
+from gateway.validation import plan_chat, plan_completion
+from serving.selectors import deployments_for_tenant
+
+
+def _method_not_allowed(request: HttpRequest, allowed: str) -> HttpResponse:
+    error = ApiError(
+        405, f"Use {allowed} for {request.path}.", code="method_not_allowed", headers={}
+    )
+    response = error.response()
+    response["Allow"] = allowed
+    return response
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return _method_not_allowed(request, "POST")
+    return await serve_generation(request, "chat", plan_chat)
+
+
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return _method_not_allowed(request, "POST")
+    return await serve_generation(request, "completion", plan_completion)
+
+
+@sync_to_async
+def _models_of(tenant) -> list[Model]:
+    return [
+        Model(
+            id=d.name,
+            object="model",
+            created=int(d.created_at.timestamp()),
+            owned_by=d.owned_by,
+            max_model_len=d.max_context,
+        )
+        for d in deployments_for_tenant(tenant=tenant)
+    ]
+
+
+async def models(request: HttpRequest) -> HttpResponse:
+    if request.method != "GET":
+        return _method_not_allowed(request, "GET")
+    try:
+        api_key = await authenticate(request)
+    except ApiError as exc:
+        return exc.response()
+    data = await _models_of(api_key.tenant)
+    return _json(ModelList(object="list", data=data))
+
+
+async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
+    if request.method != "GET":
+        return _method_not_allowed(request, "GET")
+    try:
+        api_key = await authenticate(request)
+    except ApiError as exc:
+        return exc.response()
+    for entry in await _models_of(api_key.tenant):
+        if entry.id == model:
+            return _json(entry)
+    return ApiError(
+        404, f"The model '{model}' does not exist.", code="model_not_found", param="model"
+    ).response()
+
+
+async def live(request: HttpRequest) -> HttpResponse:
+    return _json({"status": "ok"})
+
+
+async def ready(request: HttpRequest) -> HttpResponse:
+    report = await health.readiness()
+    return _json(report, status=200 if report["status"] == "ok" else 503)
+
+
+async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
+    token = settings.METRICS_BEARER_TOKEN
+    if token and request.headers.get("Authorization") != f"Bearer {token}":
+        return ApiError(401, "Metrics need the metrics bearer token.").response()
+    return HttpResponse(metrics.exposition(), content_type="text/plain; version=0.0.4")
+
+
+async def openapi_document(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(openapi.document(), content_type="application/json")
+
+
+def api_not_found(request: HttpRequest, path: str = "") -> HttpResponse:
+    return ApiError(
+        404, f"Unknown API route: {request.method} {request.path}", code="unknown_route"
+    ).response()
+
+
+def _json(payload: object, status: int = 200) -> HttpResponse:
+    return HttpResponse(
+        msgspec.json.encode(payload), status=status, content_type="application/json"
+    )

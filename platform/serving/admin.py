@@ -1,0 +1,15 @@
+from django.contrib import admin
+
+from serving.models import ModelDeployment
+
+
+@admin.register(ModelDeployment)
+class ModelDeploymentAdmin(admin.ModelAdmin):
+    list_display = ("name", "is_enabled", "max_context", "endpoint_list", "created_at")
+    list_filter = ("is_enabled",)
+    search_fields = ("name", "description")
+    filter_horizontal = ("plans",)
+
+    @admin.display(description="Endpoints")
+    def endpoint_list(self, obj: ModelDeployment) -> str:
+        return ", ".join(obj.endpoints or [])

@@ -1,0 +1,105 @@
+"""Each web process keeps one ``AsyncEngineClient`` per engine endpoint and routes every
+request to the least-loaded ready replica of its deployment.
+
+Load is the replica's last reported running plus waiting requests (refreshed at most every
+``STATS_TTL_SECONDS``) plus what this process has sent it since. zmq.asyncio sockets belong
+to one event loop, so there is one pool per running loop.
+"""
+
+import asyncio
+import contextlib
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from inference_engine.client import AsyncEngineClient, EngineUnavailable
+
+STATS_TTL_SECONDS = 1.0
+STATS_TIMEOUT_SECONDS = 1.0
+
+
+class NoReadyReplica(Exception):
+    """No replica of the deployment answered as ready."""
+
+
+@dataclass
+class _Load:
+    stats: object | None
+    fetched_at: float
+
+
+class EnginePool:
+    def __init__(self) -> None:
+        self._clients: dict[str, AsyncEngineClient] = {}
+        self._loads: dict[str, _Load] = {}
+        self._in_flight: Counter[str] = Counter()
+
+    def client(self, endpoint: str) -> AsyncEngineClient:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = self._clients[endpoint] = AsyncEngineClient(endpoint)
+        return client
+
+    async def stats(self, endpoint: str, timeout: float = STATS_TIMEOUT_SECONDS):
+        """The replica's STATS, or None when it does not answer in time."""
+        try:
+            stats = await asyncio.wait_for(self.client(endpoint).stats(), timeout)
+        except (TimeoutError, EngineUnavailable):
+            stats = None
+        self._loads[endpoint] = _Load(stats, time.monotonic())
+        return stats
+
+    async def _recent_stats(self, endpoint: str):
+        load = self._loads.get(endpoint)
+        if load is not None and time.monotonic() - load.fetched_at < STATS_TTL_SECONDS:
+            return load.stats
+        return await self.stats(endpoint)
+
+    async def max_model_len(self, endpoint: str) -> int | None:
+        stats = await self._recent_stats(endpoint)
+        return stats.max_model_len if stats is not None and stats.max_model_len else None
+
+    async def choose(self, endpoints: list[str]) -> str:
+        """The least-loaded ready replica; raises ``NoReadyReplica``."""
+        if len(endpoints) == 1:
+            # One replica: nothing to choose, and the request itself reports a dead engine.
+            return endpoints[0]
+        all_stats = await asyncio.gather(*(self._recent_stats(ep) for ep in endpoints))
+        ready = [
+            (stats.num_requests_running + stats.num_requests_waiting + self._in_flight[ep], ep)
+            for ep, stats in zip(endpoints, all_stats, strict=True)
+            if stats is not None and stats.ready
+        ]
+        if not ready:
+            raise NoReadyReplica(f"none of {len(endpoints)} replicas is ready")
+        return min(ready)[1]
+
+    @contextlib.contextmanager
+    def track(self, endpoint: str) -> Iterator[None]:
+        """Count a request against ``endpoint`` while it runs."""
+        self._in_flight[endpoint] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[endpoint] -= 1
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+
+_pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EnginePool]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def get_pool() -> EnginePool:
+    """This event loop's pool."""
+    loop = asyncio.get_running_loop()
+    pool = _pools.get(loop)
+    if pool is None:
+        pool = _pools[loop] = EnginePool()
+    return pool

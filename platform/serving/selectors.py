@@ -1,0 +1,22 @@
+"""Which deployments a tenant may use."""
+
+from django.db.models import Q, QuerySet
+
+from serving.models import ModelDeployment
+from tenants.models import Tenant
+
+
+def deployments_for_tenant(*, tenant: Tenant) -> QuerySet[ModelDeployment]:
+    """Enabled deployments open to the tenant's plan (the deployment's plans and the plan's
+    allowed models must both admit it)."""
+    deployments = ModelDeployment.objects.filter(is_enabled=True).filter(
+        Q(plans=None) | Q(plans=tenant.plan_id)
+    )
+    allowed = tenant.plan.allowed_models
+    if allowed:
+        deployments = deployments.filter(name__in=allowed)
+    return deployments.distinct().order_by("name")
+
+
+def deployment_for_tenant(*, tenant: Tenant, name: str) -> ModelDeployment | None:
+    return deployments_for_tenant(tenant=tenant).filter(name=name).first()

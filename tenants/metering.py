@@ -1,0 +1,120 @@
+"""Admission plus metering around one request, shared by the API and the chat.
+
+``metered()`` admits the request (or raises ``QuotaExceeded`` having recorded nothing),
+yields a ``Meter`` for the caller to fill with the engine's real counts, and on the way out,
+whatever happens (success, engine failure, client disconnect, cancellation), releases the
+admission with the real token count and writes exactly one ``UsageRecord``.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from asgiref.sync import sync_to_async
+from django.contrib.auth.models import AbstractBaseUser
+
+from tenants import quotas, services
+from tenants.models import ApiKey, Tenant, UsageRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Meter:
+    request_id: str
+    started_at: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    finished_at: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    status: str = UsageRecord.Status.OK
+    error_code: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def mark_first_token(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+
+    def fail(self, error_code: str, status: str = UsageRecord.Status.ERROR) -> None:
+        self.status = status
+        self.error_code = error_code
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@asynccontextmanager
+async def metered(
+    *,
+    request_id: str,
+    tenant: Tenant,
+    model: str,
+    source: str,
+    estimated_tokens: int,
+    api_key: ApiKey | None = None,
+    user: AbstractBaseUser | None = None,
+    on_finish: Callable[[Meter], None] | None = None,
+) -> AsyncIterator[Meter]:
+    """See the module docstring; ``on_finish`` sees the final meter (metrics, logs)."""
+    ticket = await quotas.aadmission_acquire(
+        tenant=tenant, api_key=api_key, estimated_tokens=estimated_tokens
+    )
+    meter = Meter(request_id=request_id, headers=ticket.headers)
+    try:
+        yield meter
+    except asyncio.CancelledError:
+        if meter.status == UsageRecord.Status.OK:
+            meter.fail("cancelled", UsageRecord.Status.CANCELLED)
+        raise
+    except BaseException:
+        if meter.status == UsageRecord.Status.OK:
+            meter.fail("internal_error")
+        raise
+    finally:
+        meter.finished_at = finished_at = time.time()
+        # Shielded: a second cancellation must not lose the record or leak the slot.
+        await asyncio.shield(
+            _finish(meter, ticket, tenant, api_key, user, model, source, finished_at)
+        )
+        if on_finish is not None:
+            on_finish(meter)
+
+
+@sync_to_async
+def _finish(
+    meter: Meter,
+    ticket: quotas.AdmissionTicket,
+    tenant: Tenant,
+    api_key: ApiKey | None,
+    user: AbstractBaseUser | None,
+    model: str,
+    source: str,
+    finished_at: float,
+) -> None:
+    try:
+        quotas.admission_release(ticket=ticket, actual_tokens=meter.total_tokens)
+    finally:
+        ttft = meter.first_token_at
+        services.usage_record_create(
+            request_id=meter.request_id,
+            tenant=tenant,
+            api_key=api_key,
+            user=user,
+            model=model,
+            source=source,
+            status=meter.status,
+            error_code=meter.error_code,
+            prompt_tokens=meter.prompt_tokens,
+            completion_tokens=meter.completion_tokens,
+            cached_tokens=meter.cached_tokens,
+            time_to_first_token_ms=(ttft - meter.started_at) * 1000 if ttft else None,
+            latency_ms=(finished_at - meter.started_at) * 1000,
+            started_at=datetime.fromtimestamp(meter.started_at, UTC),
+            finished_at=datetime.fromtimestamp(finished_at, UTC),
+        )

@@ -1,0 +1,141 @@
+"""A live platform for gateway tests: an engine subprocess on a tiny model and a Daphne
+subprocess sharing the test database (and Redis, when REDIS_URL is set)."""
+
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, ROOT, subprocess_env
+
+MODEL_NAME = "tiny-llama"
+MAX_MODEL_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def database_url() -> str:
+    from django.db import connection
+
+    settings = connection.settings_dict
+    if settings["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{settings['NAME']}"
+    return (
+        f"postgres://{settings['USER']}:{settings['PASSWORD']}@{settings['HOST']}:"
+        f"{settings['PORT']}/{settings['NAME']}"
+    )
+
+
+class Engine:
+    def __init__(self, model_dir: str, endpoint: str, log: Path) -> None:
+        self.model_dir, self.endpoint, self.log = model_dir, endpoint, log
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                PYTHON,
+                "-m",
+                "inference_engine",
+                "--model",
+                self.model_dir,
+                "--endpoint",
+                self.endpoint,
+                "--served-model-name",
+                MODEL_NAME,
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--num-kv-blocks",
+                "256",
+            ],
+            cwd=ROOT,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self, sig: int = 15) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from tests.inference_engine.conftest import save_model
+
+    return save_model(tmp_path_factory.mktemp("gateway-model") / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine")
+    engine = Engine(tiny_model_dir, f"ipc://{folder}/engine.sock", folder / "engine.log")
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def daphne_server(django_db_setup, django_db_blocker, engine, tmp_path_factory):
+    """Base URL of a Daphne subprocess serving the platform on the test database."""
+    folder = tmp_path_factory.mktemp("daphne")
+    port = free_port()
+    env = subprocess_env(
+        DATABASE_URL=database_url(),
+        SECRET_KEY="live-server-test-secret-key-0123456789-abcdefghijklmnopqrstuvwxyz",
+        DEBUG="1",
+        VAR_DIR=str(folder),
+    )
+    log = (folder / "daphne.log").open("ab")
+    process = subprocess.Popen(
+        [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(f"{base}/health/live"), 60, "Daphne")
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        if os.environ.get("SHOW_LIVE_LOGS"):
+            print((folder / "daphne.log").read_text())

@@ -1,0 +1,246 @@
+"""The API end to end with the official openai SDK against a live Daphne and engine."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from django.utils import timezone
+
+from serving.services import deployment_register
+from tenants import services
+from tenants.models import Plan, UsageRecord
+from tests.gateway.conftest import MAX_MODEL_LEN, MODEL_NAME, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+
+
+class Platform:
+    def __init__(self, base: str, engine, key: str, tenant) -> None:
+        self.base, self.engine, self.key, self.tenant = base, engine, key, tenant
+
+    def client(self, key: str | None = None, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key or self.key, **kwargs)
+
+    def async_client(self, key: str | None = None) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key=key or self.key)
+
+    def records(self) -> list[UsageRecord]:
+        return list(UsageRecord.objects.filter(tenant=self.tenant).order_by("started_at"))
+
+
+def _engine_stats(endpoint: str):
+    from inference_engine.client import AsyncEngineClient
+
+    async def fetch():
+        client = AsyncEngineClient(endpoint)
+        try:
+            return await client.wait_ready(timeout=60)
+        finally:
+            client.close()
+
+    return asyncio.run(fetch())
+
+
+@pytest.fixture
+def platform(daphne_server, engine):
+    _engine_stats(engine.endpoint)
+    plan = Plan.objects.create(slug="open", name="Open")
+    tenant = services.tenant_create(slug="acme", plan=plan)
+    _, key = services.api_key_create(tenant=tenant, name="sdk")
+    deployment_register(name=MODEL_NAME, endpoints=[engine.endpoint])
+    return Platform(daphne_server, engine, key, tenant)
+
+
+def _greedy_chat(client: openai.OpenAI, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0, **kwargs
+    )
+
+
+def test_chat_completion_with_the_sync_client(platform):
+    completion = _greedy_chat(platform.client(), max_tokens=8)
+
+    assert completion.object == "chat.completion"
+    assert completion.model == MODEL_NAME
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == 8
+    assert completion.usage.prompt_tokens > 0
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 8
+    assert completion.usage.prompt_tokens_details.cached_tokens >= 0
+    [record] = platform.records()
+    assert record.request_id == completion.id
+    assert (record.prompt_tokens, record.completion_tokens) == (completion.usage.prompt_tokens, 8)
+    assert record.status == "ok" and record.source == "api"
+    assert record.time_to_first_token_ms is not None and record.latency_ms > 0
+
+
+async def test_streamed_chat_matches_the_whole_one_with_the_async_client(platform):
+    client = platform.async_client()
+    whole = await client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=12
+    )
+    stream = await client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    await client.close()
+
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_with_n_and_stop(platform):
+    client = platform.client()
+    greedy = client.completions.create(
+        model=MODEL_NAME, prompt="hello world", max_tokens=16, temperature=0
+    )
+    text = greedy.choices[0].text
+    assert greedy.object == "text_completion" and len(text) > 4
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+
+    stopped = client.completions.create(
+        model=MODEL_NAME, prompt="hello world", max_tokens=16, temperature=0, stop=[stop], n=2
+    )
+    assert len(stopped.choices) == 2
+    for choice in stopped.choices:
+        assert choice.finish_reason == "stop"
+        assert stop not in choice.text and text.startswith(choice.text)
+
+    sampled = client.completions.create(
+        model=MODEL_NAME, prompt="hello world", max_tokens=6, n=3, seed=7, stream=True
+    )
+    by_index: dict[int, str] = {}
+    for chunk in sampled:
+        for choice in chunk.choices:
+            by_index[choice.index] = by_index.get(choice.index, "") + choice.text
+    assert sorted(by_index) == [0, 1, 2]
+    # the stream's record is written as the stream closes, just after [DONE]
+    wait_until(lambda: len(platform.records()) == 3, 10, "the streamed request's record")
+    assert platform.records()[-1].completion_tokens == 18
+
+
+def test_models_are_listed_per_plan(platform):
+    models = platform.client().models.list()
+    assert [model.id for model in models.data] == [MODEL_NAME]
+    assert platform.client().models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+    closed = Plan.objects.create(slug="closed", name="Closed", allowed_models=["other"])
+    other = services.tenant_create(slug="globex", plan=closed)
+    _, other_key = services.api_key_create(tenant=other, name="k")
+    assert platform.client(other_key).models.list().data == []
+    with pytest.raises(openai.NotFoundError):
+        platform.client(other_key).models.retrieve(MODEL_NAME)
+    with pytest.raises(openai.NotFoundError) as refused:
+        _greedy_chat(platform.client(other_key), max_tokens=2)
+    assert refused.value.code == "model_not_found"
+
+
+def test_errors_arrive_as_the_sdks_exceptions(platform):
+    with pytest.raises(openai.AuthenticationError):
+        _greedy_chat(platform.client("sk-" + "x" * 48), max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        platform.client().chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as bad:
+        _greedy_chat(platform.client(), max_tokens=2, top_p=7)
+    assert bad.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        platform.client().completions.create(
+            model=MODEL_NAME, prompt=list(range(1, MAX_MODEL_LEN + 10)), max_tokens=2
+        )
+    assert too_long.value.code == "context_length_exceeded"
+
+    api_key, _ = services.api_key_create(tenant=platform.tenant, name="x")
+    services.api_key_revoke(api_key=api_key)
+    platform.tenant.is_active = False
+    platform.tenant.save()
+    with pytest.raises(openai.PermissionDeniedError):
+        _greedy_chat(platform.client(), max_tokens=2)
+
+
+def test_rate_limit_arrives_as_rate_limit_error_with_headers(platform):
+    platform.tenant.requests_per_minute = 1
+    platform.tenant.save()
+    client = platform.client(max_retries=0)
+    _greedy_chat(client, max_tokens=2)
+
+    with pytest.raises(openai.RateLimitError) as refused:
+        _greedy_chat(client, max_tokens=2)
+    headers = refused.value.response.headers
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-limit-requests"] == "1"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert len(platform.records()) == 1
+
+
+def test_a_client_disconnect_aborts_the_engine_and_is_metered_once(platform):
+    body = {
+        "model": MODEL_NAME,
+        "messages": MESSAGES,
+        "max_tokens": MAX_MODEL_LEN - 40,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {platform.key}"}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream(
+            "POST", f"{platform.base}/v1/chat/completions", json=body, headers=headers
+        ) as r,
+    ):
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+            if events == 3:
+                break
+
+    wait_until(lambda: len(platform.records()) == 1, 30, "the usage record")
+    [record] = platform.records()
+    assert record.status == "cancelled"
+    assert 0 < record.completion_tokens < MAX_MODEL_LEN - 40
+    wait_until(
+        lambda: _engine_stats(platform.engine.endpoint).num_requests_running == 0, 30, "an abort"
+    )
+    time.sleep(0.5)
+    assert len(platform.records()) == 1
+
+
+def test_operations_endpoints(platform):
+    ready = httpx.get(f"{platform.base}/health/ready", timeout=30)
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"][f"model:{MODEL_NAME}"].startswith("ok")
+    assert httpx.get(f"{platform.base}/health/live").json() == {"status": "ok"}
+
+    _greedy_chat(platform.client(), max_tokens=2)
+    metrics = httpx.get(f"{platform.base}/metrics").text
+    assert 'llm_gateway_requests_total{model="tiny-llama",status="ok",tenant="acme"}' in metrics
+    assert "llm_gateway_time_to_first_token_seconds_bucket" in metrics
+
+    spec = httpx.get(f"{platform.base}/v1/openapi.json").json()
+    assert spec["openapi"].startswith("3.1")
+    assert {"/chat/completions", "/completions", "/models"} <= set(spec["paths"])
+    assert "max_completion_tokens" in json.dumps(spec["components"]["schemas"])
+
+
+def test_usage_timestamps_are_recent(platform):
+    _greedy_chat(platform.client(), max_tokens=2)
+    [record] = platform.records()
+    assert timezone.now() - record.finished_at < timezone.timedelta(minutes=1)
