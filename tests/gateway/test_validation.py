@@ -1,0 +1,125 @@
+import json
+
+import pytest
+
+from gateway.errors import ApiError
+from gateway.validation import finalize_max_tokens, plan_chat, plan_completion
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _chat(**fields) -> bytes:
+    return json.dumps({**CHAT, **fields}).encode()
+
+
+def _error(plan, body: bytes) -> ApiError:
+    with pytest.raises(ApiError) as excinfo:
+        plan(body)
+    assert excinfo.value.status == 400
+    return excinfo.value
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -5}, "max_completion_tokens"),
+        ({"n": 0}, "n"),
+        ({"n": 999}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"seed": 2**70}, "seed"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"tools": []}, "tools"),
+        ({"model": ""}, "model"),
+        ({"user": "u" * 300}, "user"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ],
+)
+def test_invalid_chat_fields_name_their_param(fields, param):
+    assert _error(plan_chat, _chat(**fields)).param == param
+
+
+@pytest.mark.parametrize(
+    "body", [b"", b"{", b"[]", b'"text"', b"\xff\xfe", b'{"model": "m"}', b"null"]
+)
+def test_malformed_bodies_are_refused(body):
+    error = _error(plan_chat, body)
+    assert error.message
+
+
+def test_a_valid_chat_request_becomes_one_engine_request():
+    plan = plan_chat(
+        _chat(
+            messages=[
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+                },
+            ],
+            temperature=0,
+            max_completion_tokens=7,
+            max_tokens=99,
+            stop="END",
+            n=2,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+            top_logprobs=2,
+            top_k=5,
+        )
+    )
+    [request] = plan.prompts
+    assert [m.content for m in request.messages] == ["be brief", "hi there"]
+    params = request.params
+    assert (params.temperature, params.max_tokens, params.stop) == (0, 7, ["END"])
+    assert (params.seed, params.top_k, params.logprobs) == (3, 5, 2)
+    assert plan.n == 2 and plan.stream and plan.include_usage
+    assert finalize_max_tokens(plan, max_context=100) == plan.estimated_prompt_tokens + 14
+
+
+def test_nulls_mean_defaults():
+    plan = plan_chat(_chat(temperature=None, top_p=None, n=None, stop=None, max_tokens=None))
+    assert plan.prompts[0].params.temperature == 1.0 and plan.n == 1
+    assert finalize_max_tokens(plan, max_context=64) > plan.estimated_prompt_tokens
+    assert plan.prompts[0].params.max_tokens == 64
+
+
+@pytest.mark.parametrize(
+    ("prompt", "count"),
+    [("hello", 1), (["a", "b", "c"], 3), ([1, 2, 3], 1)],
+)
+def test_completion_prompts(prompt, count):
+    plan = plan_completion(json.dumps({"model": "m", "prompt": prompt}).encode())
+    assert len(plan.prompts) == count
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 99}, "logprobs"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ],
+)
+def test_invalid_completion_fields(fields, param):
+    assert _error(plan_completion, json.dumps({"model": "m", **fields}).encode()).param == param
