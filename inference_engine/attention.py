@@ -5,8 +5,9 @@ passes a ``PagedMetadata`` as the ``paged_metadata`` forward kwarg; transformers
 every attention call. This function writes the step's K/V into the paged cache of
 ``module.layer_idx`` and attends each request over its own blocks, causally:
 
-- decodes (one new token) are batched in buckets of similar context length: one gather of
-  their blocks and one SDPA call per bucket;
+- short decodes (one new token) are batched in buckets of similar context length: one gather
+  of their blocks and one masked SDPA call per bucket; long decodes run one unmasked SDPA call
+  each over exactly their tokens, which is faster than masking padded buckets at that size;
 - prefill chunks run one SDPA call each, over the step's own K/V when nothing precedes them,
   else over their gathered blocks with an offset causal mask;
 - on CUDA with flash-attn installed, every request goes through one varlen call instead.
@@ -28,6 +29,15 @@ class DecodeBucket:
     block_table: torch.Tensor  # [B, max_blocks] padded with 0
     key_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True where attended
     max_context_len: int
+
+
+@dataclass
+class LongDecode:
+    """A decode with a long context: attended alone, over exactly its tokens, without a mask."""
+
+    row: int  # its row in the packed step
+    context_len: int
+    block_ids: torch.Tensor  # [num_blocks]
 
 
 @dataclass
@@ -56,6 +66,7 @@ class PagedMetadata:
     value_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T] cache slot of each packed token
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    long_decodes: list[LongDecode] = field(default_factory=list)
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     varlen: VarlenMetadata | None = None
 
@@ -133,14 +144,21 @@ def paged_attention_forward(
         )
         out[rows] = result[0].transpose(0, 1)
     num_groups = num_heads // num_kv_heads
+    for decode in meta.long_decodes:
+        # the heads that share a KV head become its query rows: no K/V expansion for GQA
+        decode_q = q[decode.row].view(1, num_kv_heads, num_groups, head_dim)
+        decode_k = _gather(key_cache, decode.block_ids, decode.context_len)
+        decode_v = _gather(value_cache, decode.block_ids, decode.context_len)
+        result = F.scaled_dot_product_attention(
+            decode_q, decode_k.to(q.dtype), decode_v.to(q.dtype), scale=scaling
+        )
+        out[decode.row] = result.view(num_heads, head_dim)
     for bucket in meta.decode_buckets:
         batch, num_blocks = bucket.block_table.shape
         shape = (batch, num_blocks * key_cache.shape[1], num_kv_heads, head_dim)
         flat_ids = bucket.block_table.view(-1)
         bucket_k = key_cache.flatten(1).index_select(0, flat_ids).view(shape).transpose(1, 2)
         bucket_v = value_cache.flatten(1).index_select(0, flat_ids).view(shape).transpose(1, 2)
-        # a decode has one query per head: the heads that share a KV head become its query
-        # rows, which avoids expanding K/V for grouped-query attention
         bucket_q = q.index_select(0, bucket.query_index).view(
             batch, num_kv_heads, num_groups, head_dim
         )

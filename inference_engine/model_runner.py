@@ -6,22 +6,32 @@ Dtype ``"auto"`` means the checkpoint's dtype, except that float16 on CPU become
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from inference_engine import attention
-from inference_engine.attention import DecodeBucket, PagedMetadata, PrefillChunk, VarlenMetadata
+from inference_engine.attention import (
+    DecodeBucket,
+    LongDecode,
+    PagedMetadata,
+    PrefillChunk,
+    VarlenMetadata,
+)
 from inference_engine.config import EngineConfig
 from inference_engine.protocol import TokenLogprobs
 from inference_engine.sampler import Sampler, SamplingRow
 from inference_engine.scheduler import ScheduledRequest
 
 # a decode joins the current bucket while its context is at least this share of the longest
-DECODE_BUCKET_RATIO = 0.75
+DECODE_BUCKET_RATIO = 0.5
+# decodes with at least this many context tokens are attended one by one, unmasked
+LONG_DECODE_MIN_CONTEXT = 256
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 CUDA_KV_CACHE_FRACTION = 0.8
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
 @dataclass
@@ -31,6 +41,18 @@ class ModelSpec:
     head_dim: int
     max_position_embeddings: int
     eos_token_ids: frozenset[int]
+
+
+def keep_freed_memory() -> None:
+    """Stop glibc from returning large freed blocks to the OS. Each step allocates the same
+    large temporaries (gathered K/V, activations); without this every one of them is a fresh
+    mmap whose pages fault in again, which costs more than the attention itself on CPU."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 31)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,6 +93,8 @@ class ModelRunner:
 
         attention.register()
         torch.set_grad_enabled(False)
+        if resolve_device(config.device).type == "cpu":
+            keep_freed_memory()
         self.config = config
         self.device = resolve_device(config.device)
         from transformers import AutoConfig
@@ -215,7 +239,11 @@ class ModelRunner:
             meta.prefill_chunks.append(
                 PrefillChunk(int(cu_lens[i]), num_new, context_len, block_ids, mask)
             )
-        decodes = np.flatnonzero(lens == 1)
+        for i in np.flatnonzero((lens == 1) & (context_lens >= LONG_DECODE_MIN_CONTEXT)):
+            context_len = int(context_lens[i])
+            block_ids = to_device(table[i, : -(-context_len // block_size)])
+            meta.long_decodes.append(LongDecode(int(cu_lens[i]), context_len, block_ids))
+        decodes = np.flatnonzero((lens == 1) & (context_lens < LONG_DECODE_MIN_CONTEXT))
         if len(decodes) == 0:
             return
         decodes = decodes[np.argsort(-context_lens[decodes], kind="stable")]
