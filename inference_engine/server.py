@@ -197,6 +197,7 @@ class EngineServer:
             if not core.has_unfinished_requests():
                 continue
             outputs = core.step()
+            self._publish_snapshot()
             if shutdown_aborted:
                 _mark_shutdown_aborts(outputs, shutdown_aborted)
             hand_off((outputs, time.time()))
@@ -228,6 +229,10 @@ class EngineServer:
         # after the adds: an abort may name a request that arrived in the same batch
         if aborts:
             self.core.abort_requests(aborts)
+        if items:
+            self._publish_snapshot()
+
+    def _publish_snapshot(self) -> None:
         scheduler = self.core.scheduler
         self.snapshot = _Snapshot(
             scheduler.num_running,

@@ -1,0 +1,456 @@
+"""The engine as a real subprocess (``python -m inference_engine``) on a tiny model, driven
+through ``AsyncEngineClient`` and, for hostile input, a raw DEALER socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from inference_engine.client import AsyncEngineClient, EngineUnavailable
+from inference_engine.protocol import (
+    ControlRequest,
+    ErrorCode,
+    FinishReason,
+    GenerateDelta,
+    GenerateRequest,
+    Message,
+    RequestType,
+    ResponseType,
+    SamplingParams,
+)
+from tests.conftest import PYTHON, ROOT, subprocess_env
+
+pytestmark = pytest.mark.timeout(180)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+PROMPTS = [
+    f"{word} {i}"
+    for i, word in enumerate(
+        ("the quick brown fox", "hello world", "paged attention", "one two three") * 16
+    )
+]
+MAX_FRAME_BYTES = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EngineProcess:
+    def __init__(self, model: str, folder: Path, *args: str) -> None:
+        self.endpoint = f"ipc://{folder}/engine.sock"
+        self.log_path = folder / "engine.log"
+        self.command = [
+            PYTHON,
+            "-m",
+            "inference_engine",
+            "--model",
+            model,
+            "--endpoint",
+            self.endpoint,
+            "--dtype",
+            "float32",
+            *args,
+        ]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> EngineProcess:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command, env=subprocess_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            )
+        return self
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def running(engine: EngineProcess):
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir, tmp_path_factory, metrics_port):
+    """The shared engine: default batch sizes, small frame limit, metrics on."""
+    folder = tmp_path_factory.mktemp("engine")
+    process = EngineProcess(
+        llama_dir,
+        folder,
+        "--served-model-name",
+        "tiny-llama",
+        "--max-frame-bytes",
+        str(MAX_FRAME_BYTES),
+        "--metrics-port",
+        str(metrics_port),
+    )
+    with running(process):
+        yield process
+
+
+@pytest.fixture(scope="module")
+def small_engine(llama_dir, tmp_path_factory):
+    """Two sequences at a time, two waiting at most, a second of shutdown grace."""
+    folder = tmp_path_factory.mktemp("small-engine")
+    process = EngineProcess(
+        llama_dir,
+        folder,
+        "--max-num-seqs",
+        "2",
+        "--max-queued-requests",
+        "2",
+        "--shutdown-grace-period",
+        "1",
+    )
+    with running(process):
+        yield process
+
+
+@pytest.fixture
+async def client(engine):
+    client = AsyncEngineClient(engine.endpoint)
+    await client.wait_ready(timeout=90)
+    yield client
+    client.close()
+
+
+async def collect(client: AsyncEngineClient, request: GenerateRequest) -> list[GenerateDelta]:
+    return [delta async for delta in client.generate(request)]
+
+
+def joined(deltas: list[GenerateDelta]) -> tuple[str, list[int]]:
+    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids]
+
+
+async def wait_for_stats(client: AsyncEngineClient, predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await client.stats()
+        if predicate(stats) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.02)
+
+
+async def test_64_concurrent_streams_match_llm_generate(client, llm_cache):
+    expected = llm_cache("llama").generate(PROMPTS, GREEDY)
+    results = await asyncio.gather(
+        *(collect(client, GenerateRequest(prompt=p, params=GREEDY)) for p in PROMPTS)
+    )
+    for deltas, want in zip(results, expected, strict=True):
+        last = deltas[-1]
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        assert joined(deltas) == (want.text, want.token_ids)
+        assert str(last.finish_reason) == want.finish_reason == "length"
+        assert last.usage.completion_tokens == len(want.token_ids)
+        assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+        timings = last.timings
+        assert 0 < timings.arrival <= timings.first_scheduled <= timings.first_token
+        assert timings.first_token <= timings.finished
+
+
+async def test_chat_messages_and_logprobs_match_llm(client, llm_cache):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    [want] = llm_cache("llama").chat(messages, params)
+    deltas = await collect(client, GenerateRequest(messages=messages, params=params))
+    assert joined(deltas) == (want.text, want.token_ids)
+    logprobs = [lp for d in deltas for lp in d.logprobs or []]
+    assert [lp.top_token_ids for lp in logprobs] == [lp.top_token_ids for lp in want.logprobs]
+
+
+async def test_stop_strings_are_cut_and_never_streamed(client, llm_cache):
+    llm = llm_cache("llama")
+    [full] = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24))
+    stop = full.text[6:9]
+    assert len(stop) == 3 and stop in full.text
+    params = SamplingParams(temperature=0, max_tokens=24, stop=[stop, "never seen"])
+    [want] = llm.generate(PROMPTS[1], params)
+    deltas = await collect(client, GenerateRequest(prompt=PROMPTS[1], params=params))
+    text, _ = joined(deltas)
+    assert text == want.text == full.text[: full.text.index(stop)]
+    assert deltas[-1].finish_reason == FinishReason.STOP
+    assert deltas[-1].usage.completion_tokens == len(joined(deltas)[1])
+
+
+async def test_cancelled_stream_is_aborted_within_a_step_and_frees_blocks(client):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    request = GenerateRequest(prompt=PROMPTS[2], params=params)
+    num_tokens = 0
+    async with contextlib.aclosing(client.generate(request)) as stream:
+        async for delta in stream:
+            if num_tokens == 0:
+                await client.abort(request.request_id)
+            num_tokens += len(delta.token_ids)
+            last = delta
+    assert last.finish_reason == FinishReason.ABORT
+    assert num_tokens <= 12
+    assert last.usage.completion_tokens == num_tokens
+
+    # leaving the loop early (here: cancelling the task) aborts in the engine too
+    async def read_two():
+        async for _ in client.generate(GenerateRequest(prompt=PROMPTS[3], params=params)):
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(read_two())
+    await wait_for_stats(client, lambda s: s.num_requests_running == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stats = await wait_for_stats(
+        client, lambda s: s.num_requests_running == 0 and s.kv_cache_usage == 0
+    )
+    assert stats.num_requests_running == stats.num_requests_waiting == 0
+    assert stats.kv_cache_usage == 0
+    assert client.num_open_streams == 0
+
+
+async def test_context_length_exceeded_and_invalid_requests(client):
+    too_long = GenerateRequest(prompt_token_ids=[5] * 600, params=GREEDY)
+    [delta] = await collect(client, too_long)
+    assert delta.error == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert delta.finish_reason == FinishReason.ERROR and "512" in delta.error_message
+
+    invalid = [
+        GenerateRequest(prompt="a", prompt_token_ids=[1]),
+        GenerateRequest(),
+        GenerateRequest(prompt=""),
+        GenerateRequest(messages=[]),
+        GenerateRequest(messages=[Message(role="", content="x")]),
+        GenerateRequest(prompt_token_ids=[1, -2]),
+        GenerateRequest(prompt_token_ids=[10_000]),
+        GenerateRequest(prompt="x", cache_salt="s" * 1000),
+    ]
+    for request in invalid:
+        [delta] = await collect(client, request)
+        assert delta.error == ErrorCode.INVALID_REQUEST, request
+        assert delta.error_message
+
+    # the engine still serves
+    deltas = await collect(client, GenerateRequest(prompt="hello", params=GREEDY))
+    assert deltas[-1].finish_reason == FinishReason.LENGTH
+
+
+async def raw_exchange(endpoint: str, frames: list[bytes], wait: float = 2.0) -> list[list[bytes]]:
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    replies = []
+    try:
+        await dealer.send_multipart(frames)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                replies.append(await dealer.recv_multipart())
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    return replies
+
+
+async def test_garbage_and_oversized_frames_do_not_hurt_the_engine(engine, client):
+    decoder = msgspec.msgpack.Decoder(list[GenerateDelta])
+    bad_params = msgspec.msgpack.encode(["hi", None, None, [-1.0], "rid-7"])
+    cases = [
+        ([RequestType.GENERATE.value, b"\xc1garbage"], ""),
+        ([RequestType.GENERATE.value, bad_params], "rid-7"),
+        ([RequestType.GENERATE.value, msgspec.msgpack.encode({"prompt": "x"})], ""),
+        ([RequestType.ABORT.value, b"\x93\x01\x02"], ""),
+        ([b"\x07", b""], ""),
+        ([b"only one frame"], ""),
+        ([RequestType.STATS.value, b"", b"extra"], ""),
+    ]
+    for frames, request_id in cases:
+        [reply] = await raw_exchange(engine.endpoint, frames)
+        assert reply[0] == ResponseType.OUTPUTS.value
+        [delta] = decoder.decode(reply[1])
+        assert (delta.request_id, delta.error) == (request_id, ErrorCode.INVALID_REQUEST)
+
+    huge = GenerateRequest(prompt="x" * (MAX_FRAME_BYTES + 1), request_id="huge")
+    frames = [RequestType.GENERATE.value, msgspec.msgpack.encode(huge)]
+    assert await raw_exchange(engine.endpoint, frames, wait=1.0) == []
+
+    stats = await client.stats()
+    assert stats.ready and engine.proc.poll() is None
+    deltas = await collect(client, GenerateRequest(prompt="hello", params=GREEDY))
+    assert deltas[-1].finish_reason == FinishReason.LENGTH
+
+
+async def test_stats_metrics_and_control(client, metrics_port):
+    await collect(client, GenerateRequest(prompt=PROMPTS[0], params=GREEDY))
+    stats = await client.stats()
+    assert (stats.model, stats.max_model_len, stats.ready) == ("tiny-llama", 512, True)
+    assert stats.num_requests_running == stats.num_requests_waiting == 0
+    assert 0 <= stats.kv_cache_usage <= 1
+    assert stats.generation_tokens_total >= 10 and stats.prompt_tokens_total > 0
+    # the same prompt again is served from the prefix cache where blocks are full
+    long_prompt = " ".join(PROMPTS[:8])
+    for _ in range(2):
+        await collect(client, GenerateRequest(prompt=long_prompt, params=GREEDY))
+    assert (await client.stats()).prefix_cache_hits > stats.prefix_cache_hits
+
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_sum",
+    ):
+        assert re.search(rf'^engine:{name}{{[^}}]*model_name="tiny-llama"', text, re.M), name
+
+    reply = await client.control(ControlRequest("load", model="other"))
+    assert not reply.ok and "not supported" in reply.message
+
+
+async def test_overloaded_past_max_queued_requests(small_engine):
+    client = AsyncEngineClient(small_engine.endpoint)
+    try:
+        await client.wait_ready(timeout=90)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        results = await asyncio.gather(
+            *(collect(client, GenerateRequest(prompt=p, params=params)) for p in PROMPTS[:8])
+        )
+        errors = [deltas[-1].error for deltas in results]
+        assert ErrorCode.OVERLOADED in errors
+        # a burst fills the two waiting places before a step runs; the rest are refused at once
+        assert errors.count(None) >= 2
+        for deltas in results:
+            if deltas[-1].error == ErrorCode.OVERLOADED:
+                assert len(deltas) == 1 and "queue is full" in deltas[-1].error_message
+            else:
+                assert deltas[-1].finish_reason == FinishReason.LENGTH
+    finally:
+        client.close()
+
+
+async def test_sigterm_finishes_short_requests_and_fails_the_rest(small_engine, llama_dir):
+    client = AsyncEngineClient(small_engine.endpoint)
+    try:
+        await client.wait_ready(timeout=90)
+        long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+        short = SamplingParams(temperature=0, max_tokens=6)
+        long_stream = client.generate(GenerateRequest(prompt="a", params=long))
+        short_stream = client.generate(GenerateRequest(prompt="b", params=short))
+        long_deltas = [await anext(long_stream)]
+        short_deltas = [await anext(short_stream)]
+        small_engine.signal(signal.SIGTERM)
+        await wait_for_stats(client, lambda s: not s.ready)
+        [refused] = await collect(client, GenerateRequest(prompt="c", params=short))
+        assert refused.error == ErrorCode.OVERLOADED and "shutting down" in refused.error_message
+
+        short_deltas += [delta async for delta in short_stream]
+        assert short_deltas[-1].finish_reason == FinishReason.LENGTH
+        long_deltas += [delta async for delta in long_stream]
+        last = long_deltas[-1]
+        assert last.error == ErrorCode.ENGINE_ERROR and "shut down" in last.error_message
+        assert last.usage.completion_tokens < 480
+        assert await asyncio.to_thread(small_engine.proc.wait, 30) == 0
+    finally:
+        client.close()
+    assert "engine stopped" in small_engine.log()
+
+
+async def test_silent_engine_fails_streams_and_client_reconnects(llama_dir, tmp_path, llm_cache):
+    [want] = llm_cache("llama").generate("b", GREEDY)
+    engine = EngineProcess(llama_dir, tmp_path, "--no-async-output")
+    client = AsyncEngineClient(engine.endpoint, heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    try:
+        engine.start()
+        await client.wait_ready(timeout=90)
+        stream = client.generate(GenerateRequest(prompt="a", params=params))
+        await anext(stream)
+        engine.signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - started < 5
+        engine.signal(signal.SIGCONT)
+        await client.wait_ready(timeout=30)
+        deltas = await collect(client, GenerateRequest(prompt="b", params=GREEDY))
+        assert joined(deltas) == (want.text, want.token_ids)
+
+        engine.proc.kill()
+        engine.proc.wait()
+        with pytest.raises(EngineUnavailable):
+            await collect(client, GenerateRequest(prompt="c", params=GREEDY))
+        engine.start()
+        await client.wait_ready(timeout=90)
+        deltas = await collect(client, GenerateRequest(prompt="b", params=GREEDY))
+        assert joined(deltas) == (want.text, want.token_ids)
+    finally:
+        client.close()
+        engine.stop()
+
+
+def test_help_lists_every_option():
+    result = subprocess.run(
+        [PYTHON, "-m", "inference_engine", "--help"],
+        env=subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for option in (
+        "--model",
+        "--endpoint",
+        "--served-model-name",
+        "--dtype",
+        "--device",
+        "--block-size",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--num-kv-blocks",
+        "--kv-cache-memory",
+        "--max-model-len",
+        "--max-queued-requests",
+        "--metrics-port",
+        "--no-async-output",
+    ):
+        assert option in result.stdout
