@@ -91,3 +91,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm_cache):
     unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     draws = {tuple(llm.generate([[5, 6, 7]], unseeded)[0].token_ids) for _ in range(3)}
     assert len(draws) > 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_parity_with_long_contexts(family, llm_cache, hf_models):
+    """Contexts past LONG_DECODE_MIN_CONTEXT take the one-by-one decode path."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 384) for _ in range(n)] for n in (250, 300, 420, 12)]
+    assert_parity(llm_cache(family), hf_models(family), prompts, [12, 6, 9, 10])
