@@ -75,8 +75,10 @@ async def _route(deployment: ModelDeployment) -> tuple[str, int]:
             code="engine_unavailable",
             headers={"Retry-After": "5"},
         ) from exc
-    max_context = deployment.max_context or await pool.max_model_len(endpoint)
-    if max_context is None:
+    # Also connects a new client: the engine must answer before the first request goes out.
+    engine_max_len = await pool.max_model_len(endpoint)
+    max_context = deployment.max_context or engine_max_len
+    if engine_max_len is None:
         raise ApiError(
             503,
             f"The model '{deployment.name}' is not answering right now.",

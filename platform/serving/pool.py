@@ -18,6 +18,7 @@ from inference_engine.client import AsyncEngineClient, EngineUnavailable
 
 STATS_TTL_SECONDS = 1.0
 STATS_TIMEOUT_SECONDS = 1.0
+RETRY_SECONDS = 0.02
 
 
 class NoReadyReplica(Exception):
@@ -43,11 +44,16 @@ class EnginePool:
         return client
 
     async def stats(self, endpoint: str, timeout: float = STATS_TIMEOUT_SECONDS):
-        """The replica's STATS, or None when it does not answer in time."""
-        try:
-            stats = await asyncio.wait_for(self.client(endpoint).stats(), timeout)
-        except (TimeoutError, EngineUnavailable):
-            stats = None
+        """The replica's STATS, or None when it does not answer within ``timeout``. A new
+        client's socket takes a moment to connect, so a refused send is retried until then."""
+        client = self.client(endpoint)
+        deadline = time.monotonic() + timeout
+        stats = None
+        while stats is None and (left := deadline - time.monotonic()) > 0:
+            try:
+                stats = await client.stats(timeout=left)
+            except EngineUnavailable:
+                await asyncio.sleep(min(RETRY_SECONDS, max(0.0, deadline - time.monotonic())))
         self._loads[endpoint] = _Load(stats, time.monotonic())
         return stats
 

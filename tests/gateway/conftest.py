@@ -108,34 +108,41 @@ def engine(tiny_model_dir, tmp_path_factory):
     engine.stop()
 
 
+class Daphne:
+    """A Daphne subprocess serving the platform on the test database."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.base = f"http://127.0.0.1:{free_port()}"
+        env = subprocess_env(
+            DATABASE_URL=database_url(),
+            SECRET_KEY="live-server-test-secret-key-0123456789-abcdefghijklmnopqrstuvwxyz",
+            DEBUG="1",
+            VAR_DIR=str(folder),
+        )
+        port = self.base.rsplit(":", 1)[1]
+        self.process = subprocess.Popen(
+            [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", port, "config.asgi:application"],
+            cwd=ROOT,
+            env=env,
+            stdout=(folder / "daphne.log").open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+        wait_until(lambda: _answers(f"{self.base}/health/live"), 60, "Daphne")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        if os.environ.get("SHOW_LIVE_LOGS"):
+            print((self.folder / "daphne.log").read_text())
+
+
 @pytest.fixture(scope="session")
 def daphne_server(django_db_setup, django_db_blocker, engine, tmp_path_factory):
-    """Base URL of a Daphne subprocess serving the platform on the test database."""
-    folder = tmp_path_factory.mktemp("daphne")
-    port = free_port()
-    env = subprocess_env(
-        DATABASE_URL=database_url(),
-        SECRET_KEY="live-server-test-secret-key-0123456789-abcdefghijklmnopqrstuvwxyz",
-        DEBUG="1",
-        VAR_DIR=str(folder),
-    )
-    log = (folder / "daphne.log").open("ab")
-    process = subprocess.Popen(
-        [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _answers(f"{base}/health/live"), 60, "Daphne")
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        if os.environ.get("SHOW_LIVE_LOGS"):
-            print((folder / "daphne.log").read_text())
+    """Base URL of a live Daphne on the test database, with the engine running."""
+    server = Daphne(tmp_path_factory.mktemp("daphne"))
+    yield server.base
+    server.stop()

@@ -2,17 +2,20 @@
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
 import openai
 import pytest
+from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from serving.services import deployment_register
 from tenants import services
 from tenants.models import Plan, UsageRecord
-from tests.gateway.conftest import MAX_MODEL_LEN, MODEL_NAME, wait_until
+from tests.gateway.conftest import MAX_MODEL_LEN, MODEL_NAME, Daphne, Engine, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -81,7 +84,7 @@ def test_chat_completion_with_the_sync_client(platform):
     assert record.time_to_first_token_ms is not None and record.latency_ms > 0
 
 
-async def test_streamed_chat_matches_the_whole_one_with_the_async_client(platform):
+async def test_streamed_chat_matches_the_whole_one_with_the_async_client(async_db, platform):
     client = platform.async_client()
     whole = await client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=12
@@ -244,3 +247,79 @@ def test_usage_timestamps_are_recent(platform):
     _greedy_chat(platform.client(), max_tokens=2)
     [record] = platform.records()
     assert timezone.now() - record.finished_at < timezone.timedelta(minutes=1)
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL to share counters")
+async def test_two_servers_sharing_redis_admit_exactly_the_limit(async_db, platform, tmp_path):
+    await _set_rpm(platform.tenant, 20)
+    second = await asyncio.to_thread(Daphne, tmp_path)
+    try:
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
+        headers = {"Authorization": f"Bearer {platform.key}"}
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as http:
+            responses = await asyncio.gather(
+                *(
+                    http.post(f"{base}/v1/completions", json=body, headers=headers)
+                    for base in [platform.base, second.base] * 100
+                )
+            )
+    finally:
+        await asyncio.to_thread(second.stop)
+    statuses = sorted(response.status_code for response in responses)
+    assert statuses.count(200) == 20 and statuses.count(429) == 180
+
+
+@sync_to_async
+def _set_rpm(tenant, rpm: int) -> None:
+    tenant.requests_per_minute = rpm
+    tenant.save()
+
+
+def test_one_tenant_cannot_spend_or_see_anothers(platform):
+    other = services.tenant_create(slug="globex", plan=platform.tenant.plan, requests_per_minute=1)
+    _, other_key = services.api_key_create(tenant=other, name="theirs")
+    other_client = platform.client(other_key, max_retries=0)
+    _greedy_chat(other_client, max_tokens=2)
+    with pytest.raises(openai.RateLimitError):
+        _greedy_chat(other_client, max_tokens=2)
+
+    # acme is untouched by globex's exhausted limit, and each sees only its own usage
+    for _ in range(3):
+        _greedy_chat(platform.client(), max_tokens=2)
+    assert len(platform.records()) == 3
+    assert UsageRecord.objects.filter(tenant=other).count() == 1
+
+
+def test_an_engine_dying_mid_stream_ends_it_with_an_error_event(platform, tmp_path):
+    doomed = Engine(platform.engine.model_dir, f"ipc://{tmp_path}/doomed.sock", tmp_path / "log")
+    doomed.start()
+    try:
+        _engine_stats(doomed.endpoint)
+        deployment_register(name="doomed", endpoints=[doomed.endpoint])
+        body = {
+            "model": "doomed",
+            "prompt": "hello",
+            "max_tokens": MAX_MODEL_LEN - 20,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        headers = {"Authorization": f"Bearer {platform.key}"}
+        events = []
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", f"{platform.base}/v1/completions", json=body, headers=headers) as r,
+        ):
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        doomed.stop(signal.SIGKILL)
+    finally:
+        doomed.stop(signal.SIGKILL)
+
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "engine_unavailable"
+    assert "[DONE]" not in events
+    wait_until(lambda: len(platform.records()) == 1, 30, "the usage record")
+    [record] = platform.records()
+    assert record.status == "error" and record.completion_tokens > 0
