@@ -67,6 +67,8 @@ class AsyncEngineClient:
         self._stats_waiters: list[asyncio.Future] = []
         self._control_waiters: list[asyncio.Future] = []
         self._last_heard = 0.0
+        self._started_at = 0.0
+        self._has_heard = False
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
         self._deltas_decoder = msgspec.msgpack.Decoder(list[GenerateDelta])
@@ -88,7 +90,7 @@ class AsyncEngineClient:
         self._streams[request_id] = (stream, time.monotonic())
         finished = False
         try:
-            if not self._send(RequestType.GENERATE, request):
+            if not await self._send_soon(RequestType.GENERATE, request):
                 raise EngineUnavailable(f"no engine connected at {self.endpoint}")
             while True:
                 item = await stream.get()
@@ -117,7 +119,7 @@ class AsyncEngineClient:
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(waiter)
         try:
-            if not self._send(RequestType.STATS, None):
+            if not await self._send_soon(RequestType.STATS, None):
                 raise EngineUnavailable(f"no engine connected at {self.endpoint}")
             return await asyncio.wait_for(waiter, timeout or self.heartbeat_timeout)
         except TimeoutError:
@@ -146,7 +148,7 @@ class AsyncEngineClient:
         waiter = asyncio.get_running_loop().create_future()
         self._control_waiters.append(waiter)
         try:
-            if not self._send(RequestType.CONTROL, request):
+            if not await self._send_soon(RequestType.CONTROL, request):
                 raise EngineUnavailable(f"no engine connected at {self.endpoint}")
             return await asyncio.wait_for(waiter, self.heartbeat_timeout)
         except TimeoutError:
@@ -188,7 +190,7 @@ class AsyncEngineClient:
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.connect(self.endpoint)
         self._socket = socket
-        self._last_heard = time.monotonic()
+        self._last_heard = self._started_at = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="engine-client-reader"),
             asyncio.create_task(self._heartbeat_loop(), name="engine-client-heartbeat"),
@@ -205,6 +207,16 @@ class AsyncEngineClient:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return True
 
+    async def _send_soon(self, kind: RequestType, message: msgspec.Struct | None) -> bool:
+        """Like ``_send``, but a client that has not heard from the engine yet (its socket may
+        still be connecting) keeps trying for up to ``heartbeat_timeout``."""
+        deadline = self._started_at + self.heartbeat_timeout
+        while not self._send(kind, message):
+            if self._has_heard or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
     async def _read_loop(self) -> None:
         socket = self._socket
         while True:
@@ -216,6 +228,7 @@ class AsyncEngineClient:
                 logger.exception("engine client socket failed")
                 return
             self._last_heard = time.monotonic()
+            self._has_heard = True
             try:
                 self._dispatch(frames)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
