@@ -204,6 +204,15 @@ if not DEBUG:
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 
+# --- The engine that `make run` starts beside Daphne -----------------------------------------
+
+RUN_ENGINE = env_bool("RUN_ENGINE", default=True)
+MODEL_PATH = os.environ.get("MODEL_PATH", str(BASE_DIR / "models" / "demo-chat"))
+SERVED_MODEL_NAME = os.environ.get("SERVED_MODEL_NAME", "demo-chat")
+ENGINE_ENDPOINT = os.environ.get("ENGINE_ENDPOINT", f"ipc://{VAR_DIR / 'engine.sock'}")
+# Extra `python -m inference_engine` flags, e.g. "--dtype bfloat16 --device cuda".
+ENGINE_ARGS = os.environ.get("ENGINE_ARGS", "--kv-cache-memory 268435456")
+
 # --- API gateway ------------------------------------------------------------------------------
 
 GATEWAY_MAX_BODY_BYTES = int(os.environ.get("GATEWAY_MAX_BODY_BYTES", str(8 * 1024 * 1024)))

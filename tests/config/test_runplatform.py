@@ -2,6 +2,7 @@
 credentials logging in, and SIGTERM stopping everything."""
 
 import http.cookiejar
+import json
 import re
 import signal
 import socket
@@ -35,25 +36,38 @@ def _read_until(process: subprocess.Popen, pattern: str, timeout: float) -> re.M
     raise AssertionError(f"{pattern!r} not printed; output was:\n{''.join(seen)}")
 
 
-def _wait_for_http(url: str, timeout: float) -> None:
+def _wait_for_http(url: str, timeout: float, ok_only: bool = False) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             urllib.request.urlopen(url, timeout=2)
             return
+        except urllib.error.HTTPError:
+            if not ok_only:
+                return
         except OSError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     raise AssertionError(f"{url} never answered")
 
 
 @pytest.fixture
 def platform_process(tmp_path):
+    from tests.inference_engine.conftest import save_model
+
+    model = save_model(tmp_path / "model", "llama")
     port = _free_port()
     process = subprocess.Popen(
         [PYTHON, "manage.py", "runplatform", "--port", str(port)],
         cwd=ROOT,
         env=subprocess_env(
-            VAR_DIR=str(tmp_path / "var"), DATABASE_URL=None, REDIS_URL=None, DEBUG=None
+            VAR_DIR=str(tmp_path / "var"),
+            DATABASE_URL=None,
+            REDIS_URL=None,
+            DEBUG=None,
+            MODEL_PATH=model,
+            SERVED_MODEL_NAME="tiny",
+            ENGINE_ARGS="--dtype float32 --num-kv-blocks 64",
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -90,9 +104,19 @@ def test_run_serves_the_admin_and_the_printed_credentials_log_in(platform_proces
     assert "Site administration" in admin_index
     assert "Tenants, plans, keys and usage" in admin_index
     assert opener.open(f"{base}/static/admin/css/base.css").status == 200
-    assert api_key.startswith("sk-")
+
+    # the engine it started answers through the API with the printed key
+    _wait_for_http(f"{base}/health/ready", timeout=120, ok_only=True)
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 3}).encode(),
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+    )
+    completion = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    assert completion["usage"]["completion_tokens"] == 3
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{base}/admin/login/", timeout=2)
+    assert "engine stopped" in process.stdout.read()  # the engine shut down cleanly too

@@ -1,5 +1,7 @@
 import os
+import shlex
 import sys
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
@@ -7,12 +9,14 @@ from django.core.management.base import BaseCommand, CommandError
 
 from config.demo import demo_bootstrap
 from config.supervisor import ProcessSpec, Supervisor, python_path_env
+from serving.services import deployment_register
 
 
 class Command(BaseCommand):
     help = (
         "Run the whole platform in the foreground: migrate, make sure the demo tenant, admin "
-        "and API key exist, then serve with Daphne. Ctrl-C or SIGTERM stops everything."
+        "and API key exist, start the engine on MODEL_PATH and register it, then serve with "
+        "Daphne. Ctrl-C or SIGTERM stops everything."
     )
 
     def add_arguments(self, parser) -> None:
@@ -23,28 +27,62 @@ class Command(BaseCommand):
     def handle(self, *args, **options) -> None:
         call_command("migrate", interactive=False, verbosity=0)
         base_url = f"http://{options['host']}:{options['port']}"
+        env = python_path_env(settings.BASE_DIR)
+        processes = []
         self.stdout.write(f"Mode: {'embedded' if settings.IS_EMBEDDED else 'production'}")
+        if settings.RUN_ENGINE:
+            processes.append(self._engine(env))
         if not options["no_demo"]:
             credentials = demo_bootstrap()
             self.stdout.write(f"Admin:   {base_url}/admin/")
             self.stdout.write(f"  login: {credentials.username} / {credentials.password}")
             self.stdout.write(f"API key: {credentials.api_key}")
+            self.stdout.write(f"API:     {base_url}/v1  (OpenAI-compatible)")
         self.stdout.flush()
-        env = python_path_env(settings.BASE_DIR)
-        daphne = ProcessSpec(
-            name="daphne",
+        processes.append(
+            ProcessSpec(
+                name="daphne",
+                argv=[
+                    sys.executable,
+                    "-m",
+                    "daphne",
+                    "--bind",
+                    options["host"],
+                    "--port",
+                    str(options["port"]),
+                    "config.asgi:application",
+                ],
+                env=env,
+            )
+        )
+        exit_code = Supervisor(processes).run()
+        if exit_code:
+            raise CommandError(f"The platform stopped (exit code {exit_code}).")
+
+    def _engine(self, env: dict[str, str]) -> ProcessSpec:
+        model_path = Path(settings.MODEL_PATH)
+        if not (model_path / "config.json").exists():
+            raise CommandError(
+                f"No model at {model_path}: set MODEL_PATH to a Hugging Face model directory, "
+                "or RUN_ENGINE=0 to serve without a local engine."
+            )
+        deployment_register(name=settings.SERVED_MODEL_NAME, endpoints=[settings.ENGINE_ENDPOINT])
+        self.stdout.write(
+            f"Engine:  {settings.SERVED_MODEL_NAME} from {model_path} at {settings.ENGINE_ENDPOINT}"
+        )
+        return ProcessSpec(
+            name="engine",
             argv=[
                 sys.executable,
                 "-m",
-                "daphne",
-                "--bind",
-                options["host"],
-                "--port",
-                str(options["port"]),
-                "config.asgi:application",
+                "inference_engine",
+                "--model",
+                str(model_path),
+                "--endpoint",
+                settings.ENGINE_ENDPOINT,
+                "--served-model-name",
+                settings.SERVED_MODEL_NAME,
+                *shlex.split(settings.ENGINE_ARGS),
             ],
             env=env,
         )
-        exit_code = Supervisor([daphne]).run()
-        if exit_code:
-            raise CommandError(f"The platform stopped (exit code {exit_code}).")
