@@ -32,12 +32,14 @@ class DecodeBucket:
 
 
 @dataclass
-class LongDecode:
-    """A decode with a long context: attended alone, over exactly its tokens, without a mask."""
+class LongDecodes:
+    """Decodes with long contexts: their blocks are gathered together, then each is attended
+    alone over exactly its tokens without a mask (faster than masking padded buckets)."""
 
-    row: int  # its row in the packed step
-    context_len: int
-    block_ids: torch.Tensor  # [num_blocks]
+    rows: list[int]  # their rows in the packed step
+    context_lens: list[int]
+    token_offsets: list[int]  # where each one's tokens start in the gathered blocks
+    block_ids: torch.Tensor  # [sum of their block counts]
 
 
 @dataclass
@@ -66,7 +68,7 @@ class PagedMetadata:
     value_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T] cache slot of each packed token
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
-    long_decodes: list[LongDecode] = field(default_factory=list)
+    long_decodes: LongDecodes | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     varlen: VarlenMetadata | None = None
 
@@ -144,15 +146,8 @@ def paged_attention_forward(
         )
         out[rows] = result[0].transpose(0, 1)
     num_groups = num_heads // num_kv_heads
-    for decode in meta.long_decodes:
-        # the heads that share a KV head become its query rows: no K/V expansion for GQA
-        decode_q = q[decode.row].view(1, num_kv_heads, num_groups, head_dim)
-        decode_k = _gather(key_cache, decode.block_ids, decode.context_len)
-        decode_v = _gather(value_cache, decode.block_ids, decode.context_len)
-        result = F.scaled_dot_product_attention(
-            decode_q, decode_k.to(q.dtype), decode_v.to(q.dtype), scale=scaling
-        )
-        out[decode.row] = result.view(num_heads, head_dim)
+    if meta.long_decodes is not None:
+        _attend_long_decodes(out, q, key_cache, value_cache, meta.long_decodes, scaling)
     for bucket in meta.decode_buckets:
         batch, num_blocks = bucket.block_table.shape
         shape = (batch, num_blocks * key_cache.shape[1], num_kv_heads, head_dim)
@@ -171,6 +166,35 @@ def paged_attention_forward(
         )
         out.index_copy_(0, bucket.query_index, result.view(batch, num_heads, head_dim))
     return out.unsqueeze(0), None
+
+
+def _attend_long_decodes(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    decodes: LongDecodes,
+    scaling: float | None,
+) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    keys = key_cache.flatten(1).index_select(0, decodes.block_ids).view(-1, num_kv_heads, head_dim)
+    values = value_cache.flatten(1).index_select(0, decodes.block_ids)
+    values = values.view(-1, num_kv_heads, head_dim)
+    # the heads that share a KV head become its query rows: no K/V expansion for GQA
+    queries = q.index_select(0, torch.tensor(decodes.rows, device=q.device))
+    queries = queries.view(-1, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    for i, (row, length, offset) in enumerate(
+        zip(decodes.rows, decodes.context_lens, decodes.token_offsets, strict=True)
+    ):
+        tokens = slice(offset, offset + length)
+        result = F.scaled_dot_product_attention(
+            queries[i],
+            keys[tokens].transpose(0, 1).unsqueeze(0).to(q.dtype),
+            values[tokens].transpose(0, 1).unsqueeze(0).to(q.dtype),
+            scale=scaling,
+        )
+        out[row] = result.view(num_heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:

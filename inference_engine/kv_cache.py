@@ -98,6 +98,9 @@ class KVCacheManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        # leading blocks of each request that already carry their hash
+        self.num_hashed_blocks: dict[str, int] = {}
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
 
@@ -114,7 +117,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_block_ids(self, req_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
+        """The request's block table (do not modify it)."""
+        return self.req_to_block_ids.get(req_id, [])
 
     def _update_block_hashes(self, request: CacheableRequest) -> None:
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
@@ -159,16 +163,20 @@ class KVCacheManager:
         if max(num_needed, 0) > self.num_free_blocks - num_evictable_hits:
             return None
         blocks = self.req_to_blocks.setdefault(request.req_id, [])
+        block_ids = self.req_to_block_ids.setdefault(request.req_id, [])
         for block in computed_blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
             blocks.append(block)
+            block_ids.append(block.block_id)
         new_blocks = [self._take_free_block() for _ in range(max(num_needed, 0))]
         blocks.extend(new_blocks)
+        new_block_ids = [block.block_id for block in new_blocks]
+        block_ids.extend(new_block_ids)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
-        return [block.block_id for block in new_blocks]
+        return new_block_ids
 
     def _take_free_block(self) -> KVCacheBlock:
         block = self.free_queue.popleft()
@@ -183,16 +191,24 @@ class KVCacheManager:
         self, request: CacheableRequest, blocks: list[KVCacheBlock], num_tokens: int
     ) -> None:
         """Register blocks that will be full once this step's ``num_tokens`` are written."""
+        num_hashed = self.num_hashed_blocks.get(request.req_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= num_hashed:
+            return
         self._update_block_hashes(request)
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for block, block_hash in zip(blocks[:num_full], request.block_hashes, strict=False):
+        num_full = min(num_full, len(request.block_hashes))
+        for index in range(num_hashed, num_full):
+            block, block_hash = blocks[index], request.block_hashes[index]
             if block.block_hash is None:
                 block.block_hash = block_hash
                 self.cached_blocks.setdefault(block_hash, block)
+        self.num_hashed_blocks[request.req_id] = max(num_full, num_hashed)
 
     def free(self, req_id: str) -> None:
         """Release a request's blocks. Tail blocks go first into the free queue so that they are
         evicted before the shared prefix blocks."""
+        self.req_to_block_ids.pop(req_id, None)
+        self.num_hashed_blocks.pop(req_id, None)
         for block in reversed(self.req_to_blocks.pop(req_id, [])):
             block.ref_cnt -= 1
             if block.ref_cnt < 0:

@@ -15,7 +15,7 @@ import torch
 from inference_engine import attention
 from inference_engine.attention import (
     DecodeBucket,
-    LongDecode,
+    LongDecodes,
     PagedMetadata,
     PrefillChunk,
     VarlenMetadata,
@@ -239,10 +239,20 @@ class ModelRunner:
             meta.prefill_chunks.append(
                 PrefillChunk(int(cu_lens[i]), num_new, context_len, block_ids, mask)
             )
-        for i in np.flatnonzero((lens == 1) & (context_lens >= LONG_DECODE_MIN_CONTEXT)):
-            context_len = int(context_lens[i])
-            block_ids = to_device(table[i, : -(-context_len // block_size)])
-            meta.long_decodes.append(LongDecode(int(cu_lens[i]), context_len, block_ids))
+        long_decodes = np.flatnonzero((lens == 1) & (context_lens >= LONG_DECODE_MIN_CONTEXT))
+        if len(long_decodes):
+            num_blocks = -(-context_lens[long_decodes] // block_size)
+            block_offsets = np.zeros(len(long_decodes), np.int64)
+            np.cumsum(num_blocks[:-1], out=block_offsets[1:])
+            block_ids = np.concatenate(
+                [table[i, :n] for i, n in zip(long_decodes, num_blocks, strict=True)]
+            )
+            meta.long_decodes = LongDecodes(
+                cu_lens[long_decodes].tolist(),
+                context_lens[long_decodes].tolist(),
+                (block_offsets * block_size).tolist(),
+                to_device(block_ids),
+            )
         decodes = np.flatnonzero((lens == 1) & (context_lens < LONG_DECODE_MIN_CONTEXT))
         if len(decodes) == 0:
             return

@@ -41,11 +41,12 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` ``[S, V]``, one row per entry of ``rows``. Returns a token id per row and
         its logprobs where ``params.logprobs`` was set."""
-        logits = logits.float()
         params = [row.params for row in rows]
         if all(p.is_greedy for p in params) and not any(_needs_processing(row) for row in rows):
-            token_ids = logits.argmax(dim=-1).tolist()
+            # max() is much faster than argmax() on bfloat16 on CPU; both take the first maximum
+            token_ids = logits.max(dim=-1).indices.tolist()
             return token_ids, self._logprobs(logits, rows, token_ids)
+        logits = logits.float()
 
         raw_logits = logits
         logits = logits.clone()

@@ -207,6 +207,7 @@ def check_invariants(scheduler: Scheduler) -> None:
         request = scheduler.requests[req_id]
         assert request.status == RequestStatus.RUNNING
         assert len(blocks) >= kv.num_blocks_for(request.num_computed_tokens)
+        assert kv.get_block_ids(req_id) == [block.block_id for block in blocks]
         for block in blocks:
             held[block.block_id] = held.get(block.block_id, 0) + 1
     free_ids = kv.free_queue.block_ids()
