@@ -69,6 +69,7 @@ class AsyncEngineClient:
         self._last_heard = 0.0
         self._started_at = 0.0
         self._has_heard = False
+        self._engine_id: str | None = None
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
         self._deltas_decoder = msgspec.msgpack.Decoder(list[GenerateDelta])
@@ -188,6 +189,8 @@ class AsyncEngineClient:
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
+        # a fixed routing id survives reconnects, so the engine's replies still find us
+        socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
         socket.connect(self.endpoint)
         self._socket = socket
         self._last_heard = self._started_at = time.monotonic()
@@ -242,7 +245,12 @@ class AsyncEngineClient:
                 if stream is not None:
                     stream[0].put_nowait(delta)
         elif kind == ResponseType.STATS.value:
-            _resolve(self._stats_waiters, self._stats_decoder.decode(payload))
+            stats = self._stats_decoder.decode(payload)
+            if stats.engine_id != self._engine_id:
+                if self._engine_id is not None:
+                    self._fail_all(EngineUnavailable(f"the engine at {self.endpoint} restarted"))
+                self._engine_id = stats.engine_id
+            _resolve(self._stats_waiters, stats)
         elif kind == ResponseType.CONTROL.value:
             _resolve(self._control_waiters, self._control_decoder.decode(payload))
 

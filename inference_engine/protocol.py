@@ -310,6 +310,9 @@ class StatsResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_preemptions: int = 0
+    # new on every start of the engine process: a client that sees it change knows that the
+    # requests it had in flight are lost
+    engine_id: str = ""
 
 
 class ControlRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -25,6 +25,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,7 @@ class EngineServer:
         self.engine_config = engine_config
         self.config = server_config
         self.model_name = server_config.served_model_name or engine_config.model
+        self.engine_id = uuid.uuid4().hex
         self.core: Any = None
         self.processor: OutputProcessor | None = None
         self.max_model_len = 0
@@ -279,6 +281,8 @@ class EngineServer:
             router.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
             router.setsockopt(zmq.SNDHWM, SEND_HWM)
             router.setsockopt(zmq.LINGER, 2000)
+            # a client that reconnects under its routing id gets its streams back
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             router.bind(self.config.endpoint)
             pull = self.ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.RCVHWM, 0)
@@ -432,6 +436,7 @@ class EngineServer:
             prompt_tokens_total=metrics.prompt_tokens_total,
             generation_tokens_total=metrics.generation_tokens_total,
             num_preemptions=snapshot.num_preemptions,
+            engine_id=self.engine_id,
         )
 
 

@@ -1,0 +1,186 @@
+"""AsyncEngineClient against a fake engine (a ROUTER socket in the test's event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from inference_engine.client import AsyncEngineClient, EngineUnavailable
+from inference_engine.protocol import (
+    AbortRequest,
+    FinishReason,
+    GenerateDelta,
+    GenerateRequest,
+    RequestType,
+    ResponseType,
+    StatsResponse,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeEngine:
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(endpoint)
+        self.received: list[tuple[bytes, bytes, bytes]] = []
+        self.generates: asyncio.Queue = asyncio.Queue()
+        self.is_answering = True
+        self.engine_id = "first"
+        self.task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            identity, kind, payload = await self.router.recv_multipart()
+            self.received.append((identity, kind, payload))
+            if kind == RequestType.GENERATE.value:
+                request = msgspec.msgpack.decode(payload, type=GenerateRequest)
+                self.generates.put_nowait((identity, request))
+            elif kind == RequestType.STATS.value and self.is_answering:
+                stats = StatsResponse(model="fake", ready=True, engine_id=self.engine_id)
+                await self.send(identity, ResponseType.STATS, stats)
+
+    async def send(self, identity: bytes, kind: ResponseType, message) -> None:
+        await self.router.send_multipart([identity, kind.value, msgspec.msgpack.encode(message)])
+
+    def aborted(self) -> list[str]:
+        return [
+            request_id
+            for _, kind, payload in self.received
+            if kind == RequestType.ABORT.value
+            for request_id in msgspec.msgpack.decode(payload, type=AbortRequest).req_ids
+        ]
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+async def fake(tmp_path):
+    engine = FakeEngine(f"ipc://{tmp_path}/fake.sock")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+async def client(fake, tmp_path):
+    client = AsyncEngineClient(
+        f"ipc://{tmp_path}/fake.sock", heartbeat_interval=0.05, heartbeat_timeout=0.5
+    )
+    await client.wait_ready(timeout=10)
+    yield client
+    client.close()
+
+
+async def test_deltas_are_routed_by_request_id_and_batched_frames_split(fake, client):
+    ids = ["r0", "r1", "r2"]
+    tasks = {
+        i: asyncio.create_task(_collect(client.generate(GenerateRequest(prompt=i, request_id=i))))
+        for i in ids
+    }
+    requests = [await fake.generates.get() for _ in ids]
+    assert sorted(request.request_id for _, request in requests) == ids
+    identity = requests[0][0]
+    frame = [GenerateDelta(i, text=i) for i in ids] + [GenerateDelta("unknown", text="x")]
+    await fake.send(identity, ResponseType.OUTPUTS, frame)
+    done = [GenerateDelta(i, text="!", finish_reason=FinishReason.LENGTH) for i in reversed(ids)]
+    await fake.send(identity, ResponseType.OUTPUTS, done)
+    for i, task in tasks.items():
+        assert "".join(d.text for d in await task) == i + "!"
+    assert client.num_open_streams == 0
+
+    # a generated request_id is filled in
+    task = asyncio.create_task(_collect(client.generate(GenerateRequest(prompt="x"))))
+    _, request = await fake.generates.get()
+    assert len(request.request_id) == 32
+    task.cancel()
+
+
+async def _collect(stream) -> list[GenerateDelta]:
+    return [delta async for delta in stream]
+
+
+async def test_leaving_a_stream_early_sends_abort(fake, client):
+    request = GenerateRequest(prompt="hi", request_id="mine")
+    async with contextlib.aclosing(client.generate(request)) as stream:
+        task = asyncio.create_task(anext(stream))
+        identity, _ = await fake.generates.get()
+        await fake.send(identity, ResponseType.OUTPUTS, [GenerateDelta("mine", text="a")])
+        assert (await task).text == "a"
+    await _eventually(lambda: fake.aborted() == ["mine"])
+
+    # a cancelled task aborts too
+    task = asyncio.create_task(_collect(client.generate(GenerateRequest(prompt="x"))))
+    _, request = await fake.generates.get()
+    task.cancel()
+    await _eventually(lambda: fake.aborted() == ["mine", request.request_id])
+    assert client.num_open_streams == 0
+
+
+async def test_a_finished_stream_sends_no_abort(fake, client):
+    task = asyncio.create_task(_collect(client.generate(GenerateRequest(prompt="x"))))
+    identity, request = await fake.generates.get()
+    done = GenerateDelta(request.request_id, finish_reason=FinishReason.STOP)
+    await fake.send(identity, ResponseType.OUTPUTS, [done])
+    assert [d.finish_reason for d in await task] == [FinishReason.STOP]
+    await asyncio.sleep(0.1)
+    assert fake.aborted() == []
+
+
+async def test_a_silent_engine_fails_open_streams_within_the_timeout(fake, client):
+    task = asyncio.create_task(_collect(client.generate(GenerateRequest(prompt="x"))))
+    await fake.generates.get()
+    fake.is_answering = False
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="silent"):
+        await task
+    assert time.monotonic() - started < 2
+    with pytest.raises(EngineUnavailable):
+        await client.stats(timeout=0.2)
+
+    fake.is_answering = True
+    assert (await client.wait_ready(timeout=5)).ready
+
+
+async def test_an_engine_restart_fails_open_streams(fake, client):
+    task = asyncio.create_task(_collect(client.generate(GenerateRequest(prompt="x"))))
+    await fake.generates.get()
+    fake.engine_id = "second"
+    with pytest.raises(EngineUnavailable, match="restarted"):
+        await task
+    assert (await client.stats()).engine_id == "second"
+
+
+async def test_no_engine_and_closed_client_raise_engine_unavailable(tmp_path, fake, client):
+    lonely = AsyncEngineClient(
+        f"ipc://{tmp_path}/nobody.sock", heartbeat_interval=0.05, heartbeat_timeout=0.3
+    )
+    with pytest.raises(EngineUnavailable):
+        await _collect(lonely.generate(GenerateRequest(prompt="x")))
+    with pytest.raises(EngineUnavailable):
+        await lonely.wait_ready(timeout=0.5)
+    lonely.close()
+
+    task = asyncio.create_task(_collect(client.generate(GenerateRequest(prompt="x"))))
+    await fake.generates.get()
+    client.close()
+    with pytest.raises(EngineUnavailable, match="closed"):
+        await task
+    with pytest.raises(EngineUnavailable):
+        await _collect(client.generate(GenerateRequest(prompt="y")))
+
+
+async def _eventually(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
