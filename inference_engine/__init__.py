@@ -6,6 +6,8 @@ Public API, imported lazily so that ``import inference_engine`` does not import 
 - ``SamplingParams`` (wire struct, in ``inference_engine.protocol``)
 - ``EngineCore`` with ``add_request``, ``abort_requests``, ``step``, ``has_unfinished_requests``
 - ``EngineConfig``
+- ``AsyncEngineClient`` and ``EngineUnavailable`` (the web tier's side of the wire, no torch);
+  ``GenerateRequest`` and ``GenerateDelta``; the process is ``python -m inference_engine``
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ _EXPORTS = {
     "SamplingParams": "inference_engine.protocol",
     "FinishReason": "inference_engine.protocol",
     "EngineOutput": "inference_engine.protocol",
+    "GenerateRequest": "inference_engine.protocol",
+    "GenerateDelta": "inference_engine.protocol",
+    "AsyncEngineClient": "inference_engine.client",
+    "EngineUnavailable": "inference_engine.client",
 }
 
 __all__ = sorted(_EXPORTS)
