@@ -16,6 +16,11 @@ Static batches generate to the longest request of the batch; only requested toke
     .venv/bin/python bench/engine_throughput.py            # the full spec (slow: tens of minutes)
     .venv/bin/python bench/engine_throughput.py --quick    # shrunken workloads
     .venv/bin/python bench/engine_throughput.py --skip a   # skip the one-at-a-time baseline
+    .venv/bin/python bench/engine_throughput.py --threads 1   # on a machine shared with others
+
+(c) is driven through the manager behind ``generate_batch`` (``add_request`` takes a
+``max_new_tokens`` per request, ``generate_batch`` only one for all); its start-up and warm-up
+are not timed, as the engine's model load is not.
 """
 
 from __future__ import annotations
@@ -132,8 +137,12 @@ def run_hf_continuous(path: str, workload: Workload) -> float:
     from transformers import GenerationConfig
 
     model = load_hf(path)
-    config = GenerationConfig(max_new_tokens=max(workload.max_new_tokens), do_sample=False,
-                              eos_token_id=-1, pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=max(workload.max_new_tokens),
+        do_sample=False,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
     # The manager's start-up (cache sizing, warm-up) is excluded, like the engine's load.
     with model.continuous_batching_context_manager(
         generation_config=config, block=True, timeout=5
@@ -156,8 +165,10 @@ def run_engine(path: str, workload: Workload) -> float:
     from inference_engine import LLM, SamplingParams
 
     llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-              for n in workload.max_new_tokens]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        for n in workload.max_new_tokens
+    ]
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
@@ -180,26 +191,34 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shrink both workloads")
     parser.add_argument("--skip", default="", help="peers to skip, e.g. 'a' or 'ac'")
     parser.add_argument("--workloads", default="fixed,mixed", help="comma-separated names")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"model: {MODEL_DESCRIPTION}")
     with tempfile.TemporaryDirectory() as path:
         build_model(path)
         for workload in make_workloads(args.quick):
             if workload.name not in args.workloads.split(","):
                 continue
-            print(f"\nworkload {workload.name}: {len(workload.prompts)} requests, "
-                  f"{sum(map(len, workload.prompts))} prompt tokens, "
-                  f"{workload.num_output_tokens} output tokens")
+            print(
+                f"\nworkload {workload.name}: {len(workload.prompts)} requests, "
+                f"{sum(map(len, workload.prompts))} prompt tokens, "
+                f"{workload.num_output_tokens} output tokens"
+            )
             rates = {}
             for key, (label, run) in PEERS.items():
                 if key in args.skip:
                     continue
                 elapsed = run(path, workload)
                 rates[key] = workload.num_output_tokens / elapsed
-                print(f"  ({key}) {label:<36} {elapsed:8.1f} s  {rates[key]:8.1f} tok/s",
-                      flush=True)
+                print(
+                    f"  ({key}) {label:<36} {elapsed:8.1f} s  {rates[key]:8.1f} tok/s", flush=True
+                )
             if "d" in rates:
                 for key, rate in rates.items():
                     if key != "d":
