@@ -126,7 +126,8 @@ class Sampler:
         logprobs = logits[wanted].float().log_softmax(dim=-1)
         num_top = max(rows[i].params.logprobs for i in wanted)
         top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in wanted])).squeeze(1)
+        chosen_ids = torch.tensor([[token_ids[i]] for i in wanted], device=logprobs.device)
+        chosen = logprobs.gather(1, chosen_ids).squeeze(1)
         top_values, top_ids, chosen = top_values.tolist(), top_ids.tolist(), chosen.tolist()
         for j, i in enumerate(wanted):
             n = rows[i].params.logprobs

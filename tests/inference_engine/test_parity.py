@@ -99,3 +99,13 @@ def test_greedy_parity_with_long_contexts(family, llm_cache, hf_models):
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 384) for _ in range(n)] for n in (250, 300, 420, 12)]
     assert_parity(llm_cache(family), hf_models(family), prompts, [12, 6, 9, 10])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_parity_on_cuda(model_dirs, hf_models):
+    """The CUDA path (flash-attn varlen when installed, else SDPA) matches HF on the CPU."""
+    from inference_engine import LLM
+
+    llm = LLM(model_dirs["llama"], dtype="float32", device="cuda", max_num_batched_tokens=64)
+    prompts, max_tokens = mixed_batch(seed=6)
+    assert_parity(llm, hf_models("llama"), prompts, max_tokens)
