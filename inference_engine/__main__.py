@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2048,
         help="most tokens in one step (decodes plus prefill chunks)",
     )
-    add("--num-kv-blocks", type=int, help="KV cache size in blocks (overrides --kv-cache-memory)")
+    add("--num-kv-blocks", type=int, help="KV cache size in blocks (or give --kv-cache-memory)")
     add(
         "--kv-cache-memory",
         type=int,
@@ -79,18 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine_config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_enable_prefix_caching,
-        max_model_len=args.max_model_len,
-    )
+    try:
+        engine_config = engine_config_from(args)
+    except ValueError as exc:
+        raise SystemExit(f"python -m inference_engine: error: {exc}") from None
     server_config = ServerConfig(
         endpoint=args.endpoint,
         served_model_name=args.served_model_name,
@@ -102,6 +94,21 @@ def main(argv: list[str] | None = None) -> None:
         max_frame_bytes=args.max_frame_bytes,
     )
     EngineServer(engine_config, server_config).run()
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_enable_prefix_caching,
+        max_model_len=args.max_model_len,
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,7 +180,9 @@ class EngineServer:
 
     # -- busy loop ---------------------------------------------------------------------------
 
-    def _busy_loop(self, hand_off) -> None:
+    def _busy_loop(self, hand_off: Callable[[tuple[list[EngineOutput], float]], None]) -> None:
+        """``hand_off((outputs, step_time))`` gets every step's outputs."""
+        self._hand_off = hand_off
         core = self.core
         deadline = None
         shutdown_aborted: set[str] = set()
@@ -202,7 +205,8 @@ class EngineServer:
             self._publish_snapshot()
             if shutdown_aborted:
                 _mark_shutdown_aborts(outputs, shutdown_aborted)
-            hand_off((outputs, time.time()))
+            if outputs:
+                hand_off((outputs, time.time()))
 
     def _apply_inputs(self, block: bool) -> None:
         items = []
@@ -218,16 +222,26 @@ class EngineServer:
             if kind == _ABORT:
                 aborts.extend(payload)
             else:
-                req_id, token_ids, params, priority, cache_salt, arrival = payload
-                self.core.add_request(
-                    req_id,
-                    token_ids,
-                    params,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    arrival_time=arrival,
-                )
                 self._num_adds_taken += 1
+                req_id, token_ids, params, priority, cache_salt, arrival = payload
+                try:
+                    self.core.add_request(
+                        req_id,
+                        token_ids,
+                        params,
+                        priority=priority,
+                        cache_salt=cache_salt,
+                        arrival_time=arrival,
+                    )
+                except Exception as exc:  # noqa: BLE001 - the core should refuse by output
+                    logger.exception("adding %s failed", req_id)
+                    failed = EngineOutput(
+                        req_id,
+                        finish_reason=FinishReason.ERROR,
+                        error_code=ErrorCode.ENGINE_ERROR,
+                        error_message=f"the engine could not add the request: {exc}",
+                    )
+                    self._hand_off(([failed], time.time()))
         # after the adds: an abort may name a request that arrived in the same batch
         if aborts:
             self.core.abort_requests(aborts)

@@ -220,7 +220,7 @@ async def test_cancelled_stream_is_aborted_within_a_step_and_frees_blocks(client
             num_tokens += len(delta.token_ids)
             last = delta
     assert last.finish_reason == FinishReason.ABORT
-    assert num_tokens <= 12
+    assert num_tokens <= 16  # one step is one token here; allows for the round trip
     assert last.usage.completion_tokens == num_tokens
 
     # leaving the loop early (here: cancelling the task) aborts in the engine too
