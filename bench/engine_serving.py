@@ -8,8 +8,8 @@ Peers, all on the same tiny Llama, tokenizer and requests (greedy, EOS ignored):
 
 Figures: output tokens per second of wall time, and per stream, as the client sees them,
 time to first token and inter-token latency (p50 / p99). Ratios: (b)/(a), (c)/(a), (b)/(c).
-Each peer runs ``--repeat`` times, interleaved, and the fastest run counts (the machine this
-was written on is shared, so single runs are noisy).
+Each peer runs ``--repeat`` times, interleaved, each run in a fresh process, and the fastest
+run counts (the machine this was written on is shared, so single runs are noisy).
 
     .venv/bin/python bench/engine_serving.py            # 64 streams x 128 tokens
     .venv/bin/python bench/engine_serving.py --quick    # 32 streams x 32 tokens
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import random
@@ -83,6 +84,24 @@ def make_prompts(num_streams: int, vocab_size: int) -> list[list[int]]:
 
 
 def run_offline(path: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """In a fresh process, like the served peers' engines."""
+    code = (
+        "import json, sys; from engine_serving import offline_worker; "
+        "print(json.dumps(offline_worker(*json.load(sys.stdin))))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)]))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps([path, prompts, max_tokens]),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def offline_worker(path: str, prompts: list[list[int]], max_tokens: int) -> dict:
     from inference_engine import LLM, SamplingParams
 
     llm = LLM(path, dtype="float32")
