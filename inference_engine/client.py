@@ -14,7 +14,8 @@ than when the generator is collected. Errors the engine reports arrive as the st
 delta (``finish_reason`` "error", ``error`` a code). When the engine stays silent past
 ``heartbeat_timeout`` (the client sends STATS every ``heartbeat_interval`` and any frame counts
 as an answer), every open stream raises ``EngineUnavailable``; ZeroMQ reconnects on its own
-when the engine comes back, and new requests work again.
+when the engine comes back, and new requests work again. A STATS answer from a new engine
+process (another ``engine_id``) fails the open streams too: their requests died with the old one.
 """
 
 from __future__ import annotations

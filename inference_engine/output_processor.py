@@ -121,7 +121,7 @@ class OutputProcessor:
             self.metrics.record_tokens(len(token_ids))
             if state.last_token_time:
                 self.metrics.record_inter_token_latency(step_time - state.last_token_time)
-        state.last_token_time = step_time
+            state.last_token_time = step_time
         if state.is_stopped:
             if not output.is_finished:
                 return None  # computed after the stop string, before the core's abort
