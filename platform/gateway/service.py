@@ -14,7 +14,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 
 from gateway import metrics
-from gateway.auth import authenticate
+from gateway.auth import api_key_for, bearer_key
 from gateway.errors import ApiError
 from gateway.generation import Generation, fan_out
 from gateway.validation import GenerationPlan, finalize_max_tokens
@@ -51,7 +51,10 @@ def read_body(request: HttpRequest) -> bytes:
 
 
 @sync_to_async
-def _resolve(api_key: ApiKey, model: str) -> tuple[ModelDeployment, str | None]:
+def _authorize(raw_key: str, model: str) -> tuple[ApiKey, ModelDeployment, str | None]:
+    """The key, the deployment it may use, and its cache salt: one trip to the database
+    thread for everything the hot path needs from the ORM before the engine."""
+    api_key = api_key_for(raw_key)
     deployment = deployment_for_tenant(tenant=api_key.tenant, name=model)
     if deployment is None:
         raise ApiError(
@@ -60,7 +63,7 @@ def _resolve(api_key: ApiKey, model: str) -> tuple[ModelDeployment, str | None]:
             code="model_not_found",
             param="model",
         )
-    return deployment, tenant_cache_salt(tenant=api_key.tenant)
+    return api_key, deployment, tenant_cache_salt(tenant=api_key.tenant)
 
 
 async def _route(deployment: ModelDeployment) -> tuple[str, int]:
@@ -93,11 +96,10 @@ async def serve_generation(
 ) -> HttpResponse:
     model, tenant = "unknown", "unknown"
     try:
-        api_key = await authenticate(request)
-        tenant = api_key.tenant.slug
+        raw_key = bearer_key(request)
         plan = plan_of(read_body(request))
-        deployment, cache_salt = await _resolve(api_key, plan.model)
-        model = deployment.name
+        api_key, deployment, cache_salt = await _authorize(raw_key, plan.model)
+        tenant, model = api_key.tenant.slug, deployment.name
         endpoint, max_context = await _route(deployment)
         reserved = finalize_max_tokens(plan, max_context)
         response_id = RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex

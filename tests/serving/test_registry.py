@@ -1,0 +1,52 @@
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from serving.models import ModelDeployment
+from serving.selectors import deployment_for_tenant, deployments_for_tenant
+from tenants import services
+from tenants.models import Plan
+
+pytestmark = pytest.mark.django_db
+
+
+def test_register_deployment_command_creates_and_updates():
+    out = StringIO()
+    call_command(
+        "register_deployment", "qwen-7b", "--endpoint", "tcp://10.0.0.5:5555",
+        "--endpoint", "ipc:///run/e.sock", "--max-context", "8192", stdout=out,
+    )  # fmt: skip
+    deployment = ModelDeployment.objects.get(name="qwen-7b")
+    assert deployment.endpoints == ["tcp://10.0.0.5:5555", "ipc:///run/e.sock"]
+    assert deployment.max_context == 8192 and deployment.is_enabled
+    call_command("register_deployment", "qwen-7b", "--endpoint", "tcp://h:1", "--disabled")
+    deployment.refresh_from_db()
+    assert deployment.endpoints == ["tcp://h:1"] and not deployment.is_enabled
+    assert ModelDeployment.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "endpoint"),
+    [("bad name", "tcp://h:1"), ("ok", "http://h:1"), ("ok", ""), ("-x", "tcp://h:1")],
+)
+def test_register_deployment_refuses_bad_input(name, endpoint):
+    with pytest.raises(CommandError):
+        call_command("register_deployment", name, "--endpoint", endpoint)
+
+
+def test_plans_and_allowed_models_both_gate_access():
+    pro = Plan.objects.create(slug="pro", name="Pro")
+    narrow = Plan.objects.create(slug="narrow", name="Narrow", allowed_models=["open"])
+    pro_tenant = services.tenant_create(slug="a", plan=pro)
+    narrow_tenant = services.tenant_create(slug="b", plan=narrow)
+    open_model = ModelDeployment.objects.create(name="open", endpoints=["tcp://h:1"])
+    pro_only = ModelDeployment.objects.create(name="pro-only", endpoints=["tcp://h:2"])
+    pro_only.plans.add(pro)
+    ModelDeployment.objects.create(name="off", endpoints=["tcp://h:3"], is_enabled=False)
+
+    assert [d.name for d in deployments_for_tenant(tenant=pro_tenant)] == ["open", "pro-only"]
+    assert [d.name for d in deployments_for_tenant(tenant=narrow_tenant)] == ["open"]
+    assert deployment_for_tenant(tenant=narrow_tenant, name="pro-only") is None
+    assert deployment_for_tenant(tenant=pro_tenant, name="off") is None
+    assert deployment_for_tenant(tenant=pro_tenant, name="open") == open_model
