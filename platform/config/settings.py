@@ -84,6 +84,7 @@ INSTALLED_APPS = [
     "tenants",
     "serving",
     "gateway",
+    "chat",
 ]
 
 MIDDLEWARE = [
@@ -194,6 +195,10 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
+
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/chat/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
 
 STATIC_URL = "static/"
 STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", VAR_DIR / "static"))

@@ -6,5 +6,7 @@ from config import views
 urlpatterns = [
     path("", views.landing, name="landing"),
     path("admin/", admin.site.urls),
+    path("accounts/", include("django.contrib.auth.urls")),
+    path("chat/", include("chat.urls")),
     path("", include("gateway.urls")),
 ]

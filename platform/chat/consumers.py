@@ -1,0 +1,301 @@
+"""The chat WebSocket, ``/ws/chat/<conversation_id>/``: one socket per open conversation.
+
+Only the conversation's owner, chatting as the conversation's tenant, may connect: an
+anonymous user is refused with close code 4401, anybody else with 4403 (also when the
+conversation does not exist, so ids cannot be probed).
+
+Client → server frames (JSON objects, at most ``MAX_FRAME_CHARS`` characters):
+
+- ``{"type": "send", "content": str}``: add a user message and generate a reply.
+- ``{"type": "stop"}``: stop the reply being generated; its text so far is kept, marked
+  stopped. Ignored when nothing is being generated.
+- ``{"type": "regenerate"}``: replace the last reply with a new one.
+- ``{"type": "edit", "message_id": int, "content": str}``: change one of the user's messages,
+  drop everything after it, and generate a reply to it.
+- ``{"type": "settings", "model"?: str, "system_prompt"?: str, "temperature"?: number,
+  "max_tokens"?: int}``: change the conversation's settings (they apply to the next reply).
+
+Server → client frames:
+
+- ``{"type": "message", "message": {...}}``: a user message as saved (after send or edit).
+- ``{"type": "start", "message_id": int, "after_id": int}``: a reply begins; every message
+  after ``after_id`` other than this one is gone (regenerate, edit).
+- ``{"type": "token", "text": str}``: the next piece of the reply.
+- ``{"type": "done", "message_id": int, "status": "complete" | "stopped",
+  "finish_reason": "stop" | "length" | "abort" | "", "usage": {"prompt_tokens",
+  "completion_tokens", "cached_tokens"}}``: the reply ended and is saved.
+- ``{"type": "error", "code": str, "message": str, "retry_after"?: int, "message_id"?: int}``:
+  a frame was refused (``invalid_frame``, ``unknown_type``, ``invalid_request``, ``busy``), or
+  a reply failed (``rate_limited`` with ``retry_after`` seconds, ``model_not_found``,
+  ``engine_unavailable``, ``context_length_exceeded``, ...; then ``message_id`` names the
+  reply, saved with the error). The socket stays open either way.
+- ``{"type": "settings", "settings": {...}}``: the conversation's settings as saved.
+
+Only one reply per conversation is generated at a time, across sockets and processes: a
+frame that would start another gets a ``busy`` error. The reply runs as its own task, so a
+stop frame is read at once, even before the first token; stop and disconnect cancel the
+task, which aborts the engine request.
+"""
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.core.cache import cache
+from django.core.exceptions import ValidationError
+
+from chat import selectors, services
+from chat.generation import ChatError, ReplyOutcome, generate_reply
+from chat.models import Conversation, Message
+from chat.payloads import message_payload, settings_payload
+from chat.selectors import SESSION_TENANT_KEY
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAME_CHARS = 64 * 1024
+CLOSE_UNAUTHENTICATED = 4401
+CLOSE_FORBIDDEN = 4403
+# A crashed process cannot release its conversation's lock; it expires after this long.
+GENERATION_LOCK_SECONDS = 15 * 60
+SETTINGS_FIELDS = ("model", "system_prompt", "temperature", "max_tokens")
+
+
+def _lock_key(conversation: Conversation) -> str:
+    return f"chat:generating:{conversation.tenant_id}:{conversation.pk}"
+
+
+@dataclass
+class _Run:
+    """One reply being generated."""
+
+    reply: Message
+    outcome: ReplyOutcome = field(default_factory=ReplyOutcome)
+    task: asyncio.Task | None = None
+    is_generating: bool = True
+    is_stopped: bool = False
+    is_finished: bool = False
+    error: ChatError | None = None
+
+
+class ChatConsumer(AsyncWebsocketConsumer):
+    conversation: Conversation
+    run: _Run | None = None
+    is_closed = False
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        conversation_id = int(self.scope["url_route"]["kwargs"]["conversation_id"])
+        conversation = await self._conversation(user, conversation_id)
+        if conversation is None:
+            await self.close(code=CLOSE_FORBIDDEN)
+            return
+        self.user, self.conversation = user, conversation
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        self.is_closed = True
+        if self.run is not None:
+            await self._stop(self.run)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if text_data is None:
+            await self._error("invalid_frame", "Send JSON text frames.")
+            return
+        if len(text_data) > MAX_FRAME_CHARS:
+            await self._error("invalid_frame", f"A frame may be at most {MAX_FRAME_CHARS} chars.")
+            return
+        try:
+            frame = json.loads(text_data)
+        except ValueError:
+            await self._error("invalid_frame", "A frame must be a JSON object.")
+            return
+        if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+            await self._error("invalid_frame", 'A frame must be a JSON object with a "type".')
+            return
+        handler = getattr(self, f"on_{frame['type']}", None) if frame["type"].isalpha() else None
+        if handler is None:
+            await self._error("unknown_type", f"Unknown frame type {frame['type'][:40]!r}.")
+            return
+        try:
+            await handler(frame)
+        except ValidationError as exc:
+            await self._error("invalid_request", " ".join(exc.messages))
+
+    # --- frames -----------------------------------------------------------------------------
+
+    async def on_send(self, frame: dict) -> None:
+        if await self._refuse_if_busy():
+            return
+        message = await database_sync_to_async(services.message_send)(
+            conversation=self.conversation, content=frame.get("content")
+        )
+        await self._send({"type": "message", "message": message_payload(message)})
+        await self._start_reply(after_id=message.pk)
+
+    async def on_stop(self, frame: dict) -> None:
+        if self.run is not None:
+            await self._stop(self.run)
+
+    async def on_regenerate(self, frame: dict) -> None:
+        if await self._refuse_if_busy():
+            return
+        await database_sync_to_async(services.reply_prepare_regenerate)(
+            conversation=self.conversation
+        )
+        last_id = await self._last_message_id()
+        await self._start_reply(after_id=last_id)
+
+    async def on_edit(self, frame: dict) -> None:
+        message_id = frame.get("message_id")
+        if isinstance(message_id, bool) or not isinstance(message_id, int):
+            raise ValidationError("message_id must be a message's id.")
+        if await self._refuse_if_busy():
+            return
+        message = await database_sync_to_async(services.message_edit)(
+            conversation=self.conversation, message_id=message_id, content=frame.get("content")
+        )
+        await self._send({"type": "message", "message": message_payload(message)})
+        await self._start_reply(after_id=message.pk)
+
+    async def on_settings(self, frame: dict) -> None:
+        changes = {name: frame[name] for name in SETTINGS_FIELDS if name in frame}
+        self.conversation = await database_sync_to_async(services.conversation_configure)(
+            conversation=self.conversation, **changes
+        )
+        await self._send({"type": "settings", "settings": settings_payload(self.conversation)})
+
+    # --- one reply --------------------------------------------------------------------------
+
+    async def _refuse_if_busy(self) -> bool:
+        if self.run is None:
+            return False
+        await self._error("busy", "A reply is still being generated; stop it first.")
+        return True
+
+    async def _start_reply(self, after_id: int) -> None:
+        if not await cache.aadd(_lock_key(self.conversation), 1, GENERATION_LOCK_SECONDS):
+            await self._error("busy", "A reply is being generated in another window.")
+            return
+        try:
+            reply = await database_sync_to_async(services.reply_start)(
+                conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
+            )
+        except BaseException:
+            await cache.adelete(_lock_key(self.conversation))
+            raise
+        self.run = run = _Run(reply=reply)
+        await self._send({"type": "start", "message_id": reply.pk, "after_id": after_id})
+        run.task = asyncio.create_task(self._generate(run))
+
+    async def _generate(self, run: _Run) -> None:
+        try:
+            await generate_reply(
+                conversation=self.conversation,
+                reply=run.reply,
+                user=self.user,
+                outcome=run.outcome,
+                on_text=self._send_text,
+            )
+        except asyncio.CancelledError:
+            # A stop: the task ends normally, saving the partial reply below.
+            run.is_stopped = True
+        except ChatError as exc:
+            run.error = exc
+        except Exception:
+            logger.exception("chat reply %s failed", run.reply.request_id)
+            run.error = ChatError("internal_error", "Something went wrong. Please try again.")
+        run.is_generating = False
+        await self._finish(run)
+
+    async def _send_text(self, text: str) -> None:
+        await self._send({"type": "token", "text": text})
+
+    async def _stop(self, run: _Run) -> None:
+        if run.is_generating and run.task is not None:
+            run.task.cancel()
+        if run.task is not None:
+            await asyncio.wait([run.task])
+        # A task cancelled before it ever ran never reached _finish.
+        run.is_stopped = run.is_stopped or not run.is_finished
+        await self._finish(run)
+
+    async def _finish(self, run: _Run) -> None:
+        """Save the reply, free the conversation, tell the client; once per reply."""
+        if run.is_finished:
+            return
+        run.is_finished = True
+        outcome, error = run.outcome, run.error
+        if error is not None:
+            status = Message.Status.ERROR
+        elif run.is_stopped:
+            status = Message.Status.STOPPED
+        else:
+            status = Message.Status.COMPLETE
+        try:
+            await database_sync_to_async(services.reply_finish)(
+                message=run.reply,
+                content=outcome.text,
+                status=status,
+                finish_reason=outcome.finish_reason,
+                error_code=error.code if error else "",
+                error_message=error.message if error else "",
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+            )
+        finally:
+            await cache.adelete(_lock_key(self.conversation))
+            if self.run is run:
+                self.run = None
+        if error is not None:
+            await self._error(error.code, error.message, error.retry_after, run.reply.pk)
+        else:
+            await self._send(
+                {
+                    "type": "done",
+                    "message_id": run.reply.pk,
+                    "status": status,
+                    "finish_reason": outcome.finish_reason,
+                    "usage": outcome.usage(),
+                }
+            )
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    async def _send(self, frame: dict) -> None:
+        if not self.is_closed:
+            await self.send(text_data=json.dumps(frame))
+
+    async def _error(
+        self,
+        code: str,
+        message: str,
+        retry_after: int | None = None,
+        message_id: int | None = None,
+    ) -> None:
+        frame = {"type": "error", "code": code, "message": message}
+        if retry_after is not None:
+            frame["retry_after"] = retry_after
+        if message_id is not None:
+            frame["message_id"] = message_id
+        await self._send(frame)
+
+    @database_sync_to_async
+    def _conversation(self, user, conversation_id: int) -> Conversation | None:
+        tenant = selectors.active_tenant(
+            user=user, session_tenant_id=self.scope["session"].get(SESSION_TENANT_KEY)
+        )
+        if tenant is None:
+            return None
+        return selectors.conversation_get(user=user, tenant=tenant, conversation_id=conversation_id)
+
+    @database_sync_to_async
+    def _last_message_id(self) -> int:
+        last = selectors.conversation_messages(conversation=self.conversation).last()
+        return last.pk if last else 0

@@ -1,0 +1,221 @@
+"""Writes: conversations, their messages and a user's chosen tenant.
+
+Every function takes keyword-only arguments, validates before writing and runs in one
+transaction. The consumer calls them through ``database_sync_to_async``.
+"""
+
+import math
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils import timezone
+
+from chat.models import ChatPreference, Conversation, Message
+from chat.selectors import chat_models
+from tenants.models import Tenant
+from tenants.selectors import user_tenants
+
+MAX_TITLE_CHARS = 200
+MAX_CONTENT_CHARS = 32_000
+MAX_SYSTEM_PROMPT_CHARS = 16_000
+MAX_TOKENS_LIMIT = 32_768
+TITLE_FROM_MESSAGE_CHARS = 60
+
+
+def _title_from(content: str) -> str:
+    line = " ".join(content.split())
+    if len(line) <= TITLE_FROM_MESSAGE_CHARS:
+        return line
+    return line[: TITLE_FROM_MESSAGE_CHARS - 1].rstrip() + "…"
+
+
+def _check_content(content: object) -> str:
+    if not isinstance(content, str) or not content.strip():
+        raise ValidationError("Write a message first.")
+    if len(content) > MAX_CONTENT_CHARS:
+        raise ValidationError(f"A message may be at most {MAX_CONTENT_CHARS} characters long.")
+    return content
+
+
+def _touch(conversation: Conversation) -> None:
+    conversation.updated_at = timezone.now()
+    conversation.save(update_fields=["updated_at"])
+
+
+@transaction.atomic
+def conversation_create(
+    *, user: AbstractBaseUser, tenant: Tenant, model: str = "", title: str = ""
+) -> Conversation:
+    """A new, empty conversation on ``model`` (the tenant's first allowed model if omitted)."""
+    if not user_tenants(user=user).filter(pk=tenant.pk).exists():
+        raise ValidationError("You are not a member of this organization.")
+    models = chat_models(tenant=tenant)
+    if model and model not in models:
+        raise ValidationError(f"The model '{model}' is not available to your organization.")
+    return Conversation.objects.create(
+        tenant=tenant,
+        user=user,
+        model=model or (models[0] if models else ""),
+        title=title.strip()[:MAX_TITLE_CHARS],
+    )
+
+
+@transaction.atomic
+def conversation_rename(*, conversation: Conversation, title: str) -> Conversation:
+    title = " ".join(str(title).split())
+    if len(title) > MAX_TITLE_CHARS:
+        raise ValidationError(f"A title may be at most {MAX_TITLE_CHARS} characters long.")
+    conversation.title = title
+    conversation.save(update_fields=["title"])
+    return conversation
+
+
+@transaction.atomic
+def conversation_delete(*, conversation: Conversation) -> None:
+    conversation.delete()
+
+
+@transaction.atomic
+def conversation_configure(
+    *,
+    conversation: Conversation,
+    model: str | None = None,
+    system_prompt: str | None = None,
+    temperature: float | None = None,
+    max_tokens: int | None = None,
+) -> Conversation:
+    """Change the conversation's generation settings; None leaves a setting as it is."""
+    changed = []
+    if model is not None:
+        if not isinstance(model, str) or model not in chat_models(tenant=conversation.tenant):
+            raise ValidationError(f"The model '{model}' is not available to your organization.")
+        conversation.model = model
+        changed.append("model")
+    if system_prompt is not None:
+        if not isinstance(system_prompt, str) or len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
+            raise ValidationError(
+                f"The system prompt must be text of at most {MAX_SYSTEM_PROMPT_CHARS} characters."
+            )
+        conversation.system_prompt = system_prompt
+        changed.append("system_prompt")
+    if temperature is not None:
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, int | float)
+            or not math.isfinite(temperature)
+            or not 0 <= temperature <= 2
+        ):
+            raise ValidationError("The temperature must be a number from 0 to 2.")
+        conversation.temperature = float(temperature)
+        changed.append("temperature")
+    if max_tokens is not None:
+        if (
+            isinstance(max_tokens, bool)
+            or not isinstance(max_tokens, int)
+            or not 1 <= max_tokens <= MAX_TOKENS_LIMIT
+        ):
+            raise ValidationError(f"Max tokens must be a whole number, 1 to {MAX_TOKENS_LIMIT}.")
+        conversation.max_tokens = max_tokens
+        changed.append("max_tokens")
+    if changed:
+        conversation.save(update_fields=changed)
+    return conversation
+
+
+@transaction.atomic
+def message_send(*, conversation: Conversation, content: str) -> Message:
+    """Add the user's message; the first one also titles an untitled conversation."""
+    content = _check_content(content)
+    message = Message.objects.create(
+        tenant_id=conversation.tenant_id,
+        conversation=conversation,
+        role=Message.Role.USER,
+        content=content,
+    )
+    if not conversation.title:
+        conversation.title = _title_from(content)
+        conversation.save(update_fields=["title"])
+    _touch(conversation)
+    return message
+
+
+@transaction.atomic
+def message_edit(*, conversation: Conversation, message_id: int, content: str) -> Message:
+    """Change one of the user's messages and drop everything after it, to resend from there."""
+    content = _check_content(content)
+    message = Message.objects.filter(
+        pk=message_id,
+        conversation=conversation,
+        tenant_id=conversation.tenant_id,
+        role=Message.Role.USER,
+    ).first()
+    if message is None:
+        raise ValidationError("That message does not exist in this conversation.")
+    message.content = content
+    message.save(update_fields=["content"])
+    Message.objects.filter(conversation=conversation, id__gt=message.pk).delete()
+    _touch(conversation)
+    return message
+
+
+@transaction.atomic
+def reply_prepare_regenerate(*, conversation: Conversation) -> None:
+    """Drop the last reply so that a new one can answer the last user message."""
+    last = Message.objects.filter(conversation=conversation).order_by("-id").first()
+    if last is None:
+        raise ValidationError("There is nothing to regenerate yet.")
+    if last.role == Message.Role.ASSISTANT:
+        last.delete()
+        if not Message.objects.filter(conversation=conversation).exists():
+            raise ValidationError("There is nothing to regenerate yet.")
+
+
+@transaction.atomic
+def reply_start(*, conversation: Conversation, request_id: str) -> Message:
+    """The reply placeholder that tokens stream into."""
+    return Message.objects.create(
+        tenant_id=conversation.tenant_id,
+        conversation=conversation,
+        role=Message.Role.ASSISTANT,
+        status=Message.Status.STREAMING,
+        model=conversation.model,
+        request_id=request_id,
+    )
+
+
+@transaction.atomic
+def reply_finish(
+    *,
+    message: Message,
+    content: str,
+    status: str,
+    finish_reason: str = "",
+    error_code: str = "",
+    error_message: str = "",
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+) -> Message:
+    """Save what the reply became: complete, stopped (partial text kept) or failed."""
+    if status not in Message.Status.values:
+        raise ValidationError({"status": f"Unknown status {status!r}."})
+    message.content = content
+    message.status = status
+    message.finish_reason = finish_reason
+    message.error_code = error_code
+    message.error_message = error_message
+    message.prompt_tokens = prompt_tokens
+    message.completion_tokens = completion_tokens
+    message.save()
+    Conversation.objects.filter(pk=message.conversation_id).update(updated_at=timezone.now())
+    return message
+
+
+@transaction.atomic
+def preference_set_tenant(*, user: AbstractBaseUser, tenant: Tenant) -> ChatPreference:
+    if not user_tenants(user=user).filter(pk=tenant.pk).exists():
+        raise ValidationError("You are not a member of this organization.")
+    preference, _ = ChatPreference.objects.update_or_create(
+        user=user, defaults={"tenant": tenant, "updated_at": timezone.now()}
+    )
+    return preference

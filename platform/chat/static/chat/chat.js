@@ -1,0 +1,519 @@
+/* The chat page: sidebar (search, rename, delete), settings, and the conversation over the
+ * WebSocket protocol documented in chat/consumers.py. Plain JS, no build step. */
+(function () {
+  "use strict";
+
+  const $ = function (id) { return document.getElementById(id); };
+  const state = JSON.parse($("chat-state").textContent || "null");
+  const csrfToken = document.querySelector("input[name=csrfmiddlewaretoken]").value;
+  const PENDING_KEY = "chat:pending";
+
+  const thread = $("thread");
+  const input = $("input");
+  const composer = $("composer");
+  const sendButton = $("send");
+  const stopButton = $("stop");
+  const banner = $("banner");
+
+  let socket = null;
+  let reconnectDelay = 500;
+  let isGenerating = false;
+  let streaming = null; // {id, text, el, body, frame}
+  let retryTimer = null;
+
+  // --- small helpers -------------------------------------------------------------------------
+
+  function post(url, data) {
+    const body = new URLSearchParams(data || {});
+    return fetch(url, {
+      method: "POST",
+      headers: { "X-CSRFToken": csrfToken, Accept: "application/json" },
+      body: body,
+      credentials: "same-origin",
+    });
+  }
+
+  function el(tag, className, text) {
+    const node = document.createElement(tag);
+    if (className) node.className = className;
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function autosize() {
+    input.style.height = "auto";
+    input.style.height = Math.min(input.scrollHeight, 240) + "px";
+  }
+
+  function scrollToEnd(force) {
+    const nearEnd = thread.scrollHeight - thread.scrollTop - thread.clientHeight < 120;
+    if (force || nearEnd) thread.scrollTop = thread.scrollHeight;
+  }
+
+  // --- banner (errors, quota refusals) --------------------------------------------------------
+
+  function showBanner(message, retryAfter, onRetry) {
+    clearInterval(retryTimer);
+    banner.hidden = false;
+    const text = $("banner-text");
+    const retry = $("banner-retry");
+    retry.hidden = true;
+    text.textContent = message;
+    if (retryAfter) {
+      let left = retryAfter;
+      const tick = function () {
+        if (left > 0) {
+          text.textContent = message.replace(/\s*Please try again in \d+s\.?$/, "") +
+            " You can retry in " + left + "s.";
+          left -= 1;
+          return;
+        }
+        clearInterval(retryTimer);
+        text.textContent = message.replace(/\s*Please try again in \d+s\.?$/, "") +
+          " You can retry now.";
+        if (onRetry) {
+          retry.hidden = false;
+          retry.onclick = function () { hideBanner(); onRetry(); };
+        }
+      };
+      tick();
+      retryTimer = setInterval(tick, 1000);
+    }
+  }
+
+  function hideBanner() {
+    clearInterval(retryTimer);
+    banner.hidden = true;
+  }
+
+  $("banner-close").addEventListener("click", hideBanner);
+
+  // --- messages ---------------------------------------------------------------------------------
+
+  function messageNode(message) {
+    const node = el("article", "message " + message.role);
+    node.dataset.id = message.id;
+    node.dataset.role = message.role;
+    const avatar = el("div", "avatar", message.role === "user" ? "You" : "AI");
+    const bubble = el("div", "bubble");
+    const body = el("div", "body");
+    bubble.append(body);
+    const meta = el("div", "meta");
+    bubble.append(meta);
+    node.append(avatar, bubble);
+    fillMessage(node, message);
+    return node;
+  }
+
+  function fillMessage(node, message) {
+    const body = node.querySelector(".body");
+    const meta = node.querySelector(".meta");
+    node.dataset.status = message.status;
+    node.dataset.content = message.content;
+    if (message.role === "user") {
+      body.textContent = message.content; // shown as typed: user text never becomes HTML
+    } else {
+      ChatMarkdown.render(body, message.content);
+      if (!message.content && message.status === "streaming") body.append(typingDots());
+    }
+    meta.replaceChildren();
+    if (message.status === "stopped") meta.append(el("span", "badge stopped", "Stopped"));
+    if (message.status === "error") {
+      meta.append(el("span", "badge error", message.error_message || "The reply failed."));
+    }
+    if (message.status !== "streaming") meta.append(...actions(node, message));
+  }
+
+  function typingDots() {
+    const dots = el("span", "typing");
+    dots.append(el("i"), el("i"), el("i"));
+    return dots;
+  }
+
+  function actions(node, message) {
+    const buttons = [];
+    if (message.content) {
+      const copy = el("button", "action copy-reply", "Copy");
+      copy.type = "button";
+      copy.addEventListener("click", function () {
+        ChatMarkdown.copyText(node.dataset.content, copy);
+      });
+      buttons.push(copy);
+    }
+    if (message.role === "user") {
+      const edit = el("button", "action edit", "Edit");
+      edit.type = "button";
+      edit.addEventListener("click", function () { startEdit(node); });
+      buttons.push(edit);
+    } else {
+      const regenerate = el("button", "action regenerate", "Regenerate");
+      regenerate.type = "button";
+      regenerate.addEventListener("click", function () { send({ type: "regenerate" }); });
+      buttons.push(regenerate);
+    }
+    return buttons;
+  }
+
+  function refreshActions() {
+    // Regenerate only on the last reply.
+    const replies = thread.querySelectorAll(".message.assistant");
+    replies.forEach(function (node, index) {
+      const button = node.querySelector(".regenerate");
+      if (button) button.hidden = index !== replies.length - 1;
+    });
+    thread.querySelectorAll(".message .edit").forEach(function (b) { b.disabled = isGenerating; });
+    thread.querySelectorAll(".message .regenerate").forEach(function (b) {
+      b.disabled = isGenerating;
+    });
+  }
+
+  function startEdit(node) {
+    if (isGenerating || node.classList.contains("editing")) return;
+    node.classList.add("editing");
+    const body = node.querySelector(".body");
+    const original = node.dataset.content;
+    const area = el("textarea", "edit-area");
+    area.value = original;
+    const save = el("button", "primary small", "Save & send");
+    save.type = "button";
+    const cancel = el("button", "ghost small", "Cancel");
+    cancel.type = "button";
+    const row = el("div", "edit-row");
+    row.append(cancel, save);
+    body.replaceChildren(area, row);
+    area.focus();
+    const finish = function () {
+      node.classList.remove("editing");
+      body.textContent = original;
+    };
+    cancel.addEventListener("click", finish);
+    save.addEventListener("click", function () {
+      const content = area.value;
+      if (!content.trim()) return;
+      node.classList.remove("editing");
+      body.textContent = content;
+      send({ type: "edit", message_id: Number(node.dataset.id), content: content });
+    });
+    area.addEventListener("keydown", function (event) {
+      if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); save.click(); }
+      if (event.key === "Escape") finish();
+    });
+  }
+
+  function appendMessage(message) {
+    $("empty-state").hidden = true;
+    const existing = thread.querySelector('.message[data-id="' + message.id + '"]');
+    if (existing) {
+      fillMessage(existing, message);
+      return existing;
+    }
+    const node = messageNode(message);
+    thread.append(node);
+    return node;
+  }
+
+  function removeAfter(id) {
+    thread.querySelectorAll(".message").forEach(function (node) {
+      if (Number(node.dataset.id) > id) node.remove();
+    });
+  }
+
+  // --- streaming --------------------------------------------------------------------------------
+
+  function setGenerating(value) {
+    isGenerating = value;
+    sendButton.hidden = value;
+    stopButton.hidden = !value;
+    document.body.classList.toggle("generating", value);
+    refreshActions();
+  }
+
+  function scheduleRender() {
+    if (!streaming || streaming.frame) return;
+    streaming.frame = requestAnimationFrame(function () {
+      if (!streaming) return;
+      streaming.frame = 0;
+      ChatMarkdown.render(streaming.body, streaming.text);
+      streaming.body.append(el("span", "cursor"));
+      scrollToEnd(false);
+    });
+  }
+
+  function onFrame(frame) {
+    switch (frame.type) {
+      case "message":
+        appendMessage(frame.message);
+        scrollToEnd(true);
+        break;
+      case "start": {
+        hideBanner();
+        removeAfter(frame.after_id);
+        const node = appendMessage({
+          id: frame.message_id, role: "assistant", content: "", status: "streaming",
+        });
+        streaming = { id: frame.message_id, text: "", node: node, body: node.querySelector(".body"), frame: 0 };
+        setGenerating(true);
+        scrollToEnd(true);
+        break;
+      }
+      case "token":
+        if (streaming) {
+          streaming.text += frame.text;
+          scheduleRender();
+        }
+        break;
+      case "done":
+        finishStreaming({ status: frame.status, error_message: "" });
+        break;
+      case "error":
+        if (frame.message_id !== undefined && streaming && streaming.id === frame.message_id) {
+          finishStreaming({ status: "error", error_message: frame.message });
+        }
+        showBanner(frame.message, frame.retry_after, frame.message_id !== undefined ? function () {
+          send({ type: "regenerate" });
+        } : null);
+        break;
+      case "settings":
+        applySettings(frame.settings);
+        break;
+      default:
+        break;
+    }
+  }
+
+  function finishStreaming(result) {
+    if (!streaming) { setGenerating(false); return; }
+    if (streaming.frame) cancelAnimationFrame(streaming.frame);
+    const message = {
+      id: streaming.id, role: "assistant", content: streaming.text,
+      status: result.status, error_message: result.error_message,
+    };
+    fillMessage(streaming.node, message);
+    streaming = null;
+    setGenerating(false);
+    scrollToEnd(false);
+  }
+
+  // --- the socket -------------------------------------------------------------------------------
+
+  function setConnection(text, className) {
+    const badge = $("connection");
+    if (!badge) return;
+    badge.textContent = text;
+    badge.className = "connection " + (className || "");
+  }
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    socket = new WebSocket(scheme + "://" + location.host + "/ws/chat/" + state.conversation_id + "/");
+    let opened = false;
+    socket.addEventListener("open", function () {
+      opened = true;
+      reconnectDelay = 500;
+      setConnection("", "online");
+      document.body.dataset.socket = "open";
+      const pending = sessionStorage.getItem(PENDING_KEY + ":" + state.conversation_id);
+      if (pending) {
+        sessionStorage.removeItem(PENDING_KEY + ":" + state.conversation_id);
+        send({ type: "send", content: pending });
+      }
+    });
+    socket.addEventListener("message", function (event) {
+      try { onFrame(JSON.parse(event.data)); } catch (e) { console.error(e); }
+    });
+    socket.addEventListener("close", function (event) {
+      document.body.dataset.socket = "closed";
+      if (streaming) finishStreaming({ status: "stopped", error_message: "" });
+      if (event.code === 4401) {
+        setConnection("Signed out", "offline");
+        showBanner("Your session has ended. Reload the page to sign in again.");
+        return;
+      }
+      if (event.code === 4403) {
+        setConnection("No access", "offline");
+        showBanner("You no longer have access to this conversation.");
+        return;
+      }
+      setConnection(opened ? "Reconnecting…" : "Connecting…", "offline");
+      setTimeout(connect, reconnectDelay);
+      reconnectDelay = Math.min(reconnectDelay * 2, 10000);
+    });
+  }
+
+  function send(frame) {
+    if (!socket || socket.readyState !== WebSocket.OPEN) {
+      showBanner("Not connected yet; trying again in a moment.");
+      return false;
+    }
+    socket.send(JSON.stringify(frame));
+    return true;
+  }
+
+  // --- composer ---------------------------------------------------------------------------------
+
+  async function submitMessage() {
+    const content = input.value;
+    if (!content.trim() || isGenerating || composer.dataset.disabled) return;
+    if (!state) {
+      // No conversation yet: create one, then send from its page.
+      sendButton.disabled = true;
+      const response = await post($("new-form").action);
+      sendButton.disabled = false;
+      if (!response.ok) {
+        const data = await response.json().catch(function () { return {}; });
+        showBanner(data.error || "Could not start a conversation.");
+        return;
+      }
+      const data = await response.json();
+      sessionStorage.setItem(PENDING_KEY + ":" + data.id, content);
+      location.href = data.url;
+      return;
+    }
+    if (send({ type: "send", content: content })) {
+      input.value = "";
+      autosize();
+    }
+  }
+
+  composer.addEventListener("submit", function (event) {
+    event.preventDefault();
+    submitMessage();
+  });
+  input.addEventListener("keydown", function (event) {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      submitMessage();
+    }
+  });
+  input.addEventListener("input", autosize);
+  stopButton.addEventListener("click", function () { send({ type: "stop" }); });
+
+  // --- settings ---------------------------------------------------------------------------------
+
+  function applySettings(settings) {
+    const title = $("conversation-title");
+    if (title && !title.isContentEditable) title.textContent = settings.title || "New conversation";
+    const item = document.querySelector('.conversation-item[data-id="' + state.conversation_id + '"]');
+    if (item && settings.title) {
+      item.querySelector(".conversation-link").textContent = settings.title;
+      item.dataset.title = settings.title.toLowerCase();
+    }
+    if (settings.title) document.title = settings.title + " · LLM Platform";
+    const status = $("settings-status");
+    if (status) status.textContent = "Saved. Changes apply to the next reply.";
+  }
+
+  function wireSettings() {
+    const panel = $("settings");
+    const toggle = $("toggle-settings");
+    toggle.addEventListener("click", function () {
+      panel.hidden = !panel.hidden;
+      toggle.setAttribute("aria-expanded", String(!panel.hidden));
+    });
+    $("setting-model").addEventListener("change", function (event) {
+      send({ type: "settings", model: event.target.value });
+    });
+    $("setting-system").addEventListener("change", function (event) {
+      send({ type: "settings", system_prompt: event.target.value });
+    });
+    const temperature = $("setting-temperature");
+    temperature.addEventListener("input", function () {
+      $("temperature-value").textContent = Number(temperature.value).toFixed(2);
+    });
+    temperature.addEventListener("change", function () {
+      send({ type: "settings", temperature: Number(temperature.value) });
+    });
+    $("setting-max-tokens").addEventListener("change", function (event) {
+      const value = parseInt(event.target.value, 10);
+      if (Number.isInteger(value)) send({ type: "settings", max_tokens: value });
+    });
+  }
+
+  // --- sidebar ----------------------------------------------------------------------------------
+
+  function wireSidebar() {
+    const search = $("search");
+    search.addEventListener("input", function () {
+      const query = search.value.trim().toLowerCase();
+      let shown = 0;
+      document.querySelectorAll(".conversation-item").forEach(function (item) {
+        const match = !query || item.dataset.title.includes(query);
+        item.hidden = !match;
+        if (match) shown += 1;
+      });
+      $("no-match").hidden = shown > 0 || !document.querySelector(".conversation-item");
+    });
+    document.querySelectorAll(".conversation-item .rename").forEach(function (button) {
+      button.addEventListener("click", function () {
+        const link = button.parentElement.querySelector(".conversation-link");
+        inlineRename(link, button.dataset.url);
+      });
+    });
+    document.querySelectorAll(".delete-form").forEach(function (form) {
+      form.addEventListener("submit", function (event) {
+        if (!confirm("Delete this conversation? This cannot be undone.")) event.preventDefault();
+      });
+    });
+    const title = $("conversation-title");
+    if (title) title.addEventListener("click", function () { inlineRename(title, title.dataset.url); });
+    $("toggle-sidebar").addEventListener("click", function () {
+      document.body.classList.toggle("sidebar-open");
+    });
+  }
+
+  function inlineRename(node, url) {
+    if (node.dataset.renaming) return;
+    node.dataset.renaming = "1";
+    const before = node.textContent.trim();
+    const field = el("input", "rename-input");
+    field.value = before === "New conversation" ? "" : before;
+    field.maxLength = 200;
+    field.setAttribute("aria-label", "Conversation title");
+    node.hidden = true;
+    node.after(field);
+    field.focus();
+    field.select();
+    let isDone = false;
+    const finish = async function (save) {
+      if (isDone) return;
+      isDone = true;
+      field.remove();
+      node.hidden = false;
+      delete node.dataset.renaming;
+      const title = field.value.trim();
+      if (!save || title === before) return;
+      const response = await post(url, { title: title });
+      if (!response.ok) {
+        showBanner("Could not rename the conversation.");
+        return;
+      }
+      const data = await response.json();
+      document.querySelectorAll('.conversation-item[data-id="' + data.id + '"] .conversation-link')
+        .forEach(function (link) { link.textContent = data.title || "New conversation"; });
+      const item = document.querySelector('.conversation-item[data-id="' + data.id + '"]');
+      if (item) item.dataset.title = (data.title || "").toLowerCase();
+      const header = $("conversation-title");
+      if (header && state && state.conversation_id === data.id) {
+        header.textContent = data.title || "New conversation";
+      }
+    };
+    field.addEventListener("keydown", function (event) {
+      if (event.key === "Enter") { event.preventDefault(); finish(true); }
+      if (event.key === "Escape") finish(false);
+    });
+    field.addEventListener("blur", function () { finish(true); });
+  }
+
+  // --- start ------------------------------------------------------------------------------------
+
+  wireSidebar();
+  if (state) {
+    state.messages.forEach(appendMessage);
+    refreshActions();
+    wireSettings();
+    setConnection("Connecting…", "offline");
+    connect();
+    scrollToEnd(true);
+  }
+  input.focus();
+})();

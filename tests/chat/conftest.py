@@ -1,0 +1,122 @@
+"""Chat fixtures: the gateway's live engine (and Daphne) on a tiny model, a user in a tenant
+with the model deployed, and WebSocket communicators on the real routing and middleware."""
+
+import asyncio
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.core.cache import cache
+from django.test import Client
+
+from tests.gateway.conftest import (  # noqa: F401  (fixtures)
+    MODEL_NAME,
+    daphne_server,
+    engine,
+    tiny_model_dir,
+)
+
+ORIGIN = (b"origin", b"http://testserver")
+FRAME_TIMEOUT = 60  # seconds; the machine may be busy, a tiny model is still quick
+
+
+@pytest.fixture(autouse=True)
+def _clear_quota_counters():
+    cache.clear()
+    yield
+    cache.clear()
+
+
+@pytest.fixture(scope="session")
+def ready_engine(engine):  # noqa: F811
+    """The engine, once it answers."""
+    from inference_engine.client import AsyncEngineClient
+
+    async def wait():
+        client = AsyncEngineClient(engine.endpoint)
+        try:
+            await client.wait_ready(timeout=120)
+        finally:
+            client.close()
+
+    asyncio.run(wait())
+    return engine
+
+
+def asgi_application():
+    """The WebSocket stack of config.asgi, built now: AllowedHostsOriginValidator reads
+    ALLOWED_HOSTS when it is built, and the test environment adds "testserver" to it."""
+    from channels.auth import AuthMiddlewareStack
+    from channels.routing import URLRouter
+    from channels.security.websocket import AllowedHostsOriginValidator
+
+    from config.routing import websocket_urlpatterns
+
+    return AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
+
+
+def session_cookie(user) -> bytes:
+    client = Client()
+    client.force_login(user)
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+class Chat:
+    """A connected socket with helpers to read the server's frames."""
+
+    def __init__(self, communicator: WebsocketCommunicator) -> None:
+        self.communicator = communicator
+
+    async def send(self, **frame) -> None:
+        await self.communicator.send_to(text_data=json.dumps(frame))
+
+    async def send_raw(self, text: str) -> None:
+        await self.communicator.send_to(text_data=text)
+
+    async def receive(self) -> dict:
+        return json.loads(await self.communicator.receive_from(timeout=FRAME_TIMEOUT))
+
+    async def receive_until(self, *types: str) -> tuple[dict, list[dict]]:
+        """Frames up to and including the first of one of ``types``; (that frame, all)."""
+        frames = []
+        while True:
+            frame = await self.receive()
+            frames.append(frame)
+            if frame["type"] in types:
+                return frame, frames
+
+    async def is_quiet(self) -> bool:
+        return await self.communicator.receive_nothing(timeout=0.3)
+
+    async def close(self) -> None:
+        await self.communicator.disconnect(timeout=30)
+
+
+async def open_chat(user, conversation_id: int, cookie: bytes | None = None):
+    """(connected, close code, Chat) for ``user`` (None: anonymous) on the conversation."""
+    headers = [ORIGIN]
+    if user is not None:
+        headers.append((b"cookie", cookie or await sync_to_async(session_cookie)(user)))
+    communicator = WebsocketCommunicator(
+        asgi_application(), f"/ws/chat/{conversation_id}/", headers=headers
+    )
+    connected, code = await communicator.connect(timeout=FRAME_TIMEOUT)
+    return connected, code, Chat(communicator)
+
+
+@pytest.fixture
+def chat_world(transactional_db, ready_engine, django_user_model):
+    """Alice in Acme (a plan open to the tiny model), with one conversation."""
+    from chat import services as chat_services
+    from serving.services import deployment_register
+    from tenants import services
+    from tenants.models import Plan
+
+    plan = Plan.objects.create(slug="open", name="Open")
+    alice = django_user_model.objects.create_user("alice", password="correct horse battery")
+    acme = services.tenant_create(slug="acme", name="Acme", plan=plan, owner=alice)
+    deployment_register(name=MODEL_NAME, endpoints=[ready_engine.endpoint])
+    conversation = chat_services.conversation_create(user=alice, tenant=acme, model=MODEL_NAME)
+    chat_services.conversation_configure(conversation=conversation, temperature=0.0, max_tokens=8)
+    return {"user": alice, "tenant": acme, "plan": plan, "conversation": conversation}

@@ -1,0 +1,364 @@
+"""The chat WebSocket with a real engine: who may connect, streaming, stop (before and after
+the first token), disconnect, regenerate, edit, quota refusals and malformed frames."""
+
+import asyncio
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from chat import services
+from chat.models import Message
+from inference_engine.client import AsyncEngineClient
+from tenants import quotas
+from tenants import services as tenant_services
+from tenants.models import Tenant, UsageRecord
+from tests.chat.conftest import MODEL_NAME, open_chat
+
+LONG_REPLY_TOKENS = 200
+
+
+@sync_to_async
+def _messages(conversation) -> list[Message]:
+    return list(Message.objects.filter(conversation=conversation).order_by("id"))
+
+
+@sync_to_async
+def _records(tenant) -> list[UsageRecord]:
+    return list(UsageRecord.objects.filter(tenant=tenant).order_by("started_at"))
+
+
+@sync_to_async
+def _configure(conversation, **settings) -> None:
+    services.conversation_configure(conversation=conversation, **settings)
+
+
+async def _engine_idle(endpoint: str) -> bool:
+    client = AsyncEngineClient(endpoint)
+    try:
+        for _ in range(100):
+            stats = await client.stats(timeout=5)
+            if stats.num_requests_running == 0 and stats.num_requests_waiting == 0:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+    finally:
+        client.close()
+
+
+async def test_anonymous_users_are_refused(chat_world, async_db):
+    connected, code, _ = await open_chat(None, chat_world["conversation"].pk)
+    assert not connected
+    assert code == 4401
+
+
+async def test_only_the_owner_may_connect(chat_world, async_db, django_user_model):
+    conversation, acme = chat_world["conversation"], chat_world["tenant"]
+
+    @sync_to_async
+    def make_users():
+        bob = django_user_model.objects.create_user("bob", password="x-password-1")
+        tenant_services.membership_set(tenant=acme, user=bob, role="admin")
+        carol = django_user_model.objects.create_user("carol", password="x-password-2")
+        globex = tenant_services.tenant_create(slug="globex", plan=chat_world["plan"], owner=carol)
+        return bob, carol, globex
+
+    bob, carol, _ = await make_users()
+    for intruder in (bob, carol):
+        connected, code, _ = await open_chat(intruder, conversation.pk)
+        assert (connected, code) == (False, 4403)
+    connected, code, _ = await open_chat(chat_world["user"], 987654321)
+    assert (connected, code) == (False, 4403)
+
+
+async def test_a_conversation_of_another_tenant_of_the_same_user_is_refused(chat_world, async_db):
+    alice = chat_world["user"]
+
+    @sync_to_async
+    def other_conversation():
+        globex = tenant_services.tenant_create(slug="globex", plan=chat_world["plan"], owner=alice)
+        # Alice now has two tenants and has chosen Acme: Globex's conversations are closed.
+        services.preference_set_tenant(user=alice, tenant=chat_world["tenant"])
+        return services.conversation_create(user=alice, tenant=globex)
+
+    conversation = await other_conversation()
+    connected, code, _ = await open_chat(alice, conversation.pk)
+    assert (connected, code) == (False, 4403)
+
+
+async def test_send_streams_a_reply_that_is_saved_and_metered(chat_world, async_db, monkeypatch):
+    conversation, tenant = chat_world["conversation"], chat_world["tenant"]
+    await _configure(conversation, system_prompt="You are terse.")
+    await sync_to_async(
+        lambda: (
+            type(tenant.plan)
+            .objects.filter(pk=tenant.plan_id)
+            .update(is_prefix_cache_isolated=True)
+        )
+    )()
+    sent = []
+    original = AsyncEngineClient.generate
+
+    def spy(self, request):
+        sent.append(request)
+        return original(self, request)
+
+    monkeypatch.setattr(AsyncEngineClient, "generate", spy)
+
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    assert connected
+    await chat.send(type="send", content="Hello there")
+    done, frames = await chat.receive_until("done", "error")
+    await chat.close()
+
+    assert done["type"] == "done", done
+    kinds = [f["type"] for f in frames]
+    assert kinds[:2] == ["message", "start"]
+    assert kinds[-1] == "done" and set(kinds[2:-1]) <= {"token"}
+    assert frames[0]["message"]["content"] == "Hello there"
+    assert done["status"] == "complete"
+    assert done["finish_reason"] == "length"
+    assert done["usage"]["completion_tokens"] == 8
+    assert done["usage"]["prompt_tokens"] > 0
+
+    user_message, reply = await _messages(conversation)
+    assert (user_message.role, user_message.content) == ("user", "Hello there")
+    assert reply.pk == done["message_id"] == frames[1]["message_id"]
+    assert reply.status == "complete"
+    assert reply.content == "".join(f["text"] for f in frames if f["type"] == "token")
+    assert reply.completion_tokens == 8
+
+    [request] = sent
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("system", "You are terse."),
+        ("user", "Hello there"),
+    ]
+    assert request.cache_salt == f"tenant-{tenant.pk}"
+    assert request.tenant_id == str(tenant.pk)
+    assert request.params.temperature == 0.0
+
+    [record] = await _records(tenant)
+    assert record.source == UsageRecord.Source.CHAT
+    assert record.user_id == chat_world["user"].pk and record.api_key_id is None
+    assert record.status == UsageRecord.Status.OK
+    assert record.request_id == reply.request_id
+    assert record.completion_tokens == 8 and record.prompt_tokens == done["usage"]["prompt_tokens"]
+
+
+async def test_stop_before_the_first_token(chat_world, async_db):
+    conversation = chat_world["conversation"]
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Tell me a long story")
+    await chat.send(type="stop")
+    done, frames = await chat.receive_until("done", "error")
+
+    assert [f["type"] for f in frames] == ["message", "start", "done"]
+    assert done["status"] == "stopped"
+    _, reply = await _messages(conversation)
+    assert (reply.status, reply.content) == ("stopped", "")
+    assert all(r.status == "cancelled" for r in await _records(chat_world["tenant"]))
+
+    # The socket stays usable, and the conversation is free again.
+    await _configure(conversation, max_tokens=4)
+    await chat.send(type="send", content="And now a short one")
+    done, _ = await chat.receive_until("done", "error")
+    assert done["type"] == "done" and done["status"] == "complete"
+    await chat.close()
+
+
+async def test_stop_after_the_first_token_keeps_the_partial_reply(chat_world, async_db):
+    conversation, tenant = chat_world["conversation"], chat_world["tenant"]
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Tell me a long story")
+    first_token, _ = await chat.receive_until("token")
+    await chat.send(type="stop")
+    done, frames = await chat.receive_until("done", "error")
+    await chat.close()
+
+    assert done["type"] == "done" and done["status"] == "stopped"
+    streamed = first_token["text"] + "".join(f["text"] for f in frames if f["type"] == "token")
+    _, reply = await _messages(conversation)
+    assert reply.status == "stopped"
+    assert reply.content == streamed and reply.content
+    assert 1 <= reply.completion_tokens < LONG_REPLY_TOKENS
+    [record] = await _records(tenant)
+    assert record.status == UsageRecord.Status.CANCELLED
+    assert record.source == UsageRecord.Source.CHAT
+    assert record.completion_tokens == reply.completion_tokens
+    assert await _engine_idle(await sync_to_async(_endpoint)(chat_world))
+
+
+def _endpoint(world) -> str:
+    from serving.models import ModelDeployment
+
+    return ModelDeployment.objects.get(name=MODEL_NAME).endpoints[0]
+
+
+async def test_a_disconnect_aborts_the_engine_request_and_saves_the_partial_reply(
+    chat_world, async_db
+):
+    conversation, tenant = chat_world["conversation"], chat_world["tenant"]
+    endpoint = await sync_to_async(_endpoint)(chat_world)
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Tell me a long story")
+    await chat.receive_until("token")
+    await chat.close()
+
+    _, reply = await _messages(conversation)
+    assert reply.status == "stopped" and reply.content
+    assert reply.completion_tokens < LONG_REPLY_TOKENS
+    [record] = await _records(tenant)
+    assert record.status == UsageRecord.Status.CANCELLED
+    assert await _engine_idle(endpoint)
+
+
+async def test_a_second_send_while_generating_is_refused(chat_world, async_db):
+    conversation = chat_world["conversation"]
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Tell me a long story")
+    await chat.receive_until("start")
+    await chat.send(type="send", content="Interrupting")
+    busy, _ = await chat.receive_until("error")
+    assert busy["code"] == "busy" and "message_id" not in busy
+    await chat.send(type="stop")
+    done, _ = await chat.receive_until("done")
+    await chat.close()
+    assert done["status"] == "stopped"
+    assert [m.content for m in await _messages(conversation)][0] == "Tell me a long story"
+    assert len(await _messages(conversation)) == 2
+
+
+async def test_regenerate_replaces_the_last_reply(chat_world, async_db):
+    conversation, tenant = chat_world["conversation"], chat_world["tenant"]
+    await _configure(conversation, temperature=1.0)
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Hi")
+    first, frames = await chat.receive_until("done")
+    user_id = frames[0]["message"]["id"]
+    await chat.send(type="regenerate")
+    start, _ = await chat.receive_until("start")
+    second, _ = await chat.receive_until("done")
+    await chat.close()
+
+    assert start["after_id"] == user_id
+    assert second["message_id"] != first["message_id"]
+    messages = await _messages(conversation)
+    assert [(m.role, m.pk) for m in messages] == [
+        ("user", user_id),
+        ("assistant", second["message_id"]),
+    ]
+    assert messages[1].status == "complete"
+    assert len(await _records(tenant)) == 2
+
+
+async def test_edit_changes_a_message_drops_what_followed_and_resends(chat_world, async_db):
+    conversation = chat_world["conversation"]
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="First question")
+    _, frames = await chat.receive_until("done")
+    first_id = frames[0]["message"]["id"]
+    await chat.send(type="send", content="Second question")
+    await chat.receive_until("done")
+
+    await chat.send(type="edit", message_id=first_id, content="First question, reworded")
+    done, frames = await chat.receive_until("done", "error")
+    await chat.close()
+
+    assert frames[0] == {
+        "type": "message",
+        "message": {**frames[0]["message"], "id": first_id, "content": "First question, reworded"},
+    }
+    assert frames[1]["type"] == "start" and frames[1]["after_id"] == first_id
+    messages = await _messages(conversation)
+    assert [(m.role, m.content) for m in messages][0] == ("user", "First question, reworded")
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert messages[1].pk == done["message_id"] and messages[1].status == "complete"
+
+
+async def test_a_quota_refusal_says_why_and_when_to_retry(chat_world, async_db):
+    conversation, tenant = chat_world["conversation"], chat_world["tenant"]
+
+    @sync_to_async
+    def use_up_the_minute():
+        Tenant.objects.filter(pk=tenant.pk).update(requests_per_minute=1)
+        fresh = Tenant.objects.select_related("plan").get(pk=tenant.pk)
+        ticket = quotas.admission_acquire(tenant=fresh, estimated_tokens=1)
+        quotas.admission_release(ticket=ticket, actual_tokens=1)
+
+    await use_up_the_minute()
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Hello")
+    error, frames = await chat.receive_until("error", "done")
+
+    assert [f["type"] for f in frames] == ["message", "start", "error"]
+    assert error["code"] == "rate_limited"
+    assert error["retry_after"] >= 1
+    assert "requests per minute" in error["message"]
+    assert f"try again in {error['retry_after']}s" in error["message"]
+    assert error["message_id"] == frames[1]["message_id"]
+    _, reply = await _messages(conversation)
+    assert (reply.status, reply.error_code) == ("error", "rate_limited")
+    assert await _records(tenant) == []
+
+    await chat.send(type="settings", temperature=0.5)
+    settings, _ = await chat.receive_until("settings", "error")
+    assert settings["type"] == "settings"
+    await chat.close()
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        ("not json", "invalid_frame"),
+        ("[1, 2]", "invalid_frame"),
+        ('{"content": "no type"}', "invalid_frame"),
+        ('{"type": 3}', "invalid_frame"),
+        ('{"type": "dance"}', "unknown_type"),
+        ('{"type": "__init__"}', "unknown_type"),
+        ('{"type": "send", "content": 42}', "invalid_request"),
+        ('{"type": "send", "content": "   "}', "invalid_request"),
+        ('{"type": "edit", "message_id": "1", "content": "x"}', "invalid_request"),
+        ('{"type": "edit", "message_id": 999999, "content": "x"}', "invalid_request"),
+        ('{"type": "settings", "temperature": "hot"}', "invalid_request"),
+        ('{"type": "settings", "max_tokens": 0}', "invalid_request"),
+        ('{"type": "settings", "model": "gpt-99"}', "invalid_request"),
+        ('{"type": "regenerate"}', "invalid_request"),
+        (json.dumps({"type": "send", "content": "x" * 70_000}), "invalid_frame"),
+        (json.dumps({"type": "send", "content": "x" * 40_000}), "invalid_request"),
+    ],
+)
+async def test_malformed_frames_get_an_error_and_the_socket_stays_usable(
+    chat_world, async_db, frame, code
+):
+    connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
+    await chat.send_raw(frame)
+    error = await chat.receive()
+    assert error["type"] == "error" and error["code"] == code, error
+    assert error["message"]
+    await chat.send(type="settings", system_prompt="Still here.")
+    settings = await chat.receive()
+    await chat.close()
+    assert settings == {
+        "type": "settings",
+        "settings": {**settings["settings"], "system_prompt": "Still here."},
+    }
+    assert await _messages(chat_world["conversation"]) == []
+
+
+async def test_a_binary_frame_gets_an_error(chat_world, async_db):
+    connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
+    await chat.communicator.send_to(bytes_data=b"\x00\x01")
+    error = await chat.receive()
+    await chat.close()
+    assert error["code"] == "invalid_frame"
+
+
+async def test_stop_when_nothing_is_generating_is_ignored(chat_world, async_db):
+    connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
+    await chat.send(type="stop")
+    assert await chat.is_quiet()
+    await chat.close()
