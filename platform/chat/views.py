@@ -117,7 +117,12 @@ def conversation_delete(request: HttpRequest, tenant: Tenant, conversation_id: i
 @require_POST
 @login_required
 def tenant_choose(request: HttpRequest) -> HttpResponse:
-    tenant = user_tenants(user=request.user).filter(pk=request.POST.get("tenant") or 0).first()
+    tenant_id = request.POST.get("tenant", "")
+    tenant = (
+        user_tenants(user=request.user).filter(pk=tenant_id).first()
+        if tenant_id.isdigit()
+        else None
+    )
     if tenant is None:
         raise Http404("You are not a member of that organization.")
     services.preference_set_tenant(user=request.user, tenant=tenant)

@@ -1,0 +1,205 @@
+"""The chat pages: sign-in, choosing a tenant, the conversation list, and that nobody sees
+another user's or another tenant's conversations."""
+
+import json
+
+import pytest
+from django.test import Client
+
+from chat import selectors, services
+from chat.models import Conversation, Message
+from serving.services import deployment_register
+from tenants import services as tenant_services
+from tenants.models import Plan
+
+PASSWORD = "correct horse battery"
+
+
+@pytest.fixture
+def plan(db):
+    return Plan.objects.create(slug="open", name="Open")
+
+
+@pytest.fixture
+def models(db, plan):
+    deployment_register(name="small-chat", endpoints=["ipc:///tmp/small.sock"])
+    deployment_register(name="big-chat", endpoints=["ipc:///tmp/big.sock"])
+    return ["big-chat", "small-chat"]
+
+
+@pytest.fixture
+def alice(django_user_model):
+    return django_user_model.objects.create_user("alice", password=PASSWORD)
+
+
+@pytest.fixture
+def acme(plan, alice, models):
+    return tenant_services.tenant_create(slug="acme", name="Acme", plan=plan, owner=alice)
+
+
+def login(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def state_of(response) -> dict:
+    content = response.content.decode()
+    start = content.index('<script id="chat-state" type="application/json">')
+    end = content.index("</script>", start)
+    return json.loads(content[content.index(">", start) + 1 : end])
+
+
+def test_chat_requires_sign_in(client, db):
+    response = client.get("/chat/")
+    assert response.status_code == 302
+    assert response["Location"] == "/accounts/login/?next=/chat/"
+
+
+def test_sign_in_and_out(client, alice, acme):
+    assert client.get("/accounts/login/").status_code == 200
+    response = client.post("/accounts/login/", {"username": "alice", "password": PASSWORD})
+    assert response.status_code == 302 and response["Location"] == "/chat/"
+    assert client.get("/chat/").status_code == 200
+    response = client.post("/accounts/logout/")
+    assert response.status_code == 302 and response["Location"] == "/accounts/login/"
+    assert client.get("/chat/").status_code == 302
+
+
+def test_a_wrong_password_is_refused(client, alice):
+    response = client.post("/accounts/login/", {"username": "alice", "password": "nope"})
+    assert response.status_code == 200
+    assert b"didn&#x27;t match" in response.content or b"didn't match" in response.content
+
+
+def test_a_user_without_a_tenant_is_told_so(alice):
+    response = login(alice).get("/chat/")
+    assert response.status_code == 200
+    assert b'id="no-tenant"' in response.content
+    assert b"not a member of" in response.content
+
+
+def test_a_user_in_several_tenants_chooses_and_the_choice_sticks(alice, acme, plan):
+    globex = tenant_services.tenant_create(slug="globex", name="Globex", plan=plan, owner=alice)
+    client = login(alice)
+    response = client.get("/chat/")
+    assert b'id="choose-tenant"' in response.content
+    assert b"Acme" in response.content and b"Globex" in response.content
+
+    response = client.post("/chat/tenant/", {"tenant": globex.pk})
+    assert response.status_code == 302
+    response = client.get("/chat/")
+    assert response.context["tenant"] == globex
+
+    # A new session (another browser, after signing out) remembers the choice.
+    assert login(alice).get("/chat/").context["tenant"] == globex
+    # Switching back works the same way.
+    login(alice).post("/chat/tenant/", {"tenant": acme.pk})
+    assert login(alice).get("/chat/").context["tenant"] == acme
+
+
+def test_a_user_cannot_choose_a_tenant_they_are_not_in(alice, acme, plan):
+    other = tenant_services.tenant_create(slug="globex", plan=plan)
+    assert login(alice).post("/chat/tenant/", {"tenant": other.pk}).status_code == 404
+    assert login(alice).post("/chat/tenant/", {"tenant": "x"}).status_code == 404
+
+
+def test_new_rename_search_and_delete(alice, acme):
+    client = login(alice)
+    response = client.post("/chat/new/", HTTP_ACCEPT="application/json")
+    assert response.status_code == 201
+    first = Conversation.objects.get(pk=response.json()["id"])
+    assert (first.tenant, first.user, first.model) == (acme, alice, "big-chat")
+    response = client.post("/chat/new/", {"model": "small-chat"})
+    second = Conversation.objects.exclude(pk=first.pk).get()
+    assert response["Location"] == f"/chat/{second.pk}/"
+    assert second.model == "small-chat"
+
+    response = client.post(
+        f"/chat/{first.pk}/rename/", {"title": "  Trip   to Rome "}, HTTP_ACCEPT="application/json"
+    )
+    assert response.json() == {"id": first.pk, "title": "Trip to Rome"}
+    services.conversation_rename(conversation=second, title="Tax questions")
+
+    page = client.get("/chat/", {"q": "rome"})
+    assert [c.pk for c in page.context["conversations"]] == [first.pk]
+    assert len(client.get("/chat/").context["conversations"]) == 2
+
+    assert client.post(f"/chat/{first.pk}/delete/").status_code == 302
+    assert not Conversation.objects.filter(pk=first.pk).exists()
+    assert client.get(f"/chat/{first.pk}/").status_code == 404
+
+
+def test_only_models_the_plan_allows_are_offered(alice, acme, plan):
+    Plan.objects.filter(pk=plan.pk).update(allowed_models=["small-chat"])
+    client = login(alice)
+    response = client.get("/chat/")
+    assert response.context["models"] == ["small-chat"]
+    conversation = Conversation.objects.get(
+        pk=client.post("/chat/new/", HTTP_ACCEPT="application/json").json()["id"]
+    )
+    assert conversation.model == "small-chat"
+    response = client.post("/chat/new/", {"model": "big-chat"}, HTTP_ACCEPT="application/json")
+    assert response.status_code == 400
+    state = state_of(client.get(f"/chat/{conversation.pk}/"))
+    assert state["models"] == ["small-chat"]
+    assert b'<option value="big-chat"' not in client.get(f"/chat/{conversation.pk}/").content
+
+
+def test_the_conversation_page_carries_its_messages(alice, acme):
+    conversation = services.conversation_create(user=alice, tenant=acme)
+    services.message_send(conversation=conversation, content="</script><script>alert(1)</script>")
+    response = login(alice).get(f"/chat/{conversation.pk}/")
+    assert response.status_code == 200
+    # json_script escapes <, > and &: the message cannot close the script element.
+    assert b"</script><script>alert(1)" not in response.content
+    state = state_of(response)
+    assert state["conversation_id"] == conversation.pk
+    assert state["messages"][0]["content"] == "</script><script>alert(1)</script>"
+    assert state["settings"]["title"] == "</script><script>alert(1)</script>"
+
+
+def test_nobody_sees_another_users_or_tenants_conversations(alice, acme, plan, django_user_model):
+    mine = services.conversation_create(user=alice, tenant=acme, title="Mine")
+    bob = django_user_model.objects.create_user("bob", password=PASSWORD)
+    tenant_services.membership_set(tenant=acme, user=bob, role="owner")
+    bobs = services.conversation_create(user=bob, tenant=acme, title="Bob's")
+    globex = tenant_services.tenant_create(slug="globex", plan=plan, owner=alice)
+    elsewhere = services.conversation_create(user=alice, tenant=globex, title="Elsewhere")
+    services.preference_set_tenant(user=alice, tenant=acme)
+    client = login(alice)
+
+    assert [c.pk for c in client.get("/chat/").context["conversations"]] == [mine.pk]
+    for other in (bobs, elsewhere):
+        assert client.get(f"/chat/{other.pk}/").status_code == 404
+        assert client.post(f"/chat/{other.pk}/rename/", {"title": "x"}).status_code == 404
+        assert client.post(f"/chat/{other.pk}/delete/").status_code == 404
+    assert Conversation.objects.filter(pk__in=[bobs.pk, elsewhere.pk]).count() == 2
+    assert selectors.conversation_get(user=alice, tenant=acme, conversation_id=bobs.pk) is None
+    assert selectors.conversation_list(user=bob, tenant=globex).count() == 0
+
+
+def test_engine_messages_put_the_system_prompt_first_and_skip_empty_replies(alice, acme):
+    conversation = services.conversation_create(user=alice, tenant=acme)
+    services.conversation_configure(conversation=conversation, system_prompt="Be brief.")
+    services.message_send(conversation=conversation, content="Hi")
+    failed = services.reply_start(conversation=conversation, request_id="chat-1")
+    services.reply_finish(message=failed, content="", status=Message.Status.ERROR)
+    services.reply_prepare_regenerate(conversation=conversation)
+    reply = services.reply_start(conversation=conversation, request_id="chat-2")
+    services.reply_finish(message=reply, content="Hello!", status=Message.Status.STOPPED)
+    services.message_send(conversation=conversation, content="More")
+    pending = services.reply_start(conversation=conversation, request_id="chat-3")
+
+    messages = selectors.engine_messages(conversation=conversation, before_id=pending.pk)
+    assert [(m.role, m.content) for m in messages] == [
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("assistant", "Hello!"),
+        ("user", "More"),
+    ]
+    assert conversation.title == "Hi"
+
+
+def test_the_landing_page_links_to_the_chat(client, db):
+    assert b'href="/chat/"' in client.get("/").content
