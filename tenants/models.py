@@ -162,3 +162,48 @@ class UsageRecord(models.Model):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class UsageRollup(models.Model):
+    """Usage aggregated per hour or day and per (tenant, key, user, model, source), which the
+    dashboards read. Latencies are kept as fixed-bucket histograms so periods merge and
+    percentiles can still be estimated over any range."""
+
+    class Period(models.TextChoices):
+        HOUR = "hour", "Hour"
+        DAY = "day", "Day"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_rollups")
+    api_key = models.ForeignKey(
+        ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    model = models.CharField(max_length=200)
+    source = models.CharField(max_length=8, choices=UsageRecord.Source.choices)
+    period = models.CharField(max_length=4, choices=Period.choices)
+    period_start = models.DateTimeField()
+    requests = models.PositiveIntegerField(default=0)
+    ok = models.PositiveIntegerField(default=0)
+    cancelled = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0)
+    rejected = models.PositiveIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    ttft_histogram = models.JSONField(default=list)
+    latency_histogram = models.JSONField(default=list)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "period", "period_start"], name="rollup_tenant_period"),
+            models.Index(fields=["period", "period_start"], name="rollup_period"),
+        ]
+
+
+class RollupCursor(models.Model):
+    """How far the roll-up task has read the usage records (by their ``created_at``)."""
+
+    name = models.CharField(max_length=32, primary_key=True)
+    position = models.DateTimeField()

@@ -130,8 +130,9 @@ if IS_EMBEDDED:
                 "timeout": 20,
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
-            # A file, not memory, so live-server tests can share it with their subprocesses.
-            "TEST": {"NAME": str(VAR_DIR / "test-db.sqlite3")},
+            # A file, not memory, so live-server tests can share it with their subprocesses;
+            # one per test run, so concurrent runs in one checkout don't collide.
+            "TEST": {"NAME": str(VAR_DIR / f"test-db-{os.getpid()}.sqlite3")},
         }
     }
 else:
@@ -179,6 +180,15 @@ else:
     CELERY_RESULT_BACKEND = f"file://{CELERY_RESULTS_DIR}"
 
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+CELERY_BEAT_SCHEDULE = {
+    "rollup-usage": {"task": "tenants.rollup_usage", "schedule": 300.0},
+    "purge-old-usage": {"task": "tenants.purge_old_usage", "schedule": 24 * 3600.0},
+    "poll-engine-health": {"task": "serving.poll_engine_health", "schedule": 15.0},
+}
+RUN_WORKER = env_bool("RUN_WORKER", default=True)  # `make run` starts a worker with beat
+CELERY_WORKER_ARGS = os.environ.get("CELERY_WORKER_ARGS", "--concurrency 2")
+USAGE_RETENTION_DAYS = int(os.environ.get("USAGE_RETENTION_DAYS", "400"))
+ROLLUP_RETENTION_DAYS = int(os.environ.get("ROLLUP_RETENTION_DAYS", "1100"))
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 

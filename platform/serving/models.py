@@ -25,7 +25,14 @@ def validate_endpoints(value: object) -> None:
 
 class ModelDeployment(models.Model):
     """A model as tenants see it (``name`` is the API's ``model``), served by one or more
-    engine replicas. The gateway routes each request to the least-loaded ready replica."""
+    engine replicas. The gateway routes each request to the least-loaded ready replica.
+    ``health`` and ``replicas`` are written by the health-polling task."""
+
+    class Health(models.TextChoices):
+        UNKNOWN = "unknown", "Unknown"
+        READY = "ready", "Ready"
+        DEGRADED = "degraded", "Degraded"
+        DOWN = "down", "Down"
 
     name = models.CharField(max_length=200, unique=True, validators=[served_name_validator])
     description = models.TextField(blank=True)
@@ -45,6 +52,10 @@ class ModelDeployment(models.Model):
     )
     owned_by = models.CharField(max_length=100, default="platform")
     created_at = models.DateTimeField(default=timezone.now)
+    health = models.CharField(max_length=16, choices=Health.choices, default=Health.UNKNOWN)
+    # endpoint -> the engine's last STATS (or {"error": ...}), as the console shows them
+    replicas = models.JSONField(default=dict, blank=True)
+    checked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]

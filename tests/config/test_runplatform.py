@@ -119,4 +119,6 @@ def test_run_serves_the_admin_and_the_printed_credentials_log_in(platform_proces
     assert process.wait(timeout=30) == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{base}/admin/login/", timeout=2)
-    assert "engine stopped" in process.stdout.read()  # the engine shut down cleanly too
+    rest = process.stdout.read()
+    assert "engine stopped" in rest  # the engine shut down cleanly too
+    assert "celery@" in rest and " ready." in rest  # and the Celery worker had started

@@ -82,6 +82,21 @@ class Engine:
             stderr=subprocess.STDOUT,
         )
 
+    def wait_ready(self, timeout: float = 120):
+        """The engine's STATS once it reports ready."""
+        import asyncio
+
+        from inference_engine.client import AsyncEngineClient
+
+        async def wait():
+            client = AsyncEngineClient(self.endpoint)
+            try:
+                return await client.wait_ready(timeout=timeout)
+            finally:
+                client.close()
+
+        return asyncio.run(wait())
+
     def stop(self, sig: int = 15) -> None:
         if self.process and self.process.poll() is None:
             self.process.send_signal(sig)

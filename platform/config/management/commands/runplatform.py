@@ -15,8 +15,8 @@ from serving.services import deployment_register
 class Command(BaseCommand):
     help = (
         "Run the whole platform in the foreground: migrate, make sure the demo tenant, admin "
-        "and API key exist, start the engine on MODEL_PATH and register it, then serve with "
-        "Daphne. Ctrl-C or SIGTERM stops everything."
+        "and API key exist, start the engine on MODEL_PATH and register it, a Celery worker "
+        "with beat, and Daphne. Ctrl-C or SIGTERM stops everything."
     )
 
     def add_arguments(self, parser) -> None:
@@ -55,6 +55,25 @@ class Command(BaseCommand):
                 env=env,
             )
         )
+        if settings.RUN_WORKER:
+            processes.append(
+                ProcessSpec(
+                    name="celery",
+                    argv=[
+                        sys.executable,
+                        "-m",
+                        "celery",
+                        "-A",
+                        "config",
+                        "worker",
+                        "--beat",
+                        "--loglevel",
+                        "INFO",
+                        *shlex.split(settings.CELERY_WORKER_ARGS),
+                    ],
+                    env=env,
+                )
+            )
         exit_code = Supervisor(processes).run()
         if exit_code:
             raise CommandError(f"The platform stopped (exit code {exit_code}).")

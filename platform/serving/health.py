@@ -1,0 +1,46 @@
+"""Poll every enabled deployment's replicas and record their health and load."""
+
+import asyncio
+
+import msgspec
+from django.utils import timezone
+
+from serving.models import ModelDeployment
+from serving.pool import EnginePool
+
+POLL_TIMEOUT_SECONDS = 3.0
+
+
+async def _poll(endpoints: list[str]) -> dict[str, dict]:
+    pool = EnginePool()
+    try:
+        results = await asyncio.gather(
+            *(pool.stats(endpoint, timeout=POLL_TIMEOUT_SECONDS) for endpoint in endpoints)
+        )
+    finally:
+        pool.close()
+    return {
+        endpoint: msgspec.structs.asdict(stats) if stats is not None else {"error": "no answer"}
+        for endpoint, stats in zip(endpoints, results, strict=True)
+    }
+
+
+def _health(replicas: dict[str, dict]) -> str:
+    ready = sum(1 for state in replicas.values() if state.get("ready"))
+    if ready == len(replicas):
+        return ModelDeployment.Health.READY
+    return ModelDeployment.Health.DEGRADED if ready else ModelDeployment.Health.DOWN
+
+
+def poll_deployments() -> dict[str, str]:
+    """Ask every replica of every enabled deployment for STATS; deployment name -> health."""
+    deployments = list(ModelDeployment.objects.filter(is_enabled=True))
+    endpoints = sorted({endpoint for d in deployments for endpoint in d.endpoints})
+    states = asyncio.run(_poll(endpoints)) if endpoints else {}
+    now = timezone.now()
+    for deployment in deployments:
+        deployment.replicas = {endpoint: states[endpoint] for endpoint in deployment.endpoints}
+        deployment.health = _health(deployment.replicas)
+        deployment.checked_at = now
+        deployment.save(update_fields=["replicas", "health", "checked_at"])
+    return {deployment.name: deployment.health for deployment in deployments}

@@ -1,0 +1,151 @@
+"""Roll usage records up into hourly and daily aggregates, idempotently.
+
+A period's rows are always recomputed from scratch (hours from the raw records, days from
+their hours) and replaced in one transaction, so running a roll-up twice changes nothing. A
+record that arrives late (its request started in an hour that was already rolled up) is
+counted because the task re-rolls every hour touched by records *created* since its last
+run, whenever the request started.
+"""
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+
+from django.db import transaction
+from django.db.models.functions import TruncHour
+from django.utils import timezone
+
+from tenants.models import RollupCursor, UsageRecord, UsageRollup
+
+# Upper bounds (ms) of the latency histogram buckets; the last bucket is open-ended.
+LATENCY_BUCKETS_MS = (25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000)
+# Records are created in transactions that may commit a little after their created_at.
+CREATED_AT_SLACK = timedelta(minutes=5)
+CURSOR = "usage"
+GROUP_FIELDS = ("tenant_id", "api_key_id", "user_id", "model", "source")
+STATUS_FIELDS = {"ok": "ok", "cancelled": "cancelled", "error": "errors", "rejected": "rejected"}
+SUM_FIELDS = ("requests", "ok", "cancelled", "errors", "rejected", "prompt_tokens",
+              "completion_tokens", "cached_tokens")  # fmt: skip
+
+
+def empty_histogram() -> list[int]:
+    return [0] * (len(LATENCY_BUCKETS_MS) + 1)
+
+
+def histogram_add(histogram: list[int], value_ms: float | None) -> None:
+    if value_ms is not None:
+        histogram[bisect.bisect_left(LATENCY_BUCKETS_MS, value_ms)] += 1
+
+
+def histogram_merge(histograms: Iterable[list[int]]) -> list[int]:
+    merged = empty_histogram()
+    for histogram in histograms:
+        for index, count in enumerate(histogram):
+            merged[index] += count
+    return merged
+
+
+def histogram_percentile(histogram: list[int], q: float) -> float | None:
+    """The upper bound of the bucket holding the q-quantile (ms); None when empty."""
+    total = sum(histogram)
+    if not total:
+        return None
+    rank, seen = q * total, 0
+    for index, count in enumerate(histogram):
+        seen += count
+        if seen >= rank and count:
+            return float(LATENCY_BUCKETS_MS[min(index, len(LATENCY_BUCKETS_MS) - 1)])
+    return float(LATENCY_BUCKETS_MS[-1])
+
+
+def _hour(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def _day(moment: datetime) -> datetime:
+    return _hour(moment).replace(hour=0)
+
+
+@transaction.atomic
+def rollup_hour(start: datetime) -> int:
+    """Recompute the hour starting at ``start`` from the raw records; the rows written."""
+    start = _hour(start)
+    groups: dict[tuple, dict] = defaultdict(
+        lambda: (
+            {field: 0 for field in SUM_FIELDS}
+            | {"ttft_histogram": empty_histogram(), "latency_histogram": empty_histogram()}
+        )
+    )
+    records = UsageRecord.objects.filter(
+        started_at__gte=start, started_at__lt=start + timedelta(hours=1)
+    ).values_list(*GROUP_FIELDS, "status", "prompt_tokens", "completion_tokens",
+                  "cached_tokens", "time_to_first_token_ms", "latency_ms")  # fmt: skip
+    for *key, status, prompt, completion, cached, ttft, latency in records:
+        row = groups[tuple(key)]
+        row["requests"] += 1
+        row[STATUS_FIELDS[status]] += 1
+        row["prompt_tokens"] += prompt
+        row["completion_tokens"] += completion
+        row["cached_tokens"] += cached
+        histogram_add(row["ttft_histogram"], ttft)
+        histogram_add(row["latency_histogram"], latency)
+    return _replace(UsageRollup.Period.HOUR, start, groups)
+
+
+@transaction.atomic
+def rollup_day(start: datetime) -> int:
+    """Recompute the day starting at ``start`` from its hourly rows; the rows written."""
+    start = _day(start)
+    groups: dict[tuple, dict] = {}
+    hours = UsageRollup.objects.filter(
+        period=UsageRollup.Period.HOUR,
+        period_start__gte=start,
+        period_start__lt=start + timedelta(days=1),
+    )
+    for hour in hours:
+        key = tuple(getattr(hour, field) for field in GROUP_FIELDS)
+        row = groups.setdefault(
+            key,
+            {field: 0 for field in SUM_FIELDS}
+            | {"ttft_histogram": empty_histogram(), "latency_histogram": empty_histogram()},
+        )
+        for field in SUM_FIELDS:
+            row[field] += getattr(hour, field)
+        for field in ("ttft_histogram", "latency_histogram"):
+            row[field] = histogram_merge([row[field], getattr(hour, field)])
+    return _replace(UsageRollup.Period.DAY, start, groups)
+
+
+def _replace(period: str, start: datetime, groups: dict[tuple, dict]) -> int:
+    UsageRollup.objects.filter(period=period, period_start=start).delete()
+    UsageRollup.objects.bulk_create(
+        UsageRollup(
+            period=period, period_start=start, **dict(zip(GROUP_FIELDS, key, strict=True)), **values
+        )  # fmt: skip
+        for key, values in groups.items()
+    )
+    return len(groups)
+
+
+def rollup_pending(now: datetime | None = None) -> list[datetime]:
+    """Re-roll every hour (and its day) touched by records created since the last run, plus
+    the current hour; returns the hours rolled."""
+    now = now or timezone.now()
+    cursor = RollupCursor.objects.filter(name=CURSOR).first()
+    fresh = UsageRecord.objects.all()
+    if cursor is not None:
+        fresh = fresh.filter(created_at__gte=cursor.position - CREATED_AT_SLACK)
+    hours = {
+        _hour(moment)
+        for moment in fresh.annotate(hour=TruncHour("started_at"))
+        .values_list("hour", flat=True)
+        .distinct()
+    }
+    hours.add(_hour(now))
+    for hour in sorted(hours):
+        rollup_hour(hour)
+    for day in sorted({_day(hour) for hour in hours}):
+        rollup_day(day)
+    RollupCursor.objects.update_or_create(name=CURSOR, defaults={"position": now})
+    return sorted(hours)

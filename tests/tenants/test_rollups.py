@@ -1,0 +1,127 @@
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.db.models import Sum
+
+from config import celery_app
+from tenants import rollups, services
+from tenants.models import UsageRecord, UsageRollup
+from tenants.tasks import purge_old_usage, rollup_usage
+
+pytestmark = pytest.mark.django_db
+
+T0 = datetime(2026, 11, 20, 9, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def eager():
+    celery_app.conf.task_always_eager = True
+    yield
+    celery_app.conf.task_always_eager = False
+
+
+@pytest.fixture
+def keys(tenant, other_tenant):
+    return (
+        services.api_key_create(tenant=tenant, name="a")[0],
+        services.api_key_create(tenant=other_tenant, name="b")[0],
+    )
+
+
+def _record(key, started_at, n, *, status="ok", model="demo-chat", ttft=40.0, latency=900.0):
+    return services.usage_record_create(
+        request_id=f"r-{key.pk}-{n}",
+        tenant=key.tenant,
+        api_key=key,
+        model=model,
+        source=UsageRecord.Source.API,
+        status=status,
+        started_at=started_at,
+        finished_at=started_at + timedelta(seconds=1),
+        prompt_tokens=10 * n,
+        completion_tokens=n,
+        cached_tokens=n % 3,
+        time_to_first_token_ms=ttft,
+        latency_ms=latency,
+    )
+
+
+def _totals(period: str, **filters) -> dict:
+    return UsageRollup.objects.filter(period=period, **filters).aggregate(
+        requests=Sum("requests"),
+        prompt=Sum("prompt_tokens"),
+        completion=Sum("completion_tokens"),
+        cached=Sum("cached_tokens"),
+        errors=Sum("errors"),
+    )
+
+
+def _raw(**filters) -> dict:
+    records = UsageRecord.objects.filter(**filters)
+    sums = records.aggregate(
+        prompt=Sum("prompt_tokens"),
+        completion=Sum("completion_tokens"),
+        cached=Sum("cached_tokens"),
+    )
+    return {
+        "requests": records.count(),
+        **sums,
+        "errors": records.filter(status="error").count(),
+    }
+
+
+def test_rollups_match_the_raw_records_and_are_idempotent(keys):
+    mine, theirs = keys
+    for n in range(1, 13):
+        _record(mine, T0 + timedelta(minutes=11 * n), n, status="error" if n % 5 == 0 else "ok")
+        _record(theirs, T0 + timedelta(minutes=7 * n), n, model="other")
+
+    hours = rollups.rollup_pending(now=T0 + timedelta(hours=3))
+    rollups.rollup_pending(now=T0 + timedelta(hours=3))  # a second run changes nothing
+
+    assert T0 in hours and T0 + timedelta(hours=2) in hours
+    for key in keys:
+        assert _totals("hour", tenant=key.tenant) == _raw(tenant=key.tenant)
+        assert _totals("day", tenant=key.tenant) == _raw(tenant=key.tenant)
+    first_hour = _totals("hour", tenant=mine.tenant, period_start=T0)
+    assert first_hour == _raw(tenant=mine.tenant, started_at__lt=T0 + timedelta(hours=1))
+
+
+def test_a_late_record_is_counted_in_its_own_hour(keys):
+    mine, _ = keys
+    _record(mine, T0 + timedelta(minutes=5), 1)
+    rollups.rollup_pending(now=T0 + timedelta(hours=5))
+    assert _totals("hour", period_start=T0)["requests"] == 1
+
+    _record(mine, T0 + timedelta(minutes=50), 2)  # started in that hour, arrives later
+    rollups.rollup_pending(now=T0 + timedelta(hours=6))
+
+    assert _totals("hour", period_start=T0)["requests"] == 2
+    assert _totals("day", period_start=T0.replace(hour=0)) == _raw()
+
+
+def test_latency_histograms_merge_into_percentiles(keys):
+    mine, _ = keys
+    for n, ttft in enumerate([10, 20, 30, 40, 60, 80, 90, 200, 400, 3000], start=1):
+        _record(mine, T0 + timedelta(minutes=n), n, ttft=ttft)
+    rollups.rollup_pending(now=T0 + timedelta(hours=1))
+
+    [day] = UsageRollup.objects.filter(period="day")
+    assert sum(day.ttft_histogram) == 10
+    assert rollups.histogram_percentile(day.ttft_histogram, 0.5) == 100
+    assert rollups.histogram_percentile(day.ttft_histogram, 0.95) == 5000
+    assert rollups.histogram_percentile(rollups.empty_histogram(), 0.5) is None
+
+
+def test_tasks_run_through_celery(eager, keys, settings):
+    mine, _ = keys
+    old = _record(mine, datetime.now(UTC) - timedelta(days=30), 1)
+    _record(mine, datetime.now(UTC), 2)
+
+    assert rollup_usage.delay().get() >= 2
+    settings.USAGE_RETENTION_DAYS = 7
+    purged = purge_old_usage.delay().get()
+
+    assert purged["usage_records"] == 1
+    assert not UsageRecord.objects.filter(pk=old.pk).exists()
+    assert UsageRollup.objects.filter(period="day").count() == 2  # roll-ups outlive records
