@@ -7,7 +7,9 @@ Peers, all on the same tiny Llama, tokenizer and requests (greedy, EOS ignored):
   (c) the same with ``--no-async-output`` (that work inline in the busy loop)
 
 Figures: output tokens per second of wall time, and per stream, as the client sees them,
-time to first token and inter-token latency (p50 / p99). Ratios: (b)/(a), (c)/(a), (b)/(c).
+time to first token and inter-token latency (p50 / p99), and CPU time per output token of the
+engine process (user + system; steadier than wall time on a busy machine) and of the client.
+Ratios: (b)/(a), (c)/(a), (b)/(c), of throughput and of engine CPU per token.
 Each peer runs ``--repeat`` times, interleaved, each run in a fresh process, and the fastest
 run counts (the machine this was written on is shared, so single runs are noisy).
 
@@ -107,14 +109,22 @@ def offline_worker(path: str, prompts: list[list[int]], max_tokens: int) -> dict
     llm = LLM(path, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     assert all(len(o.token_ids) == max_tokens for o in outputs)
-    return {"elapsed": elapsed, "texts": [o.text for o in outputs]}
+    return {"elapsed": elapsed, "cpu": cpu, "texts": [o.text for o in outputs]}
 
 
-async def stream_all(endpoint: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def stream_all(
+    endpoint: str, engine_pid: int, prompts: list[list[int]], max_tokens: int
+) -> dict:
     from inference_engine.client import AsyncEngineClient
     from inference_engine.protocol import GenerateRequest, SamplingParams
 
@@ -143,11 +153,14 @@ async def stream_all(endpoint: str, prompts: list[list[int]], max_tokens: int) -
         assert num_tokens == max_tokens, (num_tokens, delta)
         return "".join(text)
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), process_cpu_seconds(engine_pid)
+    client_cpu_start = time.process_time()
     texts = await asyncio.gather(*(one(p) for p in prompts))
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, process_cpu_seconds(engine_pid) - cpu_start
+    client_cpu = time.process_time() - client_cpu_start
     client.close()
-    return {"elapsed": elapsed, "texts": texts, "ttft": ttfts, "itl": itls}
+    return {"elapsed": elapsed, "cpu": cpu, "client_cpu": client_cpu, "texts": texts,
+            "ttft": ttfts, "itl": itls}  # fmt: skip
 
 
 def run_served(path: str, folder: str, prompts, max_tokens: int, *flags: str) -> dict:
@@ -157,7 +170,7 @@ def run_served(path: str, folder: str, prompts, max_tokens: int, *flags: str) ->
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "platform")]))
     engine = subprocess.Popen(command, cwd=ROOT, env=env)
     try:
-        return asyncio.run(stream_all(endpoint, prompts, max_tokens))
+        return asyncio.run(stream_all(endpoint, engine.pid, prompts, max_tokens))
     finally:
         engine.terminate()
         engine.wait(60)
@@ -214,13 +227,21 @@ def main() -> None:
         all_runs = " ".join(f"{r['elapsed']:.2f}" for r in runs[key])
         print(f"({key}) {label:<26} {result['elapsed']:7.2f} s  {rates[key]:8.1f} tok/s"
               f"   (runs: {all_runs} s)")  # fmt: skip
+        cpu = min(r["cpu"] for r in runs[key]) / num_tokens * 1000
+        line = f"    engine CPU {cpu:.2f} ms/token"
         if "ttft" in result:
+            client_cpu = min(r["client_cpu"] for r in runs[key]) / num_tokens * 1000
+            line += f", client CPU {client_cpu:.2f} ms/token"
             print(f"    TTFT {percentiles(result['ttft'])}   ITL {percentiles(result['itl'])}")
+        print(line)
     same = all(r["texts"] == runs["a"][0]["texts"] for rs in runs.values() for r in rs)
     print(f"\nsame texts in all three: {same}")
     print(f"served async / in process  (b)/(a) = {rates['b'] / rates['a']:.2f}x")
     print(f"served inline / in process (c)/(a) = {rates['c'] / rates['a']:.2f}x")
     print(f"async / inline output      (b)/(c) = {rates['b'] / rates['c']:.2f}x")
+    cpus = {key: min(r["cpu"] for r in rs) for key, rs in runs.items()}
+    print(f"engine CPU per token vs in process: (b)/(a) = {cpus['b'] / cpus['a']:.2f}x, "
+          f"(c)/(a) = {cpus['c'] / cpus['a']:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
