@@ -40,6 +40,7 @@ class RequestState:
     # characters kept back so that a stop string is never sent in part
     holdback: int
     wants_logprobs: bool
+    include_stop: bool
     text: str = ""
     num_sent_chars: int = 0
     num_tokens: int = 0
@@ -80,6 +81,7 @@ class OutputProcessor:
             stop=stop,
             holdback=max(map(len, stop)) - 1 if stop else 0,
             wants_logprobs=params.logprobs is not None,
+            include_stop=params.include_stop_str_in_output,
         )
 
     def process(self, outputs: list[EngineOutput], step_time: float) -> list[list[bytes]]:
@@ -136,6 +138,8 @@ class OutputProcessor:
         state.text += new_text
         stop_at = find_stop_string(state.text, state.stop, len(new_text)) if state.stop else None
         if stop_at is not None:
+            if state.include_stop:
+                stop_at += next(len(s) for s in state.stop if state.text.startswith(s, stop_at))
             state.text = state.text[:stop_at]
         if stop_at is not None or output.is_finished:
             send_upto = len(state.text)

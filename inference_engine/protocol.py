@@ -86,6 +86,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # the stop string that ended the text is kept at its end
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,8 +137,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             raise ValueError(
                 f"stop_token_ids must be a list of non-negative integers: {self.stop_token_ids!r}"
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -148,3 +148,11 @@ def test_a_failure_in_one_request_fails_only_that_request(tokenizer):
     assert harness.aborted == ["broken"]
     [last] = harness.step(finished("ok", FinishReason.LENGTH, 2, good))[b"c1"]
     assert last.finish_reason == FinishReason.LENGTH
+
+
+def test_stop_string_kept_when_asked(tokenizer):
+    harness = Harness(tokenizer)
+    harness.add("r", stop=["zzz", "fox"], include_stop_str_in_output=True)
+    token_ids = tokenizer("the fox jumps", add_special_tokens=False)["input_ids"]
+    deltas = [d for t in token_ids for d in harness.step(EngineOutput("r", [t])).get(b"c1", [])]
+    assert "".join(d.text for d in deltas) == "the fox"
