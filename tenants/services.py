@@ -190,3 +190,34 @@ def usage_record_create(
 
 
 ausage_record_create = sync_to_async(usage_record_create)
+
+
+class LastOwnerError(ValidationError):
+    pass
+
+
+@transaction.atomic
+def membership_remove(*, membership: Membership) -> None:
+    """Remove a member; a tenant always keeps at least one owner."""
+    _keep_an_owner(membership, new_role=None)
+    membership.delete()
+
+
+@transaction.atomic
+def membership_change_role(*, membership: Membership, role: str) -> Membership:
+    if role not in Membership.Role.values:
+        raise ValidationError({"role": f"Unknown role {role!r}."})
+    _keep_an_owner(membership, new_role=role)
+    membership.role = role
+    membership.save(update_fields=["role"])
+    return membership
+
+
+def _keep_an_owner(membership: Membership, new_role: str | None) -> None:
+    if membership.role != Membership.Role.OWNER or new_role == Membership.Role.OWNER:
+        return
+    owners = Membership.objects.select_for_update().filter(
+        tenant_id=membership.tenant_id, role=Membership.Role.OWNER
+    )
+    if owners.count() <= 1:
+        raise LastOwnerError("A tenant must keep at least one owner.")

@@ -85,6 +85,7 @@ INSTALLED_APPS = [
     "serving",
     "gateway",
     "chat",
+    "console",
 ]
 
 MIDDLEWARE = [

@@ -8,5 +8,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
     path("chat/", include("chat.urls")),
+    path("console/", include("console.urls")),
     path("", include("gateway.urls")),
 ]

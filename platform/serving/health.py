@@ -25,6 +25,18 @@ async def _poll(endpoints: list[str]) -> dict[str, dict]:
     }
 
 
+def _with_rate(state: dict, previous: dict | None, now) -> dict:
+    """Add tokens/s generated since the previous poll of the same engine."""
+    state = {**state, "polled_at": now.timestamp(), "tokens_per_second": None}
+    if previous and "generation_tokens_total" in state and "polled_at" in previous:
+        same_engine = previous.get("engine_id") == state.get("engine_id")
+        elapsed = state["polled_at"] - previous["polled_at"]
+        delta = state["generation_tokens_total"] - previous.get("generation_tokens_total", 0)
+        if same_engine and elapsed > 0 and delta >= 0:
+            state["tokens_per_second"] = round(delta / elapsed, 1)
+    return state
+
+
 def _health(replicas: dict[str, dict]) -> str:
     ready = sum(1 for state in replicas.values() if state.get("ready"))
     if ready == len(replicas):
@@ -39,7 +51,11 @@ def poll_deployments() -> dict[str, str]:
     states = asyncio.run(_poll(endpoints)) if endpoints else {}
     now = timezone.now()
     for deployment in deployments:
-        deployment.replicas = {endpoint: states[endpoint] for endpoint in deployment.endpoints}
+        previous = deployment.replicas or {}
+        deployment.replicas = {
+            endpoint: _with_rate(states[endpoint], previous.get(endpoint), now)
+            for endpoint in deployment.endpoints
+        }
         deployment.health = _health(deployment.replicas)
         deployment.checked_at = now
         deployment.save(update_fields=["replicas", "health", "checked_at"])

@@ -1,0 +1,151 @@
+"""Dashboard reads, all from the daily usage roll-ups (never the raw records)."""
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+
+from django.db.models import QuerySet, Sum
+
+from tenants.models import ApiKey, Tenant, UsageRollup
+from tenants.rollups import histogram_merge, histogram_percentile
+
+MAX_SERIES = 5
+
+
+@dataclass
+class DateRange:
+    start: date
+    end: date  # inclusive
+
+    @property
+    def days(self) -> list[date]:
+        return [self.start + timedelta(days=i) for i in range((self.end - self.start).days + 1)]
+
+    @property
+    def bounds(self) -> tuple[datetime, datetime]:
+        start = datetime(self.start.year, self.start.month, self.start.day, tzinfo=UTC)
+        return start, start + timedelta(days=len(self.days))
+
+
+@dataclass
+class UsageSummary:
+    days: list[str]
+    tokens_by: dict[str, list[float]]
+    requests_by: dict[str, list[float]]
+    total_requests: int
+    total_tokens: int
+    error_rate: float | None
+    ttft_p50: float | None
+    ttft_p95: float | None
+    latency_p50: float | None
+    latency_p95: float | None
+
+
+def daily_rollups(*, date_range: DateRange, tenant: Tenant | None = None) -> QuerySet:
+    start, end = date_range.bounds
+    rows = UsageRollup.objects.filter(
+        period=UsageRollup.Period.DAY, period_start__gte=start, period_start__lt=end
+    )
+    return rows.filter(tenant=tenant) if tenant is not None else rows
+
+
+def _label(row: UsageRollup, group_by: str, key_names: dict[int, str]) -> str:
+    if group_by == "key":
+        if row.api_key_id is None:
+            return "chat" if row.source == "chat" else "deleted key"
+        return key_names.get(row.api_key_id, "deleted key")
+    if group_by == "tenant":
+        return row.tenant.slug
+    return row.model
+
+
+def usage_summary(
+    *, date_range: DateRange, tenant: Tenant | None = None, group_by: str = "model"
+) -> UsageSummary:
+    """Tokens and requests per day grouped by model, key or tenant (the top few, the rest as
+    "other"), with totals, error rate and latency percentiles over the range."""
+    rows = list(daily_rollups(date_range=date_range, tenant=tenant).select_related("tenant"))
+    key_names = (
+        dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name")) if tenant else {}
+    )
+    days = date_range.days
+    index = {day: i for i, day in enumerate(days)}
+    tokens: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(days))
+    requests: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(days))
+    for row in rows:
+        label = _label(row, group_by, key_names)
+        i = index[row.period_start.astimezone(UTC).date()]
+        tokens[label][i] += row.prompt_tokens + row.completion_tokens
+        requests[label][i] += row.requests
+    total_requests = sum(row.requests for row in rows)
+    errors = sum(row.errors for row in rows)
+    ttft = histogram_merge(row.ttft_histogram for row in rows if row.ttft_histogram)
+    latency = histogram_merge(row.latency_histogram for row in rows if row.latency_histogram)
+    return UsageSummary(
+        days=[day.strftime("%b %d") for day in days],
+        tokens_by=_top(tokens),
+        requests_by=_top(requests),
+        total_requests=total_requests,
+        total_tokens=sum(row.prompt_tokens + row.completion_tokens for row in rows),
+        error_rate=errors / total_requests if total_requests else None,
+        ttft_p50=histogram_percentile(ttft, 0.5),
+        ttft_p95=histogram_percentile(ttft, 0.95),
+        latency_p50=histogram_percentile(latency, 0.5),
+        latency_p95=histogram_percentile(latency, 0.95),
+    )
+
+
+def _top(series: dict[str, list[float]]) -> dict[str, list[float]]:
+    ranked = sorted(series.items(), key=lambda item: -sum(item[1]))
+    top = dict(ranked[:MAX_SERIES])
+    rest = ranked[MAX_SERIES:]
+    if rest:
+        top["other"] = [sum(values) for values in zip(*(v for _, v in rest), strict=True)]
+    return top
+
+
+def top_tenants(*, date_range: DateRange, limit: int = 10) -> list[dict]:
+    return list(
+        daily_rollups(date_range=date_range)
+        .values("tenant__slug", "tenant__name")
+        .annotate(
+            requests=Sum("requests"),
+            prompt=Sum("prompt_tokens"),
+            completion=Sum("completion_tokens"),
+            errors=Sum("errors"),
+        )
+        .order_by("-completion", "-prompt")[:limit]
+    )
+
+
+def model_load(*, date_range: DateRange) -> list[dict]:
+    return list(
+        daily_rollups(date_range=date_range)
+        .values("model")
+        .annotate(
+            requests=Sum("requests"),
+            prompt=Sum("prompt_tokens"),
+            completion=Sum("completion_tokens"),
+            cached=Sum("cached_tokens"),
+        )
+        .order_by("-completion")
+    )
+
+
+def usage_csv_rows(*, date_range: DateRange, tenant: Tenant) -> list[list]:
+    key_names = dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name"))
+    rows = daily_rollups(date_range=date_range, tenant=tenant).order_by("period_start", "model")
+    return [
+        [
+            row.period_start.date().isoformat(),
+            row.model,
+            row.source,
+            key_names.get(row.api_key_id, ""),
+            row.requests,
+            row.prompt_tokens,
+            row.completion_tokens,
+            row.cached_tokens,
+            row.errors,
+        ]
+        for row in rows
+    ]

@@ -1,0 +1,15 @@
+from django.urls import path
+
+from console import views
+
+app_name = "console"
+
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("platform/", views.platform, name="platform"),
+    path("platform/deployments/", views.deployment_action, name="deployment-action"),
+    path("t/<slug:slug>/", views.dashboard, name="dashboard"),
+    path("t/<slug:slug>/usage.csv", views.usage_csv, name="usage-csv"),
+    path("t/<slug:slug>/keys/", views.keys, name="keys"),
+    path("t/<slug:slug>/members/", views.members, name="members"),
+]

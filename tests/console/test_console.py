@@ -1,0 +1,186 @@
+import re
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.urls import reverse
+
+from serving.models import ModelDeployment
+from tenants import rollups, services
+from tenants.models import Membership, UsageRecord
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def people(django_user_model, tenant, other_tenant):
+    make = django_user_model.objects.create_user
+    people = {
+        "member": make("member", password="pw-member-123"),
+        "admin_a": make("admin_a", password="pw-admin-123"),
+        "owner_a": make("owner_a", password="pw-owner-123"),
+        "staff": make("staffer", password="pw-staff-123", is_staff=True),
+        "nobody": make("nobody", password="pw-nobody-123"),
+    }
+    services.membership_set(tenant=tenant, user=people["member"], role="member")
+    services.membership_set(tenant=tenant, user=people["admin_a"], role="admin")
+    services.membership_set(tenant=tenant, user=people["owner_a"], role="owner")
+    return people
+
+
+def _usage(tenant, count=6):
+    api_key, _ = services.api_key_create(tenant=tenant, name="prod")
+    now = datetime.now(UTC)
+    for n in range(count):
+        services.usage_record_create(
+            request_id=f"{tenant.slug}-{n}",
+            tenant=tenant,
+            api_key=api_key,
+            model="demo-chat" if n % 2 else "big-model",
+            source=UsageRecord.Source.API,
+            status="error" if n == 0 else "ok",
+            started_at=now - timedelta(days=n % 3),
+            finished_at=now - timedelta(days=n % 3),
+            prompt_tokens=100,
+            completion_tokens=50 + n,
+            time_to_first_token_ms=30.0 * (n + 1),
+            latency_ms=400.0 * (n + 1),
+        )
+    rollups.rollup_pending()
+    return api_key
+
+
+PAGES = ["console:dashboard", "console:keys", "console:members", "console:usage-csv"]
+
+
+@pytest.mark.parametrize(
+    ("who", "own", "other", "platform"),
+    [
+        ("member", 404, 404, 302),
+        ("nobody", 404, 404, 302),
+        ("admin_a", 200, 404, 302),
+        ("owner_a", 200, 404, 302),
+        ("staff", 200, 200, 200),
+    ],
+)
+def test_permission_matrix(client, people, tenant, other_tenant, who, own, other, platform):
+    client.force_login(people[who])
+    for page in PAGES:
+        assert client.get(reverse(page, args=[tenant.slug])).status_code == own
+        assert client.get(reverse(page, args=[other_tenant.slug])).status_code == other
+    assert client.get(reverse("console:platform")).status_code == platform
+
+
+def test_members_get_no_console_and_anonymous_users_log_in(client, people):
+    assert client.get(reverse("console:home")).status_code == 302
+    client.force_login(people["member"])
+    assert client.get(reverse("console:home")).status_code == 403
+    client.force_login(people["admin_a"])
+    assert client.get(reverse("console:home"))["Location"].endswith("/console/t/acme/")
+
+
+def test_dashboard_shows_usage_charts_and_quota(client, people, tenant, other_tenant):
+    _usage(tenant)
+    _usage(other_tenant, count=2)
+    client.force_login(people["admin_a"])
+
+    page = client.get(reverse("console:dashboard", args=[tenant.slug])).content.decode()
+    assert page.count("<svg") == 2
+    assert "demo-chat" in page and "big-model" in page
+    assert ">6<" in page  # requests in range: only acme's six
+    assert "Requests / minute" in page and "60" in page  # default plan limit
+    by_key = client.get(reverse("console:dashboard", args=[tenant.slug]), {"group": "key"})
+    assert "prod" in by_key.content.decode()
+
+
+def test_csv_export_matches_the_rollups(client, people, tenant):
+    _usage(tenant)
+    client.force_login(people["owner_a"])
+    response = client.get(reverse("console:usage-csv", args=[tenant.slug]))
+    lines = response.content.decode().strip().splitlines()
+    assert response["Content-Type"] == "text/csv"
+    assert lines[0].startswith("date,model,source,api_key,requests")
+    assert sum(int(line.split(",")[4]) for line in lines[1:]) == 6
+    assert sum(int(line.split(",")[6]) for line in lines[1:]) == sum(50 + n for n in range(6))
+
+
+def test_keys_are_created_once_shown_and_revoked(client, people, tenant):
+    client.force_login(people["admin_a"])
+    url = reverse("console:keys", args=[tenant.slug])
+    page = client.post(url, {"action": "create", "name": "ci", "expires_in_days": "30"})
+    [raw_key] = re.findall(r"sk-[A-Za-z0-9]{48}", page.content.decode())
+    api_key = services.api_key_authenticate(raw_key=raw_key)
+    assert api_key.tenant == tenant and api_key.created_by == people["admin_a"]
+    assert raw_key not in client.get(url).content.decode()
+
+    client.post(url, {"action": "revoke", "key_id": api_key.pk})
+    with pytest.raises(services.ApiKeyInvalid):
+        services.api_key_authenticate(raw_key=raw_key)
+
+
+def test_keys_of_another_tenant_cannot_be_revoked(client, people, tenant, other_tenant):
+    theirs, raw = services.api_key_create(tenant=other_tenant, name="theirs")
+    client.force_login(people["admin_a"])
+    response = client.post(
+        reverse("console:keys", args=[tenant.slug]), {"action": "revoke", "key_id": theirs.pk}
+    )
+    assert response.status_code == 404
+    assert services.api_key_authenticate(raw_key=raw) == theirs
+
+
+def test_members_and_roles(client, people, tenant):
+    client.force_login(people["admin_a"])
+    url = reverse("console:members", args=[tenant.slug])
+    client.post(url, {"action": "add", "username": "nobody", "role": "member"})
+    assert Membership.objects.get(user=people["nobody"], tenant=tenant).role == "member"
+
+    client.post(url, {"action": "add", "username": "staffer", "role": "owner"})
+    assert not Membership.objects.filter(user=people["staff"], tenant=tenant).exists()
+
+    owner = Membership.objects.get(user=people["owner_a"], tenant=tenant)
+    client.post(url, {"action": "remove", "membership_id": owner.pk})
+    assert Membership.objects.filter(pk=owner.pk).exists()  # admins cannot touch owners
+
+    client.force_login(people["owner_a"])
+    client.post(url, {"action": "role", "membership_id": owner.pk, "role": "admin"})
+    assert Membership.objects.get(pk=owner.pk).role == "owner"  # the last owner stays
+    page = client.get(url).content.decode()
+    assert "nobody" in page and "owner_a" in page
+
+
+def test_platform_console_lists_tenants_models_and_manages_deployments(client, people, tenant):
+    _usage(tenant)
+    ModelDeployment.objects.create(
+        name="demo-chat",
+        endpoints=["tcp://h:1"],
+        health="ready",
+        replicas={
+            "tcp://h:1": {
+                "num_requests_running": 3,
+                "num_requests_waiting": 1,
+                "kv_cache_usage": 0.42,
+                "tokens_per_second": 123.4,
+            }
+        },
+    )
+    client.force_login(people["staff"])
+    page = client.get(reverse("console:platform")).content.decode()
+    assert "Acme" in page and "big-model" in page
+    assert "3 · 1 · 42% · 123.4" in page
+
+    action = reverse("console:deployment-action")
+    deployment = ModelDeployment.objects.get(name="demo-chat")
+    client.post(action, {"action": "disable", "deployment_id": deployment.pk})
+    assert not ModelDeployment.objects.get(pk=deployment.pk).is_enabled
+    client.post(action, {"action": "register", "name": "new-model", "endpoints": "tcp://x:2"})
+    assert ModelDeployment.objects.get(name="new-model").endpoints == ["tcp://x:2"]
+    client.post(action, {"action": "register", "name": "bad", "endpoints": "http://x"})
+    assert not ModelDeployment.objects.filter(name="bad").exists()
+
+    client.force_login(people["owner_a"])
+    assert (
+        client.post(
+            action, {"action": "register", "name": "x", "endpoints": "tcp://x:2"}
+        ).status_code
+        == 302
+    )
+    assert not ModelDeployment.objects.filter(name="x").exists()
