@@ -46,4 +46,5 @@ $(RUN_STAMP): requirements.txt | $(BIN)/python
 
 $(TEST_STAMP): requirements-test.txt $(RUN_STAMP)
 	$(BIN)/pip install --quiet -r requirements-test.txt
+	sh scripts/ensure_chromium.sh
 	touch $@

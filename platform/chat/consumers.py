@@ -18,6 +18,8 @@ Client → server frames (JSON objects, at most ``MAX_FRAME_CHARS`` characters):
 Server → client frames:
 
 - ``{"type": "message", "message": {...}}``: a user message as saved (after send or edit).
+- ``{"type": "settings", "settings": {...}}``: the conversation's title and settings as saved
+  (after a settings frame, and after the first message titles the conversation).
 - ``{"type": "start", "message_id": int, "after_id": int}``: a reply begins; every message
   after ``after_id`` other than this one is gone (regenerate, edit).
 - ``{"type": "token", "text": str}``: the next piece of the reply.
@@ -29,7 +31,6 @@ Server → client frames:
   a reply failed (``rate_limited`` with ``retry_after`` seconds, ``model_not_found``,
   ``engine_unavailable``, ``context_length_exceeded``, ...; then ``message_id`` names the
   reply, saved with the error). The socket stays open either way.
-- ``{"type": "settings", "settings": {...}}``: the conversation's settings as saved.
 
 Only one reply per conversation is generated at a time, across sockets and processes: a
 frame that would start another gets a ``busy`` error. The reply runs as its own task, so a
@@ -133,10 +134,13 @@ class ChatConsumer(AsyncWebsocketConsumer):
     async def on_send(self, frame: dict) -> None:
         if await self._refuse_if_busy():
             return
+        is_untitled = not self.conversation.title
         message = await database_sync_to_async(services.message_send)(
             conversation=self.conversation, content=frame.get("content")
         )
         await self._send({"type": "message", "message": message_payload(message)})
+        if is_untitled:  # the first message titled the conversation
+            await self._send({"type": "settings", "settings": settings_payload(self.conversation)})
         await self._start_reply(after_id=message.pk)
 
     async def on_stop(self, frame: dict) -> None:

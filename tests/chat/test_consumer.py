@@ -113,9 +113,10 @@ async def test_send_streams_a_reply_that_is_saved_and_metered(chat_world, async_
 
     assert done["type"] == "done", done
     kinds = [f["type"] for f in frames]
-    assert kinds[:2] == ["message", "start"]
-    assert kinds[-1] == "done" and set(kinds[2:-1]) <= {"token"}
+    assert kinds[:3] == ["message", "settings", "start"]
+    assert kinds[-1] == "done" and set(kinds[3:-1]) <= {"token"}
     assert frames[0]["message"]["content"] == "Hello there"
+    assert frames[1]["settings"]["title"] == "Hello there"
     assert done["status"] == "complete"
     assert done["finish_reason"] == "length"
     assert done["usage"]["completion_tokens"] == 8
@@ -123,7 +124,7 @@ async def test_send_streams_a_reply_that_is_saved_and_metered(chat_world, async_
 
     user_message, reply = await _messages(conversation)
     assert (user_message.role, user_message.content) == ("user", "Hello there")
-    assert reply.pk == done["message_id"] == frames[1]["message_id"]
+    assert reply.pk == done["message_id"] == frames[2]["message_id"]
     assert reply.status == "complete"
     assert reply.content == "".join(f["text"] for f in frames if f["type"] == "token")
     assert reply.completion_tokens == 8
@@ -153,7 +154,7 @@ async def test_stop_before_the_first_token(chat_world, async_db):
     await chat.send(type="stop")
     done, frames = await chat.receive_until("done", "error")
 
-    assert [f["type"] for f in frames] == ["message", "start", "done"]
+    assert [f["type"] for f in frames] == ["message", "settings", "start", "done"]
     assert done["status"] == "stopped"
     _, reply = await _messages(conversation)
     assert (reply.status, reply.content) == ("stopped", "")
@@ -294,12 +295,12 @@ async def test_a_quota_refusal_says_why_and_when_to_retry(chat_world, async_db):
     await chat.send(type="send", content="Hello")
     error, frames = await chat.receive_until("error", "done")
 
-    assert [f["type"] for f in frames] == ["message", "start", "error"]
+    assert [f["type"] for f in frames] == ["message", "settings", "start", "error"]
     assert error["code"] == "rate_limited"
     assert error["retry_after"] >= 1
     assert "requests per minute" in error["message"]
     assert f"try again in {error['retry_after']}s" in error["message"]
-    assert error["message_id"] == frames[1]["message_id"]
+    assert error["message_id"] == frames[2]["message_id"]
     _, reply = await _messages(conversation)
     assert (reply.status, reply.error_code) == ("error", "rate_limited")
     assert await _records(tenant) == []

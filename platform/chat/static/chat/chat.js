@@ -20,6 +20,7 @@
   let isGenerating = false;
   let streaming = null; // {id, text, el, body, frame}
   let retryTimer = null;
+  let isSavingSettings = false;
 
   // --- small helpers -------------------------------------------------------------------------
 
@@ -400,7 +401,12 @@
     }
     if (settings.title) document.title = settings.title + " · LLM Platform";
     const status = $("settings-status");
-    if (status) status.textContent = "Saved. Changes apply to the next reply.";
+    if (status && isSavingSettings) status.textContent = "Saved. Changes apply to the next reply.";
+    isSavingSettings = false;
+  }
+
+  function saveSetting(frame) {
+    isSavingSettings = send(Object.assign({ type: "settings" }, frame));
   }
 
   function wireSettings() {
@@ -411,21 +417,21 @@
       toggle.setAttribute("aria-expanded", String(!panel.hidden));
     });
     $("setting-model").addEventListener("change", function (event) {
-      send({ type: "settings", model: event.target.value });
+      saveSetting({ model: event.target.value });
     });
     $("setting-system").addEventListener("change", function (event) {
-      send({ type: "settings", system_prompt: event.target.value });
+      saveSetting({ system_prompt: event.target.value });
     });
     const temperature = $("setting-temperature");
     temperature.addEventListener("input", function () {
       $("temperature-value").textContent = Number(temperature.value).toFixed(2);
     });
     temperature.addEventListener("change", function () {
-      send({ type: "settings", temperature: Number(temperature.value) });
+      saveSetting({ temperature: Number(temperature.value) });
     });
     $("setting-max-tokens").addEventListener("change", function (event) {
       const value = parseInt(event.target.value, 10);
-      if (Number.isInteger(value)) send({ type: "settings", max_tokens: value });
+      if (Number.isInteger(value)) saveSetting({ max_tokens: value });
     });
   }
 

@@ -1,0 +1,179 @@
+"""End to end in headless Chromium (Debian's ``chromium``, driven by Playwright for Python):
+sign in, start a conversation, watch the reply stream, stop it, reload and find the
+conversation saved; Markdown stays inert. Screenshots go to test-artifacts/chat/.
+
+Skips, saying why, when Playwright or a Chromium binary is missing (``make test`` installs
+both when it can: Playwright from requirements-test.txt, Chromium with
+scripts/ensure_chromium.sh when running as root).
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from serving.services import deployment_register
+from tenants import services
+from tenants.models import Plan
+from tests.chat.conftest import MODEL_NAME
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ARTIFACTS = ROOT / "test-artifacts" / "chat"
+PASSWORD = "correct horse battery"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TIMEOUT_MS = 60_000
+MALICIOUS = '<img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script>'
+
+
+def chromium_path() -> str | None:
+    candidates = [os.environ.get("CHROMIUM_PATH"), "/usr/bin/chromium"]
+    candidates += [shutil.which(name) for name in ("chromium", "chromium-browser")]
+    return next((c for c in candidates if c and Path(c).is_file()), None)
+
+
+@pytest.fixture
+def browser(live_chat):
+    """Chromium, started after the database is set up and stopped before it is flushed:
+    Playwright's sync API runs an event loop, and Django refuses ORM calls beside one."""
+    sync_api = pytest.importorskip(
+        "playwright.sync_api",
+        reason="Playwright for Python is not installed (pip install -r requirements-test.txt)",
+    )
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip(
+            "No Chromium binary: install Debian's chromium (scripts/ensure_chromium.sh as root) "
+            "or set CHROMIUM_PATH"
+        )
+    with sync_api.sync_playwright() as playwright:
+        try:
+            browser = playwright.chromium.launch(
+                executable_path=executable, headless=True, args=CHROMIUM_ARGS
+            )
+        except sync_api.Error as exc:
+            pytest.skip(f"Chromium at {executable} would not start: {exc}")
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def live_chat(daphne_server, ready_engine, django_user_model):
+    plan = Plan.objects.create(slug="open", name="Open")
+    alice = django_user_model.objects.create_user("alice", password=PASSWORD)
+    services.tenant_create(slug="acme", name="Acme", plan=plan, owner=alice)
+    deployment_register(name=MODEL_NAME, endpoints=[ready_engine.endpoint])
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return daphne_server
+
+
+def _shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / name), full_page=True)
+
+
+def _reply_text(page) -> str:
+    return page.locator(".message.assistant .body").last.inner_text()
+
+
+def test_sign_in_stream_stop_and_reload(live_chat, browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{live_chat}/chat/")
+        assert "/accounts/login/" in page.url
+        page.fill("#id_username", "alice")
+        page.fill("#id_password", PASSWORD)
+        _shot(page, "01-sign-in.png")
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{live_chat}/chat/")
+        page.wait_for_selector("#empty-state")
+
+        # A first message from the empty page starts a conversation and streams the reply.
+        page.fill("#input", "Write a long story about a fox")
+        page.keyboard.press("Enter")
+        page.wait_for_url(f"{live_chat}/chat/*/")
+        page.wait_for_selector(".message.user")
+        page.wait_for_function(
+            "() => { const b = document.querySelectorAll('.message.assistant .body');"
+            " return b.length && b[b.length - 1].textContent.trim().length > 0; }"
+        )
+        first = len(_reply_text(page))
+        page.wait_for_function(
+            f"() => document.querySelector('.message.assistant .body').textContent.length > {first}"
+        )
+        assert page.is_visible("#stop") and not page.is_visible("#send")
+        _shot(page, "02-streaming.png")
+
+        page.click("#stop")
+        page.wait_for_selector(".message.assistant .badge.stopped")
+        page.wait_for_selector("#send", state="visible")
+        stopped_text = _reply_text(page).strip()
+        assert stopped_text
+        _shot(page, "03-stopped.png")
+
+        page.reload()
+        page.wait_for_selector(".message.assistant .badge.stopped")
+        page.wait_for_function("() => document.body.dataset.socket === 'open'")
+        assert page.locator(".message.user .body").first.inner_text() == (
+            "Write a long story about a fox"
+        )
+        assert _reply_text(page).strip() == stopped_text
+        assert "Write a long story about a fox" in page.inner_text(".conversation-item.active")
+        assert page.inner_text("#conversation-title") == "Write a long story about a fox"
+        _shot(page, "04-reloaded.png")
+
+        # Neither the user's text nor Markdown from a model can run script.
+        page.fill("#input", MALICIOUS)
+        page.keyboard.press("Enter")
+        page.wait_for_function(
+            "() => document.querySelectorAll('.message.user').length === 2", timeout=TIMEOUT_MS
+        )
+        page.click("#stop")
+        page.wait_for_selector("#send", state="visible")
+        assert page.locator(".message.user .body").last.inner_text() == MALICIOUS
+        rendered = page.evaluate(
+            """(source) => {
+                const el = document.createElement('div');
+                document.body.append(el);
+                ChatMarkdown.render(el, source);
+                const all = [...el.querySelectorAll('*')];
+                return {
+                    text: el.textContent,
+                    dangerous: el.querySelectorAll('script, iframe, img, object, embed').length,
+                    handlers: all.flatMap((n) => [...n.attributes])
+                        .filter((a) => a.name.startsWith('on')).length,
+                    scriptLinks: all.filter((n) => /^\\s*javascript:/i.test(
+                        n.getAttribute('href') || '')).length,
+                    copyButtons: el.querySelectorAll('.code-block .copy-code').length,
+                };
+            }""",
+            MALICIOUS + "\n\n[click](javascript:window.__pwned=3)\n\n<iframe src=x></iframe>\n\n"
+            "```python\nprint('hi')\n```\n",
+        )
+        assert rendered["dangerous"] == rendered["handlers"] == rendered["scriptLinks"] == 0
+        assert "<img src=x" in rendered["text"]  # raw HTML is shown as text
+        assert rendered["copyButtons"] == 1 and "print('hi')" in rendered["text"]
+        page.wait_for_timeout(300)
+        assert page.evaluate("() => window.__pwned") is None
+        assert page.locator(".message img").count() == 0
+        _shot(page, "05-sanitised.png")
+        assert errors == []
+    except Exception:
+        _shot(page, "failure.png")
+        raise
+    finally:
+        context.close()
