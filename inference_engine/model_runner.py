@@ -78,11 +78,17 @@ def model_spec(hf_config, generation_config) -> ModelSpec:
     for source in (hf_config, generation_config):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         eos_ids.update([eos] if isinstance(eos, int) else (eos or []))
+    max_positions = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # the paged attention attends over the whole context: cap the length where the model
+    # would slide a window instead, so outputs never silently differ from the model's own
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        max_positions = min(max_positions, window)
     return ModelSpec(
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        max_position_embeddings=getattr(hf_config, "max_position_embeddings", None) or 2048,
+        max_position_embeddings=max_positions,
         eos_token_ids=frozenset(eos_ids),
     )
 
