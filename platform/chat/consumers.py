@@ -83,6 +83,9 @@ class _Run:
 
 
 class ChatConsumer(AsyncWebsocketConsumer):
+    # No groups: a socket needs no channel-layer subscription (a Redis connection and a
+    # blocking read each, in production).
+    channel_layer_alias = None
     conversation: Conversation
     run: _Run | None = None
     is_closed = False
@@ -253,6 +256,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 prompt_tokens=outcome.prompt_tokens,
                 completion_tokens=outcome.completion_tokens,
             )
+        except Exception:
+            logger.exception("chat reply %s could not be saved", run.reply.request_id)
+            error = ChatError("internal_error", "The reply could not be saved. Please try again.")
         finally:
             await cache.adelete(_lock_key(self.conversation))
             if self.run is run:

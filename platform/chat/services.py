@@ -30,7 +30,14 @@ def _title_from(content: str) -> str:
     return line[: TITLE_FROM_MESSAGE_CHARS - 1].rstrip() + "…"
 
 
+def _clean(text: str) -> str:
+    """Without NUL characters, which PostgreSQL's text fields refuse (a model may emit one)."""
+    return text.replace("\x00", "")
+
+
 def _check_content(content: object) -> str:
+    if isinstance(content, str):
+        content = _clean(content)
     if not isinstance(content, str) or not content.strip():
         raise ValidationError("Write a message first.")
     if len(content) > MAX_CONTENT_CHARS:
@@ -63,7 +70,7 @@ def conversation_create(
 
 @transaction.atomic
 def conversation_rename(*, conversation: Conversation, title: str) -> Conversation:
-    title = " ".join(str(title).split())
+    title = " ".join(_clean(str(title)).split())
     if len(title) > MAX_TITLE_CHARS:
         raise ValidationError(f"A title may be at most {MAX_TITLE_CHARS} characters long.")
     conversation.title = title
@@ -97,7 +104,7 @@ def conversation_configure(
             raise ValidationError(
                 f"The system prompt must be text of at most {MAX_SYSTEM_PROMPT_CHARS} characters."
             )
-        conversation.system_prompt = system_prompt
+        conversation.system_prompt = _clean(system_prompt)
         changed.append("system_prompt")
     if temperature is not None:
         if (
@@ -199,7 +206,7 @@ def reply_finish(
     """Save what the reply became: complete, stopped (partial text kept) or failed."""
     if status not in Message.Status.values:
         raise ValidationError({"status": f"Unknown status {status!r}."})
-    message.content = content
+    message.content = _clean(content)
     message.status = status
     message.finish_reason = finish_reason
     message.error_code = error_code

@@ -203,3 +203,16 @@ def test_engine_messages_put_the_system_prompt_first_and_skip_empty_replies(alic
 
 def test_the_landing_page_links_to_the_chat(client, db):
     assert b'href="/chat/"' in client.get("/").content
+
+
+def test_nul_characters_are_dropped_before_saving(alice, acme):
+    # PostgreSQL's text fields refuse NUL; a tiny or broken model may well emit one.
+    conversation = services.conversation_create(user=alice, tenant=acme)
+    message = services.message_send(conversation=conversation, content="a\x00b")
+    reply = services.reply_start(conversation=conversation, request_id="chat-nul")
+    services.reply_finish(message=reply, content="c\x00d", status=Message.Status.COMPLETE)
+    services.conversation_configure(conversation=conversation, system_prompt="e\x00f")
+    message.refresh_from_db()
+    reply.refresh_from_db()
+    conversation.refresh_from_db()
+    assert (message.content, reply.content, conversation.system_prompt) == ("ab", "cd", "ef")
