@@ -30,7 +30,8 @@ def with_tenant(view):
             tenants = list(user_tenants(user=request.user))
             template = "chat/choose_tenant.html" if tenants else "chat/no_tenant.html"
             return render(request, template, {"tenants": tenants}, status=200)
-        request.session[SESSION_TENANT_KEY] = tenant.pk
+        if request.session.get(SESSION_TENANT_KEY) != tenant.pk:
+            request.session[SESSION_TENANT_KEY] = tenant.pk
         return view(request, tenant, *args, **kwargs)
 
     return wrapper

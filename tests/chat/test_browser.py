@@ -136,14 +136,27 @@ def test_sign_in_stream_stop_and_reload(live_chat, browser):
         assert page.inner_text("#conversation-title") == "Write a long story about a fox"
         _shot(page, "04-reloaded.png")
 
+        # Settings apply to the next reply: a short one, regenerated in place of the stopped.
+        page.click("#toggle-settings")
+        assert page.locator("#setting-model option").all_inner_texts() == [MODEL_NAME]
+        page.fill("#setting-system", "You are a poet.")
+        page.fill("#setting-max-tokens", "12")
+        page.press("#setting-max-tokens", "Tab")
+        page.wait_for_function(
+            "() => document.getElementById('settings-status').textContent.startsWith('Saved')"
+        )
+        page.click(".message.assistant .regenerate")
+        page.wait_for_selector(".message.assistant[data-status=complete]")
+        assert page.locator(".message.assistant").count() == 1
+        assert page.locator(".message.assistant .copy-reply").count() == 1
+        _shot(page, "05-settings-regenerated.png")
+        page.click("#toggle-settings")
+
         # Neither the user's text nor Markdown from a model can run script.
         page.fill("#input", MALICIOUS)
         page.keyboard.press("Enter")
-        page.wait_for_function(
-            "() => document.querySelectorAll('.message.user').length === 2", timeout=TIMEOUT_MS
-        )
-        page.click("#stop")
-        page.wait_for_selector("#send", state="visible")
+        page.wait_for_function("() => document.querySelectorAll('.message.user').length === 2")
+        page.wait_for_selector(".message.assistant[data-status=complete] >> nth=1")
         assert page.locator(".message.user .body").last.inner_text() == MALICIOUS
         rendered = page.evaluate(
             """(source) => {
@@ -170,7 +183,7 @@ def test_sign_in_stream_stop_and_reload(live_chat, browser):
         page.wait_for_timeout(300)
         assert page.evaluate("() => window.__pwned") is None
         assert page.locator(".message img").count() == 0
-        _shot(page, "05-sanitised.png")
+        _shot(page, "06-sanitised.png")
         assert errors == []
     except Exception:
         _shot(page, "failure.png")

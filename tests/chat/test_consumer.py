@@ -67,8 +67,9 @@ async def test_only_the_owner_may_connect(chat_world, async_db, django_user_mode
     for intruder in (bob, carol):
         connected, code, _ = await open_chat(intruder, conversation.pk)
         assert (connected, code) == (False, 4403)
-    connected, code, _ = await open_chat(chat_world["user"], 987654321)
-    assert (connected, code) == (False, 4403)
+    for missing in (987654321, 10**30):
+        connected, code, _ = await open_chat(chat_world["user"], missing)
+        assert (connected, code) == (False, 4403)
 
 
 async def test_a_conversation_of_another_tenant_of_the_same_user_is_refused(chat_world, async_db):
