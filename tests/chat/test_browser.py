@@ -44,9 +44,9 @@ def chromium_path() -> str | None:
 
 
 @pytest.fixture
-def browser(live_chat):
-    """Chromium, started after the database is set up and stopped before it is flushed:
-    Playwright's sync API runs an event loop, and Django refuses ORM calls beside one."""
+def chromium():
+    """(Playwright's sync API, the Chromium binary), or a skip that says what is missing;
+    checked first, so that a skip costs no server start."""
     sync_api = pytest.importorskip(
         "playwright.sync_api",
         reason="Playwright for Python is not installed (pip install -r requirements-test.txt)",
@@ -57,6 +57,14 @@ def browser(live_chat):
             "No Chromium binary: install Debian's chromium (scripts/ensure_chromium.sh as root) "
             "or set CHROMIUM_PATH"
         )
+    return sync_api, executable
+
+
+@pytest.fixture
+def browser(chromium, live_chat):
+    """Chromium, started after the database is set up and stopped before it is flushed:
+    Playwright's sync API runs an event loop, and Django refuses ORM calls beside one."""
+    sync_api, executable = chromium
     with sync_api.sync_playwright() as playwright:
         try:
             browser = playwright.chromium.launch(
@@ -86,7 +94,7 @@ def _reply_text(page) -> str:
     return page.locator(".message.assistant .body").last.inner_text()
 
 
-def test_sign_in_stream_stop_and_reload(live_chat, browser):
+def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser):
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     page = context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
