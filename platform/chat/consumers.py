@@ -27,10 +27,11 @@ Server → client frames:
   "finish_reason": "stop" | "length" | "abort" | "", "usage": {"prompt_tokens",
   "completion_tokens", "cached_tokens"}}``: the reply ended and is saved.
 - ``{"type": "error", "code": str, "message": str, "retry_after"?: int, "message_id"?: int}``:
-  a frame was refused (``invalid_frame``, ``unknown_type``, ``invalid_request``, ``busy``), or
+  a frame was refused (``invalid_frame``, ``unknown_type``, ``invalid_request``, ``busy``;
+  ``forbidden`` when access was lost since connecting, and the socket closes with 4403), or
   a reply failed (``rate_limited`` with ``retry_after`` seconds, ``model_not_found``,
   ``engine_unavailable``, ``context_length_exceeded``, ...; then ``message_id`` names the
-  reply, saved with the error). The socket stays open either way.
+  reply, saved with the error). Otherwise the socket stays open.
 
 Only one reply per conversation is generated at a time, across sockets and processes: a
 frame that would start another gets a ``busy`` error. The reply runs as its own task, so a
@@ -126,6 +127,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         handler = getattr(self, f"on_{frame['type']}", None) if frame["type"].isalpha() else None
         if handler is None:
             await self._error("unknown_type", f"Unknown frame type {frame['type'][:40]!r}.")
+            return
+        if frame["type"] != "stop" and not await self._refresh():
+            await self._error("forbidden", "You no longer have access to this conversation.")
+            await self.close(code=CLOSE_FORBIDDEN)
             return
         try:
             await handler(frame)
@@ -304,6 +309,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if tenant is None:
             return None
         return selectors.conversation_get(user=user, tenant=tenant, conversation_id=conversation_id)
+
+    async def _refresh(self) -> bool:
+        """Reload the conversation with its tenant and plan, so that a changed plan, limit or
+        membership counts from the next frame on; False when access is gone."""
+        conversation = await self._conversation(self.user, self.conversation.pk)
+        if conversation is None:
+            return False
+        self.conversation = conversation
+        return True
 
     @database_sync_to_async
     def _last_message_id(self) -> int:

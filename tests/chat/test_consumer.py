@@ -6,6 +6,7 @@ import json
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.core.cache import cache
 
 from chat import services
 from chat.models import Message
@@ -309,7 +310,18 @@ async def test_a_quota_refusal_says_why_and_when_to_retry(chat_world, async_db):
     await chat.send(type="settings", temperature=0.5)
     settings, _ = await chat.receive_until("settings", "error")
     assert settings["type"] == "settings"
+
+    # Once the window has passed, "retry" regenerates in place of the refused reply.
+    await sync_to_async(cache.clear)()
+    await chat.send(type="regenerate")
+    done, _ = await chat.receive_until("done", "error")
     await chat.close()
+    assert done["type"] == "done" and done["status"] == "complete"
+    assert [(m.role, m.status) for m in await _messages(conversation)] == [
+        ("user", "complete"),
+        ("assistant", "complete"),
+    ]
+    assert len(await _records(tenant)) == 1
 
 
 @pytest.mark.parametrize(
@@ -364,3 +376,17 @@ async def test_stop_when_nothing_is_generating_is_ignored(chat_world, async_db):
     await chat.send(type="stop")
     assert await chat.is_quiet()
     await chat.close()
+
+
+async def test_losing_access_closes_an_open_socket(chat_world, async_db):
+    connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
+    assert connected
+    await sync_to_async(
+        lambda: chat_world["tenant"].memberships.filter(user=chat_world["user"]).delete()
+    )()
+    await chat.send(type="send", content="Still there?")
+    error = await chat.receive()
+    assert (error["type"], error["code"]) == ("error", "forbidden")
+    closed = await chat.communicator.receive_output(timeout=30)
+    assert closed == {"type": "websocket.close", "code": 4403}
+    assert await _messages(chat_world["conversation"]) == []
