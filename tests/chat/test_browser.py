@@ -9,13 +9,15 @@ scripts/ensure_chromium.sh when running as root).
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from django.db import connections
 
 from serving.services import deployment_register
 from tenants import services
-from tenants.models import Plan
+from tenants.models import Plan, Tenant
 from tests.chat.conftest import MODEL_NAME
 from tests.conftest import ROOT
 
@@ -84,6 +86,19 @@ def live_chat(daphne_server, ready_engine, django_user_model):
     deployment_register(name=MODEL_NAME, endpoints=[ready_engine.endpoint])
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return daphne_server
+
+
+def _in_thread(work):
+    """Run ORM work beside Playwright's event loop, on a thread of its own."""
+
+    def run():
+        try:
+            return work()
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(run).result()
 
 
 def _shot(page, name: str) -> None:
@@ -169,6 +184,7 @@ def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser):
         rendered = page.evaluate(
             """(source) => {
                 const el = document.createElement('div');
+                el.id = 'markdown-probe';
                 document.body.append(el);
                 ChatMarkdown.render(el, source);
                 const all = [...el.querySelectorAll('*')];
@@ -192,6 +208,20 @@ def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser):
         assert page.evaluate("() => window.__pwned") is None
         assert page.locator(".message img").count() == 0
         _shot(page, "06-sanitised.png")
+        page.evaluate("() => document.getElementById('markdown-probe').remove()")
+
+        # A quota refusal says why and when to retry.
+        _in_thread(lambda: Tenant.objects.filter(slug="acme").update(requests_per_minute=1))
+        page.fill("#input", "One more, please")  # admitted: the first of this minute
+        page.keyboard.press("Enter")
+        page.wait_for_selector(".message.assistant[data-status=complete] >> nth=2")
+        page.fill("#input", "And another")
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#banner:not([hidden])")
+        banner = page.inner_text("#banner-text")
+        assert "requests per minute" in banner and "retry in" in banner, banner
+        assert page.locator(".message.assistant .badge.error").count() == 1
+        _shot(page, "07-rate-limited.png")
         assert errors == []
     except Exception:
         _shot(page, "failure.png")

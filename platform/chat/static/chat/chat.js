@@ -55,7 +55,9 @@
 
   function showBanner(message, retryAfter, onRetry) {
     clearInterval(retryTimer);
+    const wasNearEnd = thread.scrollHeight - thread.scrollTop - thread.clientHeight < 120;
     banner.hidden = false;
+    if (wasNearEnd) thread.scrollTop = thread.scrollHeight;
     const text = $("banner-text");
     const retry = $("banner-retry");
     retry.hidden = true;
