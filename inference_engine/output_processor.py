@@ -131,6 +131,7 @@ class OutputProcessor:
                 output.req_id, state, self._last_delta(output, state, FinishReason.STOP)
             )
 
+        is_first_token = state.num_tokens == 0 and bool(token_ids)
         state.num_tokens += len(token_ids)
         new_text = state.detokenizer.push(token_ids) if token_ids else ""
         if output.is_finished:
@@ -149,8 +150,14 @@ class OutputProcessor:
             state.request_id,
             text=state.text[state.num_sent_chars : send_upto],
             token_ids=token_ids,
-            logprobs=output.new_logprobs if state.wants_logprobs else None,
+            logprobs=self._with_text(output, token_ids) if state.wants_logprobs else None,
         )
+        if is_first_token:
+            delta.usage = Usage(
+                prompt_tokens=output.num_prompt_tokens,
+                completion_tokens=state.num_tokens,
+                cached_tokens=output.num_cached_tokens,
+            )
         state.num_sent_chars = send_upto
         if stop_at is not None and not output.is_finished:
             state.is_stopped = True
@@ -163,6 +170,16 @@ class OutputProcessor:
             delta.usage, delta.timings = last.usage, last.timings
             return self._finish(output.req_id, state, delta)
         return delta
+
+    def _with_text(self, output: EngineOutput, token_ids: list[int]) -> list | None:
+        """The step's logprobs with each token's text, as OpenAI's API reports them."""
+        if output.new_logprobs is None:
+            return None
+        decode = self.tokenizer.decode
+        for token_id, entry in zip(token_ids, output.new_logprobs, strict=False):
+            entry.token = decode([token_id])
+            entry.top_tokens = [decode([top_id]) for top_id in entry.top_token_ids]
+        return output.new_logprobs
 
     @staticmethod
     def _last_delta(

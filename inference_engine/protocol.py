@@ -228,11 +228,14 @@ class AbortRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Logprob of one sampled token and the top-n alternatives (descending)."""
+    """Logprob of one sampled token and the top-n alternatives (descending). The engine's
+    output processor adds the tokens' text, so clients need no tokenizer."""
 
     logprob: float
     top_token_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: list[float] = msgspec.field(default_factory=list)
+    token: str = ""
+    top_tokens: list[str] = msgspec.field(default_factory=list)
 
 
 class RequestTimings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -275,7 +278,9 @@ class Usage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 class GenerateDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one request got from one engine step. The last delta has ``finish_reason`` set
     (``str()`` gives "stop", "length", "abort" or "error"), ``usage`` and ``timings``; an error
-    ends the stream with ``finish_reason=ERROR`` and ``error`` set."""
+    ends the stream with ``finish_reason=ERROR`` and ``error`` set. The first delta with
+    tokens carries ``usage`` too (the prompt and cached counts), so a client that stops early
+    still knows what the prompt cost."""
 
     request_id: str
     # the new text; holds back characters that may still become part of a stop string

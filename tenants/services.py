@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from tenants import api_keys
 from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
-from tenants.selectors import LIMIT_FIELDS, plan_default
+from tenants.selectors import DEFAULT_PLAN_SLUG, LIMIT_FIELDS, plan_default
 
 # Writing last_used_at on every request would put a database write on the hot path;
 # once a minute is as precise as a dashboard needs.
@@ -38,6 +38,24 @@ def _check_limits(limits: dict[str, int | None]) -> None:
             raise ValidationError({name: "A limit must be zero or more (None for no limit)."})
 
 
+# The limits of the plan new tenants get when none is named (also created by a migration).
+DEFAULT_PLAN_LIMITS = {
+    "name": "Default",
+    "requests_per_minute": 60,
+    "tokens_per_minute": 100_000,
+    "max_concurrent_requests": 8,
+    "monthly_token_budget": 10_000_000,
+}
+
+
+def plan_default_ensure() -> Plan:
+    """The default plan, recreated with its stock limits if someone deleted it."""
+    plan = plan_default()
+    if plan is None:
+        plan, _ = Plan.objects.get_or_create(slug=DEFAULT_PLAN_SLUG, defaults=DEFAULT_PLAN_LIMITS)
+    return plan
+
+
 @transaction.atomic
 def tenant_create(
     *,
@@ -50,9 +68,7 @@ def tenant_create(
     """Create a tenant on ``plan`` (the default plan when omitted), with optional overrides
     of the plan's limits and an optional owner."""
     _check_limits(limits)
-    plan = plan or plan_default()
-    if plan is None:
-        raise ValidationError("No plan given and the default plan does not exist.")
+    plan = plan or plan_default_ensure()
     tenant = Tenant(slug=slug, name=name or slug, plan=plan, **limits)
     tenant.full_clean()
     tenant.save()

@@ -18,7 +18,13 @@ from gateway import schemas
 from gateway.errors import ApiError
 from gateway.validation import GenerationPlan
 from inference_engine.client import AsyncEngineClient, EngineUnavailable
-from inference_engine.protocol import ErrorCode, FinishReason, GenerateDelta, GenerateRequest
+from inference_engine.protocol import (
+    ErrorCode,
+    FinishReason,
+    GenerateDelta,
+    GenerateRequest,
+    TokenLogprobs,
+)
 from tenants.metering import Meter
 from tenants.models import UsageRecord
 
@@ -54,6 +60,40 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_chars: int = 0  # characters streamed so far: completions' text_offset
+
+
+def _chat_logprobs(entries: list[TokenLogprobs]) -> schemas.ChoiceLogprobs:
+    return schemas.ChoiceLogprobs(
+        content=[
+            schemas.TokenLogprob(
+                token=entry.token,
+                logprob=entry.logprob,
+                bytes=list(entry.token.encode()),
+                top_logprobs=[
+                    schemas.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+                    for token, logprob in zip(entry.top_tokens, entry.top_logprobs, strict=False)
+                ],
+            )
+            for entry in entries
+        ]
+    )
+
+
+def _completion_logprobs(entries: list[TokenLogprobs], offset: int) -> schemas.CompletionLogprobs:
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return schemas.CompletionLogprobs(
+        tokens=[entry.token for entry in entries],
+        token_logprobs=[entry.logprob for entry in entries],
+        top_logprobs=[
+            dict(zip(entry.top_tokens, entry.top_logprobs, strict=False)) for entry in entries
+        ],
+        text_offset=offsets,
+    )
 
 
 def fan_out(plan: GenerationPlan, response_id: str, cache_salt: str | None, tenant: str) -> list:
@@ -155,6 +195,8 @@ class Generation:
             choice.num_tokens += len(delta.token_ids)
         if delta.text:
             choice.text.append(delta.text)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             choice.finish_reason = _finish_reason(delta.finish_reason)
         if delta.error is not None:
@@ -204,7 +246,9 @@ class Generation:
                     schemas.ChatChoice(
                         index=c.index,
                         message=schemas.AssistantMessage(role="assistant", content="".join(c.text)),
-                        logprobs=None,
+                        logprobs=_chat_logprobs(c.logprobs)
+                        if self.plan.logprobs is not None
+                        else None,
                         finish_reason=c.finish_reason,
                     )
                     for c in self.choices
@@ -220,7 +264,9 @@ class Generation:
                 schemas.CompletionChoice(
                     index=c.index,
                     text="".join(c.text),
-                    logprobs=None,
+                    logprobs=_completion_logprobs(c.logprobs, 0)
+                    if self.plan.logprobs is not None
+                    else None,
                     finish_reason=c.finish_reason,
                 )
                 for c in self.choices
@@ -238,8 +284,8 @@ class Generation:
                 if delta.error is not None:
                     yield _event(engine_error(delta.error, delta.error_message).body())
                     return
-                if delta.text:
-                    yield self._text_event(choice, delta.text, None)
+                if delta.text or delta.logprobs:
+                    yield self._text_event(choice, delta.text, None, delta.logprobs)
                 if choice.finish_reason is not None:
                     yield self._text_event(choice, None, choice.finish_reason)
             if self.plan.include_usage:
@@ -254,10 +300,21 @@ class Generation:
         finally:
             await self.close()
 
-    def _text_event(self, choice: _Choice, text: str | None, finish: str | None) -> bytes:
+    def _text_event(
+        self,
+        choice: _Choice,
+        text: str | None,
+        finish: str | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> bytes:
+        wants_logprobs = bool(logprobs) and self.plan.logprobs is not None
         if self.kind == "chat":
-            delta = schemas.ChunkDelta(content=text)
-            return self._chat_chunk(choice, delta, finish)
+            chat_logprobs = _chat_logprobs(logprobs) if wants_logprobs else None
+            return self._chat_chunk(choice, schemas.ChunkDelta(content=text), finish, chat_logprobs)
+        completion_logprobs = (
+            _completion_logprobs(logprobs, choice.num_chars) if wants_logprobs else None
+        )
+        choice.num_chars += len(text or "")
         return _event(
             schemas.Completion(
                 id=self.response_id,
@@ -266,14 +323,21 @@ class Generation:
                 model=self.model,
                 choices=[
                     schemas.CompletionChoice(
-                        index=choice.index, text=text or "", logprobs=None, finish_reason=finish
+                        index=choice.index,
+                        text=text or "",
+                        logprobs=completion_logprobs,
+                        finish_reason=finish,
                     )
                 ],
             )
         )
 
     def _chat_chunk(
-        self, choice: _Choice, delta: schemas.ChunkDelta, finish: str | None = None
+        self,
+        choice: _Choice,
+        delta: schemas.ChunkDelta,
+        finish: str | None = None,
+        logprobs: schemas.ChoiceLogprobs | None = None,
     ) -> bytes:
         return _event(
             schemas.ChatCompletionChunk(
@@ -283,7 +347,7 @@ class Generation:
                 model=self.model,
                 choices=[
                     schemas.ChatChunkChoice(
-                        index=choice.index, delta=delta, logprobs=None, finish_reason=finish
+                        index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish
                     )
                 ],
             )

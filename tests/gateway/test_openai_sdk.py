@@ -139,6 +139,39 @@ def test_completions_with_n_and_stop(platform):
     assert platform.records()[-1].completion_tokens == 18
 
 
+def test_logprobs_chat_and_completions(platform):
+    client = platform.client()
+    chat = _greedy_chat(client, max_tokens=6, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the top token
+
+    stream = _greedy_chat(client, max_tokens=6, logprobs=True, stream=True)
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="hello world", max_tokens=5, temperature=0, logprobs=3
+    )
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)  # equal texts merge
+    assert logprobs.text_offset[0] == 0
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    plain = _greedy_chat(client, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 def test_models_are_listed_per_plan(platform):
     models = platform.client().models.list()
     assert [model.id for model in models.data] == [MODEL_NAME]
@@ -219,6 +252,7 @@ def test_a_client_disconnect_aborts_the_engine_and_is_metered_once(platform):
     [record] = platform.records()
     assert record.status == "cancelled"
     assert 0 < record.completion_tokens < MAX_MODEL_LEN - 40
+    assert record.prompt_tokens > 0  # the first delta already carried the prompt's count
     wait_until(
         lambda: _engine_stats(platform.engine.endpoint).num_requests_running == 0, 30, "an abort"
     )

@@ -1,0 +1,218 @@
+"""What the gateway costs: the same streaming chat requests through the platform's HTTP API
+(Daphne, auth, admission, metering, SSE) and straight through ``AsyncEngineClient``, against
+one engine process, at 1 and 64 concurrent streams.
+
+Prints TTFT and inter-token latency (p50, p99) and throughput for both, and the ratios.
+Goal: the gateway adds under 5 ms to TTFT at p50 and keeps 90% of direct throughput at 64.
+
+    .venv/bin/python bench/gateway_overhead.py [--model models/demo-chat] [--max-tokens 64]
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
+
+PROMPT = [{"role": "user", "content": "What does json.dumps do?"}]
+MODEL_NAME = "bench"
+
+
+@dataclass
+class Run:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, start: float, token_times: list[float], num_tokens: int) -> None:
+        if token_times:
+            self.ttft.append(token_times[0] - start)
+            self.itl.extend(b - a for a, b in zip(token_times, token_times[1:], strict=False))
+        self.tokens += num_tokens
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+async def _direct(endpoint: str, num: int, concurrency: int, max_tokens: int) -> Run:
+    from inference_engine.client import AsyncEngineClient
+    from inference_engine.protocol import GenerateRequest, SamplingParams
+
+    client = AsyncEngineClient(endpoint)
+    await client.wait_ready(timeout=120)
+    run, gate = Run(), asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with gate:
+            request = GenerateRequest(
+                messages=PROMPT,
+                params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            )
+            start, times, count = time.perf_counter(), [], 0
+            async for delta in client.generate(request):
+                if delta.token_ids:
+                    times.append(time.perf_counter())
+                    count += len(delta.token_ids)
+            run.add(start, times, count)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(num)))
+    run.seconds = time.perf_counter() - began
+    client.close()
+    return run
+
+
+async def _gateway(base: str, key: str, num: int, concurrency: int, max_tokens: int) -> Run:
+    import httpx
+
+    run, gate = Run(), asyncio.Semaphore(concurrency)
+    body = {
+        "model": MODEL_NAME,
+        "messages": PROMPT,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+
+        async def one() -> None:
+            async with gate:
+                start, times, count = time.perf_counter(), [], 0
+                async with http.stream(
+                    "POST", f"{base}/v1/chat/completions", json=body, headers=headers
+                ) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        event = json.loads(line[6:])
+                        if event["choices"] and event["choices"][0]["delta"].get("content"):
+                            times.append(time.perf_counter())
+                        if event.get("usage"):
+                            count = event["usage"]["completion_tokens"]
+                run.add(start, times, count)
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(num)))
+        run.seconds = time.perf_counter() - began
+    return run
+
+
+def _setup_platform(endpoint: str) -> str:
+    """Migrate a fresh embedded database, register the engine, return an API key."""
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from serving.services import deployment_register
+    from tenants import services
+    from tenants.models import Plan
+
+    call_command("migrate", interactive=False, verbosity=0)
+    plan = Plan.objects.create(slug="bench", name="Bench")
+    tenant = services.tenant_create(slug="bench", plan=plan)
+    deployment_register(name=MODEL_NAME, endpoints=[endpoint])
+    return services.api_key_create(tenant=tenant, name="bench")[1]
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"{url} never answered")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "demo-chat"))
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=128, help="requests at 64 streams")
+    parser.add_argument("--port", type=int, default=8765)
+    args = parser.parse_args()
+
+    work = tempfile.mkdtemp(prefix="gateway-bench-")
+    endpoint = f"ipc://{work}/engine.sock"
+    env = {
+        **os.environ,
+        "VAR_DIR": work,
+        "DJANGO_SETTINGS_MODULE": "config.settings",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), str(ROOT)]),
+        "LOG_LEVEL": "WARNING",
+    }
+    for name in ("DATABASE_URL", "REDIS_URL", "DEBUG"):
+        env.pop(name, None)
+    os.environ.clear()
+    os.environ.update(env)
+    key = _setup_platform(endpoint)
+
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "inference_engine", "--model", args.model, "--endpoint", endpoint,
+         "--served-model-name", MODEL_NAME, "--log-level", "WARNING"],
+        env=env,
+    )  # fmt: skip
+    daphne = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-p", str(args.port), "config.asgi:application"],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        _wait_http(f"{base}/health/live", 60)
+        asyncio.run(_direct(endpoint, 4, 4, 8))  # warm-up: engine ready, caches primed
+        asyncio.run(_gateway(base, key, 4, 4, 8))
+        rows = []
+        for concurrency, num in ((1, 16), (64, args.requests)):
+            direct = asyncio.run(_direct(endpoint, num, concurrency, args.max_tokens))
+            gateway = asyncio.run(_gateway(base, key, num, concurrency, args.max_tokens))
+            rows.append((concurrency, direct, gateway))
+    finally:
+        for process in (daphne, engine):
+            process.terminate()
+            process.wait(timeout=30)
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    print(f"\nmachine: {machine}, Python {platform.python_version()}")
+    print(f"model: {args.model}, {args.max_tokens} tokens per request, greedy, ignore_eos")
+    header = f"{'streams':>7} {'path':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+    print(header + f"{'ITL p99':>8} {'tok/s':>8}")
+    for concurrency, direct, gateway in rows:
+        for name, run in (("direct", direct), ("gateway", gateway)):
+            ttft = f"{_pct(run.ttft, 0.5):>7.1f}ms {_pct(run.ttft, 0.99):>7.1f}ms"
+            itl = f"{_pct(run.itl, 0.5):>6.1f}ms {_pct(run.itl, 0.99):>6.1f}ms"
+            print(f"{concurrency:>7} {name:>8} {ttft} {itl} {run.tokens / run.seconds:>8.0f}")
+        added = statistics.median(gateway.ttft) - statistics.median(direct.ttft)
+        ratio = (gateway.tokens / gateway.seconds) / (direct.tokens / direct.seconds)
+        print(
+            f"{concurrency:>7} gateway adds {added * 1000:+.1f} ms TTFT p50; "
+            f"throughput ratio gateway/direct = {ratio:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
