@@ -118,7 +118,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             return
         try:
             frame = json.loads(text_data)
-        except ValueError:
+        except (ValueError, RecursionError):
             await self._error("invalid_frame", "A frame must be a JSON object.")
             return
         if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):

@@ -329,6 +329,8 @@ async def test_a_quota_refusal_says_why_and_when_to_retry(chat_world, async_db):
     [
         ("not json", "invalid_frame"),
         ("[1, 2]", "invalid_frame"),
+        ("[" * 60_000 + "]" * 60_000, "invalid_frame"),
+        ("[" * 30_000 + "]" * 30_000, "invalid_frame"),
         ('{"content": "no type"}', "invalid_frame"),
         ('{"type": 3}', "invalid_frame"),
         ('{"type": "dance"}', "unknown_type"),
