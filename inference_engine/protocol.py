@@ -53,6 +53,10 @@ class ErrorCode(enum.StrEnum):
     OVERLOADED = "overloaded"
     INVALID_REQUEST = "invalid_request"
     ENGINE_ERROR = "engine_error"
+    # a CONTROL load is switching models; retry once STATS says ready
+    MODEL_LOADING = "model_loading"
+    # CONTROL unloaded the model; nothing is served until a load
+    MODEL_NOT_LOADED = "model_not_loaded"
 
 
 def _check_number(name: str, value: object, *, integer: bool = False) -> None:
@@ -321,12 +325,21 @@ class StatsResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     # new on every start of the engine process: a client that sees it change knows that the
     # requests it had in flight are lost
     engine_id: str = ""
+    # "ready", "loading" or "unloaded" (see ControlRequest); the detail says what is loading,
+    # how far it got, or why the last load failed
+    state: str = "ready"
+    state_detail: str = ""
+    model_path: str = ""
 
 
 class ControlRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Reserved for model load and unload; the engine answers ``ok=False`` for now."""
+    """Model control. ``load`` (``model`` = a local HF directory) loads in the background while
+    the current model finishes its requests, then switches; new requests meanwhile get
+    ``model_loading``, and a failed load leaves the current model serving. ``unload`` drains
+    and frees the model; requests then get ``model_not_loaded``. The reply only says whether
+    the action was accepted: STATS ``state`` tells how it goes."""
 
-    action: str
+    action: str  # "load" or "unload"
     model: str | None = None
 
 

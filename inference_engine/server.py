@@ -35,13 +35,13 @@ import zmq
 
 from inference_engine.config import EngineConfig
 from inference_engine.metrics import EngineMetrics
+from inference_engine.model_control import LoadedModel, ModelController, load_model
 from inference_engine.output_processor import OutputProcessor
 from inference_engine.protocol import (
     MAX_FRAME_BYTES,
     MAX_ID_CHARS,
     AbortRequest,
     ControlRequest,
-    ControlResponse,
     EngineOutput,
     ErrorCode,
     FinishReason,
@@ -56,7 +56,8 @@ from inference_engine.tokenization import render_chat
 logger = logging.getLogger(__name__)
 
 # lower sorts first in the input queue: aborts never wait behind adds
-_ABORT, _ADD = 0, 1
+_ABORT, _ADD, _SWITCH = 0, 1, 2
+_NO_SWITCH = object()
 # frames queued per client before ZeroMQ drops more; a client this far behind is stuck
 SEND_HWM = 100_000
 
@@ -107,6 +108,8 @@ class EngineServer:
         self._io_stop = threading.Event()
         self._io_bound = threading.Event()
         self._io_error: BaseException | None = None
+        self.controller = ModelController(engine_config, self._queue_switch)
+        self._pending_switch: object = _NO_SWITCH
         self.ctx = zmq.Context()
         self._outputs_endpoint = f"inproc://engine-outputs-{id(self)}"
 
@@ -163,31 +166,49 @@ class EngineServer:
             signal.signal(sig, lambda signum, frame: self.request_shutdown())
 
     def _load(self) -> None:
-        from transformers import AutoTokenizer
-
-        from inference_engine.core import EngineCore
-
-        self.core = EngineCore(self.engine_config)
-        self.max_model_len = self.core.max_model_len
-        self.num_kv_blocks = self.core.scheduler.kv_cache.num_blocks
-        # one tokenizer per thread: the input thread encodes while the output thread decodes
-        self.input_tokenizer = AutoTokenizer.from_pretrained(self.engine_config.model)
+        loaded = load_model(self.engine_config)
         self.processor = OutputProcessor(
-            AutoTokenizer.from_pretrained(self.engine_config.model),
-            abort=self._queue_abort,
-            metrics=self.metrics,
+            loaded.output_tokenizer, abort=self._queue_abort, metrics=self.metrics
         )
+        self._install(loaded)
+
+    def _install(self, loaded: LoadedModel | None) -> None:
+        """Serve ``loaded`` (None: nothing). Only the busy loop calls this, between steps and
+        with no request left in the current core."""
+        self.core = loaded.core if loaded else None
+        self.max_model_len = loaded.core.max_model_len if loaded else 0
+        self.num_kv_blocks = loaded.core.scheduler.kv_cache.num_blocks if loaded else 0
+        if loaded is not None:
+            self.input_tokenizer = loaded.input_tokenizer
+            self.processor.tokenizer = loaded.output_tokenizer
+        self._publish_snapshot()
+
+    def _queue_switch(self, loaded: LoadedModel | None) -> None:
+        self.input_queue.put((_SWITCH, next(self._seq), loaded))
+
+    def _switch_if_drained(self) -> None:
+        if self._pending_switch is _NO_SWITCH:
+            return
+        if self.core is not None and self.core.has_unfinished_requests():
+            return
+        loaded, self._pending_switch = self._pending_switch, _NO_SWITCH
+        self._install(loaded)
+        self.controller.switched(loaded)
+        logger.info("now serving %s", loaded.config.model if loaded else "nothing")
 
     # -- busy loop ---------------------------------------------------------------------------
 
     def _busy_loop(self, hand_off: Callable[[tuple[list[EngineOutput], float]], None]) -> None:
         """``hand_off((outputs, step_time))`` gets every step's outputs."""
         self._hand_off = hand_off
-        core = self.core
         deadline = None
         shutdown_aborted: set[str] = set()
         while True:
-            self._apply_inputs(block=not core.has_unfinished_requests())
+            self._switch_if_drained()
+            core = self.core
+            busy = core is not None and core.has_unfinished_requests()
+            self._apply_inputs(block=not busy)
+            core = self.core
             if self._draining.is_set():
                 if deadline is None:
                     deadline = time.monotonic() + self.config.shutdown_grace_period
@@ -196,10 +217,12 @@ class EngineServer:
                     left := [r for r in list(self.processor.states) if r not in shutdown_aborted]
                 ):
                     shutdown_aborted.update(left)
-                    core.abort_requests(left)
-                if not core.has_unfinished_requests() and self.input_queue.empty():
+                    if core is not None:
+                        core.abort_requests(left)
+                idle = core is None or not core.has_unfinished_requests()
+                if idle and self.input_queue.empty():
                     return
-            if not core.has_unfinished_requests():
+            if core is None or not core.has_unfinished_requests():
                 continue
             outputs = core.step()
             self._publish_snapshot()
@@ -221,6 +244,8 @@ class EngineServer:
         for kind, _, payload in items:
             if kind == _ABORT:
                 aborts.extend(payload)
+            elif kind == _SWITCH:
+                self._pending_switch = payload
             else:
                 self._num_adds_taken += 1
                 req_id, token_ids, params, priority, cache_salt, arrival = payload
@@ -243,12 +268,15 @@ class EngineServer:
                     )
                     self._hand_off(([failed], time.time()))
         # after the adds: an abort may name a request that arrived in the same batch
-        if aborts:
+        if aborts and self.core is not None:
             self.core.abort_requests(aborts)
         if items:
             self._publish_snapshot()
 
     def _publish_snapshot(self) -> None:
+        if self.core is None:
+            self.snapshot = _Snapshot()
+            return
         scheduler = self.core.scheduler
         self.snapshot = _Snapshot(
             scheduler.num_running,
@@ -346,8 +374,7 @@ class EngineServer:
                     [identity, ResponseType.STATS.value, self._encoder.encode(self.stats())]
                 )
             elif kind == RequestType.CONTROL.value:
-                control = self._control_decoder.decode(payload)
-                reply = ControlResponse(False, f"control {control.action!r} is not supported yet")
+                reply = self.controller.handle(self._control_decoder.decode(payload))
                 router.send_multipart(
                     [identity, ResponseType.CONTROL.value, self._encoder.encode(reply)]
                 )
@@ -375,6 +402,9 @@ class EngineServer:
             self._reply_error(
                 router, identity, request_id, ErrorCode.OVERLOADED, f"the engine is {reason}"
             )
+            return
+        if (refusal := self.controller.refusal) is not None:
+            self._reply_error(router, identity, request_id, *refusal)
             return
         num_queued = self.snapshot.num_waiting + self._num_adds_queued - self._num_adds_taken
         if num_queued >= self.config.max_queued_requests:
@@ -439,7 +469,9 @@ class EngineServer:
         return StatsResponse(
             model=self.model_name,
             max_model_len=self.max_model_len,
-            ready=self._ready.is_set() and not self._draining.is_set(),
+            ready=self._ready.is_set()
+            and not self._draining.is_set()
+            and self.controller.refusal is None,
             num_requests_running=snapshot.num_running,
             num_requests_waiting=snapshot.num_waiting,
             kv_cache_usage=snapshot.kv_cache_usage,
@@ -451,6 +483,9 @@ class EngineServer:
             generation_tokens_total=metrics.generation_tokens_total,
             num_preemptions=snapshot.num_preemptions,
             engine_id=self.engine_id,
+            state=self.controller.state,
+            state_detail=self.controller.detail,
+            model_path=self.controller.model_path or "",
         )
 
 

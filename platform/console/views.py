@@ -18,6 +18,7 @@ from django.views.decorators.http import require_POST
 from console import charts, permissions, selectors
 from serving.models import ModelDeployment
 from serving.services import deployment_register
+from serving.tasks import control_engine
 from tenants import quotas, services
 from tenants.models import ApiKey, Membership, Tenant
 from tenants.selectors import tenant_api_keys, tenant_limits
@@ -234,6 +235,16 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
         if action == "register":
             endpoints = request.POST.get("endpoints", "").split()
             deployment_register(name=request.POST.get("name", "").strip(), endpoints=endpoints)
+        elif action in ("load", "unload"):
+            deployment = get_object_or_404(ModelDeployment, pk=request.POST.get("deployment_id"))
+            endpoint = request.POST.get("endpoint", "")
+            if endpoint not in deployment.endpoints:
+                raise ValidationError(f"{endpoint!r} is not a replica of {deployment.name}.")
+            model = request.POST.get("model", "").strip() or None
+            if action == "load" and not model:
+                raise ValidationError("Give the model directory to load.")
+            control_engine.delay(deployment.pk, endpoint, action, model)
+            messages.success(request, f"{action.title()} requested on {endpoint}.")
         elif action in ("enable", "disable"):
             deployment = get_object_or_404(ModelDeployment, pk=request.POST.get("deployment_id"))
             deployment.is_enabled = action == "enable"

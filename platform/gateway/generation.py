@@ -34,6 +34,8 @@ ENGINE_ERRORS = {
     ErrorCode.INVALID_REQUEST: (400, "invalid_request", "rejected"),
     ErrorCode.OVERLOADED: (503, "engine_overloaded", "rejected"),
     ErrorCode.ENGINE_ERROR: (500, "engine_error", "error"),
+    ErrorCode.MODEL_LOADING: (503, "model_loading", "rejected"),
+    ErrorCode.MODEL_NOT_LOADED: (503, "model_not_loaded", "rejected"),
 }
 RETRY_AFTER_SECONDS = {503: "1"}
 

@@ -60,3 +60,61 @@ def poll_deployments() -> dict[str, str]:
         deployment.checked_at = now
         deployment.save(update_fields=["replicas", "health", "checked_at"])
     return {deployment.name: deployment.health for deployment in deployments}
+
+
+CONTROL_TIMEOUT_SECONDS = 900.0
+CONTROL_POLL_SECONDS = 0.5
+
+
+async def _control(endpoint: str, action: str, model: str | None, on_progress) -> dict:
+    from inference_engine.client import EngineUnavailable
+    from inference_engine.protocol import ControlRequest
+
+    pool = EnginePool()
+    try:
+        client = pool.client(endpoint)
+        await pool.stats(endpoint, timeout=POLL_TIMEOUT_SECONDS)  # connects the client
+        try:
+            reply = await client.control(ControlRequest(action, model=model))
+        except EngineUnavailable as exc:
+            return {"ok": False, "message": str(exc)}
+        if not reply.ok:
+            return {"ok": False, "message": reply.message}
+        deadline = asyncio.get_running_loop().time() + CONTROL_TIMEOUT_SECONDS
+        while asyncio.get_running_loop().time() < deadline:
+            stats = await pool.stats(endpoint, timeout=POLL_TIMEOUT_SECONDS)
+            if stats is not None:
+                await on_progress(msgspec.structs.asdict(stats))
+                if stats.state != "loading":
+                    failed = "failed" in stats.state_detail
+                    return {"ok": not failed, "message": stats.state_detail or stats.state}
+            await asyncio.sleep(CONTROL_POLL_SECONDS)
+        return {"ok": False, "message": "timed out waiting for the engine"}
+    finally:
+        pool.close()
+
+
+def control_replica(*, deployment: ModelDeployment, endpoint: str, action: str, model: str | None):
+    """Send CONTROL ``action`` to one replica and follow it to the end, keeping the
+    replica's state on the deployment (the console shows it as it goes)."""
+    from asgiref.sync import sync_to_async
+
+    if endpoint not in deployment.endpoints:
+        raise ValueError(f"{endpoint} is not a replica of {deployment.name}")
+
+    @sync_to_async
+    def record(state: dict) -> None:
+        deployment.refresh_from_db(fields=["replicas"])
+        replicas = dict(deployment.replicas or {})
+        replicas[endpoint] = {**replicas.get(endpoint, {}), **state}
+        deployment.replicas = replicas
+        deployment.checked_at = timezone.now()
+        deployment.save(update_fields=["replicas", "checked_at"])
+
+    async def run() -> dict:
+        await record({"control": {"action": action, "model": model, "state": "sent"}})
+        result = await _control(endpoint, action, model, record)
+        await record({"control": {"action": action, "model": model, **result}})
+        return result
+
+    return asyncio.run(run())

@@ -342,7 +342,9 @@ async def test_stats_metrics_and_control(client, metrics_port):
         assert re.search(rf'^engine:{name}{{[^}}]*model_name="tiny-llama"', text, re.M), name
 
     reply = await client.control(ControlRequest("load", model="other"))
-    assert not reply.ok and "not supported" in reply.message
+    assert not reply.ok and "no Hugging Face model directory" in reply.message
+    reply = await client.control(ControlRequest("reboot"))
+    assert not reply.ok and "unknown action" in reply.message
 
 
 async def test_overloaded_past_max_queued_requests(small_engine):

@@ -1,0 +1,120 @@
+"""CONTROL: loading and unloading models while the engine keeps answering.
+
+A load runs on its own thread: it builds the new ``EngineCore`` and tokenizers next to the
+serving ones, then hands them to the busy loop, which switches once the current model's
+requests have finished. While a load or unload is under way, new requests are refused with
+``model_loading`` (the router sends them to another replica); a load that fails leaves the
+current model serving and says why in STATS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inference_engine.config import EngineConfig
+from inference_engine.protocol import ControlRequest, ControlResponse, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+READY, LOADING, UNLOADED = "ready", "loading", "unloaded"
+
+
+@dataclass
+class LoadedModel:
+    """Everything the server swaps in at once."""
+
+    config: EngineConfig
+    core: Any
+    input_tokenizer: Any
+    output_tokenizer: Any
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    from inference_engine.core import EngineCore
+
+    core = EngineCore(config)
+    # one tokenizer per thread: the input thread encodes while the output thread decodes
+    return LoadedModel(
+        config,
+        core,
+        AutoTokenizer.from_pretrained(config.model),
+        AutoTokenizer.from_pretrained(config.model),
+    )
+
+
+class ModelController:
+    def __init__(
+        self,
+        config: EngineConfig,
+        switch: Callable[[LoadedModel | None], None],
+        loader: Callable[[EngineConfig], LoadedModel] = load_model,
+    ) -> None:
+        """``switch(model)`` asks the busy loop to swap in ``model`` (None: unload) once the
+        current requests are done; it calls ``switched()`` when it has."""
+        self.base_config = config  # the engine's flags; a load changes only the model
+        self.model_path: str | None = config.model
+        self._switch = switch
+        self._loader = loader
+        self._lock = threading.Lock()
+        self.state = READY
+        self.detail = ""
+
+    @property
+    def refusal(self) -> tuple[ErrorCode, str] | None:
+        """Why a new request must be refused now, if it must."""
+        if self.state == LOADING:
+            return ErrorCode.MODEL_LOADING, f"the engine is switching models ({self.detail})"
+        if self.state == UNLOADED:
+            return ErrorCode.MODEL_NOT_LOADED, "no model is loaded (CONTROL unload)"
+        return None
+
+    def handle(self, request: ControlRequest) -> ControlResponse:
+        with self._lock:
+            if self.state == LOADING:
+                return ControlResponse(False, f"busy: {self.detail}")
+            if request.action == "load":
+                return self._start_load(request.model)
+            if request.action == "unload":
+                if self.state == UNLOADED:
+                    return ControlResponse(True, "no model was loaded")
+                self.state, self.detail = LOADING, "unloading: finishing running requests"
+                self._switch(None)
+                return ControlResponse(True, "unloading")
+        return ControlResponse(False, f"unknown action {request.action!r} (use load or unload)")
+
+    def _start_load(self, model: str | None) -> ControlResponse:
+        if not model or not (Path(model) / "config.json").is_file():
+            return ControlResponse(False, f"no Hugging Face model directory at {model!r}")
+        config = dataclasses.replace(self.base_config, model=model)
+        self.state, self.detail = LOADING, f"loading {model}"
+        threading.Thread(target=self._load, args=(config,), name="engine-load", daemon=True).start()
+        return ControlResponse(True, f"loading {model}")
+
+    def _load(self, config: EngineConfig) -> None:
+        try:
+            loaded = self._loader(config)
+        except Exception as exc:  # noqa: BLE001 - reported in STATS, the old model stays
+            logger.exception("loading %s failed", config.model)
+            with self._lock:
+                self.state = READY if self.model_path is not None else UNLOADED
+                self.detail = f"load of {config.model} failed: {exc}"
+            return
+        with self._lock:
+            self.detail = f"loaded {config.model}; finishing running requests"
+        self._switch(loaded)
+
+    def switched(self, loaded: LoadedModel | None) -> None:
+        """Called by the busy loop once ``loaded`` (None: nothing) is serving."""
+        with self._lock:
+            if loaded is None:
+                self.model_path, self.state, self.detail = None, UNLOADED, "unloaded"
+            else:
+                self.model_path, self.state, self.detail = loaded.config.model, READY, ""
