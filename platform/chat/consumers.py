@@ -40,9 +40,11 @@ task, which aborts the engine request.
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from channels.db import database_sync_to_async
@@ -89,6 +91,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     channel_layer_alias = None
     conversation: Conversation
     run: _Run | None = None
+    num_replies_started = 0
     is_closed = False
 
     async def connect(self) -> None:
@@ -140,41 +143,44 @@ class ChatConsumer(AsyncWebsocketConsumer):
     # --- frames -----------------------------------------------------------------------------
 
     async def on_send(self, frame: dict) -> None:
-        if await self._refuse_if_busy():
-            return
-        is_untitled = not self.conversation.title
-        message = await database_sync_to_async(services.message_send)(
-            conversation=self.conversation, content=frame.get("content")
-        )
-        await self._send({"type": "message", "message": message_payload(message)})
-        if is_untitled:  # the first message titled the conversation
-            await self._send({"type": "settings", "settings": settings_payload(self.conversation)})
-        await self._start_reply(after_id=message.pk)
+        async with self._claim() as is_claimed:
+            if not is_claimed:
+                return
+            is_untitled = not self.conversation.title
+            message = await database_sync_to_async(services.message_send)(
+                conversation=self.conversation, content=frame.get("content")
+            )
+            await self._send({"type": "message", "message": message_payload(message)})
+            if is_untitled:  # the first message titled the conversation
+                settings = settings_payload(self.conversation)
+                await self._send({"type": "settings", "settings": settings})
+            await self._start_reply(after_id=message.pk)
 
     async def on_stop(self, frame: dict) -> None:
         if self.run is not None:
             await self._stop(self.run)
 
     async def on_regenerate(self, frame: dict) -> None:
-        if await self._refuse_if_busy():
-            return
-        await database_sync_to_async(services.reply_prepare_regenerate)(
-            conversation=self.conversation
-        )
-        last_id = await self._last_message_id()
-        await self._start_reply(after_id=last_id)
+        async with self._claim() as is_claimed:
+            if not is_claimed:
+                return
+            await database_sync_to_async(services.reply_prepare_regenerate)(
+                conversation=self.conversation
+            )
+            await self._start_reply(after_id=await self._last_message_id())
 
     async def on_edit(self, frame: dict) -> None:
         message_id = frame.get("message_id")
         if isinstance(message_id, bool) or not isinstance(message_id, int):
             raise ValidationError("message_id must be a message's id.")
-        if await self._refuse_if_busy():
-            return
-        message = await database_sync_to_async(services.message_edit)(
-            conversation=self.conversation, message_id=message_id, content=frame.get("content")
-        )
-        await self._send({"type": "message", "message": message_payload(message)})
-        await self._start_reply(after_id=message.pk)
+        async with self._claim() as is_claimed:
+            if not is_claimed:
+                return
+            message = await database_sync_to_async(services.message_edit)(
+                conversation=self.conversation, message_id=message_id, content=frame.get("content")
+            )
+            await self._send({"type": "message", "message": message_payload(message)})
+            await self._start_reply(after_id=message.pk)
 
     async def on_settings(self, frame: dict) -> None:
         changes = {name: frame[name] for name in SETTINGS_FIELDS if name in frame}
@@ -185,23 +191,31 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     # --- one reply --------------------------------------------------------------------------
 
-    async def _refuse_if_busy(self) -> bool:
-        if self.run is None:
-            return False
-        await self._error("busy", "A reply is still being generated; stop it first.")
-        return True
-
-    async def _start_reply(self, after_id: int) -> None:
+    @contextlib.asynccontextmanager
+    async def _claim(self) -> AsyncIterator[bool]:
+        """Claim the conversation before changing it for a new reply (no other socket or
+        process may be generating one); yields False, having told the client, when busy.
+        The reply started inside keeps the claim until it ends; an error gives it back."""
+        if self.run is not None:
+            await self._error("busy", "A reply is still being generated; stop it first.")
+            yield False
+            return
         if not await cache.aadd(_lock_key(self.conversation), 1, GENERATION_LOCK_SECONDS):
             await self._error("busy", "A reply is being generated in another window.")
+            yield False
             return
+        num_started = self.num_replies_started
         try:
-            reply = await database_sync_to_async(services.reply_start)(
-                conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
-            )
-        except BaseException:
-            await cache.adelete(_lock_key(self.conversation))
-            raise
+            yield True
+        finally:
+            if self.num_replies_started == num_started:  # nothing was started after all
+                await cache.adelete(_lock_key(self.conversation))
+
+    async def _start_reply(self, after_id: int) -> None:
+        reply = await database_sync_to_async(services.reply_start)(
+            conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
+        )
+        self.num_replies_started += 1
         self.run = run = _Run(reply=reply)
         await self._send({"type": "start", "message_id": reply.pk, "after_id": after_id})
         run.task = asyncio.create_task(self._generate(run))

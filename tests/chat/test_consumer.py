@@ -392,3 +392,33 @@ async def test_losing_access_closes_an_open_socket(chat_world, async_db):
     closed = await chat.communicator.receive_output(timeout=30)
     assert closed == {"type": "websocket.close", "code": 4403}
     assert await _messages(chat_world["conversation"]) == []
+
+
+async def test_another_window_cannot_change_the_conversation_while_a_reply_streams(
+    chat_world, async_db
+):
+    conversation = chat_world["conversation"]
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    _, _, first = await open_chat(chat_world["user"], conversation.pk)
+    _, _, second = await open_chat(chat_world["user"], conversation.pk)
+    await first.send(type="send", content="Tell me a long story")
+    await first.receive_until("start")
+    for frame in ({"type": "send", "content": "Me too"}, {"type": "regenerate"}):
+        await second.send(**frame)
+        busy = await second.receive()
+        assert (busy["type"], busy["code"]) == ("error", "busy")
+        assert "another window" in busy["message"]
+    await first.send(type="stop")
+    done, _ = await first.receive_until("done")
+    assert done["status"] == "stopped"
+    messages = await _messages(conversation)
+    assert [(m.role, m.content) for m in messages][0] == ("user", "Tell me a long story")
+    assert [m.pk for m in messages][1] == done["message_id"] and len(messages) == 2
+
+    # Free again: the other window may go on.
+    await _configure(conversation, max_tokens=4)
+    await second.send(type="regenerate")
+    done, _ = await second.receive_until("done", "error")
+    assert done["type"] == "done" and done["status"] == "complete"
+    await first.close()
+    await second.close()
