@@ -77,14 +77,16 @@ def usage_summary(
         i = index[row.period_start.astimezone(UTC).date()]
         tokens[label][i] += row.prompt_tokens + row.completion_tokens
         requests[label][i] += row.requests
+    order = sorted(tokens, key=lambda label: -sum(tokens[label]))
     total_requests = sum(row.requests for row in rows)
     errors = sum(row.errors for row in rows)
     ttft = histogram_merge(row.ttft_histogram for row in rows if row.ttft_histogram)
     latency = histogram_merge(row.latency_histogram for row in rows if row.latency_histogram)
     return UsageSummary(
         days=[day.strftime("%b %d") for day in days],
-        tokens_by=_top(tokens),
-        requests_by=_top(requests),
+        # the same labels in the same order (so the same colours) in both charts
+        tokens_by=_top(tokens, order),
+        requests_by=_top(requests, order),
         total_requests=total_requests,
         total_tokens=sum(row.prompt_tokens + row.completion_tokens for row in rows),
         error_rate=errors / total_requests if total_requests else None,
@@ -95,12 +97,12 @@ def usage_summary(
     )
 
 
-def _top(series: dict[str, list[float]]) -> dict[str, list[float]]:
-    ranked = sorted(series.items(), key=lambda item: -sum(item[1]))
-    top = dict(ranked[:MAX_SERIES])
-    rest = ranked[MAX_SERIES:]
+def _top(series: dict[str, list[float]], order: list[str]) -> dict[str, list[float]]:
+    """The first ``MAX_SERIES`` labels of ``order``, the rest summed as "other"."""
+    top = {label: series[label] for label in order[:MAX_SERIES] if label in series}
+    rest = [series[label] for label in order[MAX_SERIES:] if label in series]
     if rest:
-        top["other"] = [sum(values) for values in zip(*(v for _, v in rest), strict=True)]
+        top["other"] = [sum(values) for values in zip(*rest, strict=True)]
     return top
 
 
