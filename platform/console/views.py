@@ -211,6 +211,7 @@ def _change_members(request: HttpRequest, tenant: Tenant) -> None:
 def platform(request: HttpRequest) -> HttpResponse:
     date_range = _date_range(request)
     summary = selectors.usage_summary(date_range=date_range, group_by="tenant")
+    deployments = list(ModelDeployment.objects.order_by("name"))
     return render(
         request,
         "console/platform.html",
@@ -222,8 +223,17 @@ def platform(request: HttpRequest) -> HttpResponse:
             tokens_chart=charts.stacked_bars(summary.days, summary.tokens_by, "tokens"),
             top_tenants=selectors.top_tenants(date_range=date_range),
             model_load=selectors.model_load(date_range=date_range),
-            deployments=ModelDeployment.objects.order_by("name"),
+            deployments=deployments,
+            # follow a load or unload as it goes: the page refreshes until it is done
+            refresh_seconds=3 if any(_is_changing(d) for d in deployments) else None,
         ),
+    )
+
+
+def _is_changing(deployment: ModelDeployment) -> bool:
+    return any(
+        state.get("state") == "loading" or state.get("control", {}).get("state") == "sent"
+        for state in (deployment.replicas or {}).values()
     )
 
 

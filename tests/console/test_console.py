@@ -167,6 +167,13 @@ def test_platform_console_lists_tenants_models_and_manages_deployments(client, p
     assert "Acme" in page and "big-model" in page
     assert "3 · 1 · 42% · 123.4" in page
 
+    assert 'http-equiv="refresh"' not in page
+    ModelDeployment.objects.filter(name="demo-chat").update(
+        replicas={"tcp://h:1": {"state": "loading", "state_detail": "loading /models/x"}}
+    )
+    page = client.get(reverse("console:platform")).content.decode()
+    assert 'http-equiv="refresh"' in page and "loading /models/x" in page
+
     action = reverse("console:deployment-action")
     deployment = ModelDeployment.objects.get(name="demo-chat")
     client.post(action, {"action": "disable", "deployment_id": deployment.pk})
