@@ -91,24 +91,14 @@ def _prepare(conversation: Conversation, reply: Message) -> tuple:
 
 
 async def _route(deployment: ModelDeployment) -> tuple[str, int]:
-    """The replica to use and the context length it serves (as the gateway routes)."""
-    pool = get_pool()
     try:
-        endpoint = await pool.choose(deployment.endpoints)
+        return await get_pool().route(deployment.endpoints, deployment.max_context)
     except NoReadyReplica as exc:
         raise ChatError(
             "engine_unavailable",
             f"The model '{deployment.name}' has no ready replica right now.",
             ENGINE_RETRY_AFTER_SECONDS,
         ) from exc
-    engine_max_len = await pool.max_model_len(endpoint)
-    if engine_max_len is None:
-        raise ChatError(
-            "engine_unavailable",
-            f"The model '{deployment.name}' is not answering right now.",
-            ENGINE_RETRY_AFTER_SECONDS,
-        )
-    return endpoint, deployment.max_context or engine_max_len
 
 
 async def generate_reply(

@@ -67,10 +67,8 @@ def _authorize(raw_key: str, model: str) -> tuple[ApiKey, ModelDeployment, str |
 
 
 async def _route(deployment: ModelDeployment) -> tuple[str, int]:
-    """The replica to use and the context length it serves."""
-    pool = get_pool()
     try:
-        endpoint = await pool.choose(deployment.endpoints)
+        return await get_pool().route(deployment.endpoints, deployment.max_context)
     except NoReadyReplica as exc:
         raise ApiError(
             503,
@@ -78,17 +76,6 @@ async def _route(deployment: ModelDeployment) -> tuple[str, int]:
             code="engine_unavailable",
             headers={"Retry-After": "5"},
         ) from exc
-    # Also connects a new client: the engine must answer before the first request goes out.
-    engine_max_len = await pool.max_model_len(endpoint)
-    max_context = deployment.max_context or engine_max_len
-    if engine_max_len is None:
-        raise ApiError(
-            503,
-            f"The model '{deployment.name}' is not answering right now.",
-            code="engine_unavailable",
-            headers={"Retry-After": "5"},
-        )
-    return endpoint, max_context
 
 
 async def serve_generation(

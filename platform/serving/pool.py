@@ -82,6 +82,16 @@ class EnginePool:
             raise NoReadyReplica(f"none of {len(endpoints)} replicas is ready")
         return min(ready)[1]
 
+    async def route(self, endpoints: list[str], max_context: int | None) -> tuple[str, int]:
+        """The replica to send a request to and the context length it serves (``max_context``
+        when the deployment fixes one); raises ``NoReadyReplica``. Asking the replica for its
+        context length also connects a new client before the first request goes out."""
+        endpoint = await self.choose(endpoints)
+        engine_max_len = await self.max_model_len(endpoint)
+        if engine_max_len is None:
+            raise NoReadyReplica(f"the replica at {endpoint} is not answering")
+        return endpoint, max_context or engine_max_len
+
     @contextlib.contextmanager
     def track(self, endpoint: str) -> Iterator[None]:
         """Count a request against ``endpoint`` while it runs."""
