@@ -185,11 +185,13 @@ CELERY_BEAT_SCHEDULE = {
     "rollup-usage": {"task": "tenants.rollup_usage", "schedule": 300.0},
     "purge-old-usage": {"task": "tenants.purge_old_usage", "schedule": 24 * 3600.0},
     "poll-engine-health": {"task": "serving.poll_engine_health", "schedule": 15.0},
+    "purge-old-conversations": {"task": "chat.purge_old_conversations", "schedule": 24 * 3600.0},
 }
 RUN_WORKER = env_bool("RUN_WORKER", default=True)  # `make run` starts a worker with beat
 CELERY_WORKER_ARGS = os.environ.get("CELERY_WORKER_ARGS", "--concurrency 2")
 USAGE_RETENTION_DAYS = int(os.environ.get("USAGE_RETENTION_DAYS", "400"))
 ROLLUP_RETENTION_DAYS = int(os.environ.get("ROLLUP_RETENTION_DAYS", "1100"))
+CHAT_RETENTION_DAYS = int(os.environ.get("CHAT_RETENTION_DAYS", "0"))  # 0: keep forever
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 

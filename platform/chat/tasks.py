@@ -1,0 +1,19 @@
+from datetime import timedelta
+
+from celery import shared_task
+from django.conf import settings
+from django.utils import timezone
+
+from chat.models import Conversation
+
+
+@shared_task(name="chat.purge_old_conversations")
+def purge_old_conversations() -> int:
+    """Delete conversations untouched for CHAT_RETENTION_DAYS (0 keeps them forever); the
+    number deleted. Their messages go with them."""
+    days = settings.CHAT_RETENTION_DAYS
+    if not days:
+        return 0
+    cutoff = timezone.now() - timedelta(days=days)
+    deleted, by_model = Conversation.objects.filter(updated_at__lt=cutoff).delete()
+    return by_model.get(Conversation._meta.label, 0)
