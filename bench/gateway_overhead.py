@@ -154,6 +154,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=128, help="requests at 64 streams")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument(
+        "--engine-threads", default="1", help="engine torch threads (1 leaves a core to Daphne)"
+    )
     args = parser.parse_args()
 
     work = tempfile.mkdtemp(prefix="gateway-bench-")
@@ -173,7 +176,8 @@ def main() -> None:
 
     engine = subprocess.Popen(
         [sys.executable, "-m", "inference_engine", "--model", args.model, "--endpoint", endpoint,
-         "--served-model-name", MODEL_NAME, "--log-level", "WARNING"],
+         "--served-model-name", MODEL_NAME, "--log-level", "WARNING",
+         "--threads", args.engine_threads],
         env=env,
     )  # fmt: skip
     daphne = subprocess.Popen(

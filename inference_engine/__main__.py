@@ -67,10 +67,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=MAX_FRAME_BYTES,
         help="larger client frames are dropped unread (default: %(default)s)",
     )
+    add(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (default: torch's own choice, one per core); on a machine "
+        "shared with other processes, fewer threads avoid waiting on descheduled ones",
+    )
     add("--log-level", default="INFO", help="logging level (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.max_queued_requests < 0:
         parser.error("--max-queued-requests must be >= 0")
+    if args.threads < 0:
+        parser.error("--threads must be >= 0")
     return args
 
 
@@ -93,6 +102,10 @@ def main(argv: list[str] | None = None) -> None:
         shutdown_grace_period=args.shutdown_grace_period,
         max_frame_bytes=args.max_frame_bytes,
     )
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     EngineServer(engine_config, server_config).run()
 
 

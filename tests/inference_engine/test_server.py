@@ -457,5 +457,6 @@ def test_help_lists_every_option():
         "--max-queued-requests",
         "--metrics-port",
         "--no-async-output",
+        "--threads",
     ):
         assert option in result.stdout
