@@ -238,43 +238,45 @@ class Generation:
             raise unavailable(exc) from exc
         finally:
             await self.close()
+        wants_logprobs = self.plan.logprobs is not None
         if self.kind == "chat":
-            return schemas.ChatCompletion(
-                id=self.response_id,
-                object="chat.completion",
-                created=self.created,
-                model=self.model,
-                choices=[
-                    schemas.ChatChoice(
-                        index=c.index,
-                        message=schemas.AssistantMessage(role="assistant", content="".join(c.text)),
-                        logprobs=_chat_logprobs(c.logprobs)
-                        if self.plan.logprobs is not None
-                        else None,
-                        finish_reason=c.finish_reason,
-                    )
-                    for c in self.choices
-                ],
-                usage=self.usage(),
-            )
-        return schemas.Completion(
-            id=self.response_id,
-            object="text_completion",
-            created=self.created,
-            model=self.model,
-            choices=[
-                schemas.CompletionChoice(
+            choices = [
+                schemas.ChatChoice(
                     index=c.index,
-                    text="".join(c.text),
-                    logprobs=_completion_logprobs(c.logprobs, 0)
-                    if self.plan.logprobs is not None
-                    else None,
+                    message=schemas.AssistantMessage(role="assistant", content="".join(c.text)),
+                    logprobs=_chat_logprobs(c.logprobs) if wants_logprobs else None,
                     finish_reason=c.finish_reason,
                 )
                 for c in self.choices
-            ],
-            usage=self.usage(),
+            ]
+        else:
+            choices = [
+                schemas.CompletionChoice(
+                    index=c.index,
+                    text="".join(c.text),
+                    logprobs=_completion_logprobs(c.logprobs, 0) if wants_logprobs else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in self.choices
+            ]
+        return self._envelope(choices, is_chunk=False, usage=self.usage())
+
+    def _envelope(
+        self, choices: list, *, is_chunk: bool, usage: schemas.Usage | None = None
+    ) -> schemas.ChatCompletion | schemas.ChatCompletionChunk | schemas.Completion:
+        """This kind's response object (or stream chunk) around ``choices``."""
+        fields = dict(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
         )
+        if self.kind != "chat":
+            return schemas.Completion(object="text_completion", **fields)
+        if is_chunk:
+            return schemas.ChatCompletionChunk(object="chat.completion.chunk", **fields)
+        return schemas.ChatCompletion(object="chat.completion", **fields)
 
     async def sse(self) -> AsyncIterator[bytes]:
         """The response as server-sent events, ending with ``data: [DONE]``."""
@@ -317,22 +319,10 @@ class Generation:
             _completion_logprobs(logprobs, choice.num_chars) if wants_logprobs else None
         )
         choice.num_chars += len(text or "")
-        return _event(
-            schemas.Completion(
-                id=self.response_id,
-                object="text_completion",
-                created=self.created,
-                model=self.model,
-                choices=[
-                    schemas.CompletionChoice(
-                        index=choice.index,
-                        text=text or "",
-                        logprobs=completion_logprobs,
-                        finish_reason=finish,
-                    )
-                ],
-            )
+        completion_choice = schemas.CompletionChoice(
+            index=choice.index, text=text or "", logprobs=completion_logprobs, finish_reason=finish
         )
+        return _event(self._envelope([completion_choice], is_chunk=True))
 
     def _chat_chunk(
         self,
@@ -341,42 +331,13 @@ class Generation:
         finish: str | None = None,
         logprobs: schemas.ChoiceLogprobs | None = None,
     ) -> bytes:
-        return _event(
-            schemas.ChatCompletionChunk(
-                id=self.response_id,
-                object="chat.completion.chunk",
-                created=self.created,
-                model=self.model,
-                choices=[
-                    schemas.ChatChunkChoice(
-                        index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish
-                    )
-                ],
-            )
+        chunk_choice = schemas.ChatChunkChoice(
+            index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish
         )
+        return _event(self._envelope([chunk_choice], is_chunk=True))
 
     def _usage_event(self) -> bytes:
-        if self.kind == "chat":
-            return _event(
-                schemas.ChatCompletionChunk(
-                    id=self.response_id,
-                    object="chat.completion.chunk",
-                    created=self.created,
-                    model=self.model,
-                    choices=[],
-                    usage=self.usage(),
-                )
-            )
-        return _event(
-            schemas.Completion(
-                id=self.response_id,
-                object="text_completion",
-                created=self.created,
-                model=self.model,
-                choices=[],
-                usage=self.usage(),
-            )
-        )
+        return _event(self._envelope([], is_chunk=True, usage=self.usage()))
 
 
 def _event(payload: msgspec.Struct) -> bytes:
