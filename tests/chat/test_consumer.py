@@ -2,7 +2,9 @@
 the first token), disconnect, regenerate, edit, quota refusals and malformed frames."""
 
 import asyncio
+import contextlib
 import json
+import signal
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -17,6 +19,17 @@ from tenants.models import Tenant, UsageRecord
 from tests.chat.conftest import MODEL_NAME, open_chat
 
 LONG_REPLY_TOKENS = 200
+
+
+@contextlib.contextmanager
+def engine_paused(engine):
+    """Hold the engine still (SIGSTOP) so a reply is certainly mid-stream, however fast the
+    machine: stop, disconnect and busy refusals are then tested without a race."""
+    engine.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        engine.process.send_signal(signal.SIGCONT)
 
 
 @sync_to_async
@@ -170,14 +183,17 @@ async def test_stop_before_the_first_token(chat_world, async_db):
     await chat.close()
 
 
-async def test_stop_after_the_first_token_keeps_the_partial_reply(chat_world, async_db):
+async def test_stop_after_the_first_token_keeps_the_partial_reply(
+    chat_world, async_db, ready_engine
+):
     conversation, tenant = chat_world["conversation"], chat_world["tenant"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
     await chat.send(type="send", content="Tell me a long story")
     first_token, _ = await chat.receive_until("token")
-    await chat.send(type="stop")
-    done, frames = await chat.receive_until("done", "error")
+    with engine_paused(ready_engine):
+        await chat.send(type="stop")
+        done, frames = await chat.receive_until("done", "error")
     await chat.close()
 
     assert done["type"] == "done" and done["status"] == "stopped"
@@ -200,7 +216,7 @@ def _endpoint(world) -> str:
 
 
 async def test_a_disconnect_aborts_the_engine_request_and_saves_the_partial_reply(
-    chat_world, async_db
+    chat_world, async_db, ready_engine
 ):
     conversation, tenant = chat_world["conversation"], chat_world["tenant"]
     endpoint = await sync_to_async(_endpoint)(chat_world)
@@ -208,7 +224,8 @@ async def test_a_disconnect_aborts_the_engine_request_and_saves_the_partial_repl
     connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
     await chat.send(type="send", content="Tell me a long story")
     await chat.receive_until("token")
-    await chat.close()
+    with engine_paused(ready_engine):
+        await chat.close()
 
     _, reply = await _messages(conversation)
     assert reply.status == "stopped" and reply.content
@@ -218,16 +235,17 @@ async def test_a_disconnect_aborts_the_engine_request_and_saves_the_partial_repl
     assert await _engine_idle(endpoint)
 
 
-async def test_a_second_send_while_generating_is_refused(chat_world, async_db):
+async def test_a_second_send_while_generating_is_refused(chat_world, async_db, ready_engine):
     conversation = chat_world["conversation"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
     await chat.send(type="send", content="Tell me a long story")
     await chat.receive_until("start")
-    await chat.send(type="send", content="Interrupting")
-    busy, _ = await chat.receive_until("error")
-    assert busy["code"] == "busy" and "message_id" not in busy
-    await chat.send(type="stop")
+    with engine_paused(ready_engine):
+        await chat.send(type="send", content="Interrupting")
+        busy, _ = await chat.receive_until("error")
+        assert busy["code"] == "busy" and "message_id" not in busy
+        await chat.send(type="stop")
     done, _ = await chat.receive_until("done")
     await chat.close()
     assert done["status"] == "stopped"
@@ -395,7 +413,7 @@ async def test_losing_access_closes_an_open_socket(chat_world, async_db):
 
 
 async def test_another_window_cannot_change_the_conversation_while_a_reply_streams(
-    chat_world, async_db
+    chat_world, async_db, ready_engine
 ):
     conversation = chat_world["conversation"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
@@ -403,13 +421,14 @@ async def test_another_window_cannot_change_the_conversation_while_a_reply_strea
     _, _, second = await open_chat(chat_world["user"], conversation.pk)
     await first.send(type="send", content="Tell me a long story")
     await first.receive_until("start")
-    for frame in ({"type": "send", "content": "Me too"}, {"type": "regenerate"}):
-        await second.send(**frame)
-        busy = await second.receive()
-        assert (busy["type"], busy["code"]) == ("error", "busy")
-        assert "another window" in busy["message"]
-    await first.send(type="stop")
-    done, _ = await first.receive_until("done")
+    with engine_paused(ready_engine):
+        for frame in ({"type": "send", "content": "Me too"}, {"type": "regenerate"}):
+            await second.send(**frame)
+            busy = await second.receive()
+            assert (busy["type"], busy["code"]) == ("error", "busy")
+            assert "another window" in busy["message"]
+        await first.send(type="stop")
+        done, _ = await first.receive_until("done")
     assert done["status"] == "stopped"
     messages = await _messages(conversation)
     assert [(m.role, m.content) for m in messages][0] == ("user", "Tell me a long story")
