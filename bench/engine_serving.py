@@ -9,7 +9,8 @@ Peers, all on the same tiny Llama, tokenizer and requests (greedy, EOS ignored):
 Figures: output tokens per second of wall time, and per stream, as the client sees them,
 time to first token and inter-token latency (p50 / p99), and CPU time per output token of the
 engine process (user + system; steadier than wall time on a busy machine) and of the client.
-Ratios: (b)/(a), (c)/(a), (b)/(c), of throughput and of engine CPU per token.
+Ratios: (b)/(a), (c)/(a), (b)/(c), of throughput and of engine CPU per token. Then the same
+requests are served again at lower concurrency (``--levels``, default 1 and 16 streams).
 Each peer runs ``--repeat`` times, interleaved, each run in a fresh process, and the fastest
 run counts (the machine this was written on is shared, so single runs are noisy).
 
@@ -123,7 +124,11 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 async def stream_all(
-    endpoint: str, engine_pid: int, prompts: list[list[int]], max_tokens: int
+    endpoint: str,
+    engine_pid: int,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int | None = None,
 ) -> dict:
     from inference_engine.client import AsyncEngineClient
     from inference_engine.protocol import GenerateRequest, SamplingParams
@@ -135,8 +140,13 @@ async def stream_all(
     [_ async for _ in client.generate(warm)]
     ttfts: list[float] = []
     itls: list[float] = []
+    gate = asyncio.Semaphore(concurrency or len(prompts))
 
     async def one(prompt: list[int]) -> str:
+        async with gate:
+            return await stream_one(prompt)
+
+    async def stream_one(prompt: list[int]) -> str:
         sent = last = time.perf_counter()
         text, num_tokens = [], 0
         request = GenerateRequest(prompt_token_ids=prompt, params=params)
@@ -163,14 +173,16 @@ async def stream_all(
             "ttft": ttfts, "itl": itls}  # fmt: skip
 
 
-def run_served(path: str, folder: str, prompts, max_tokens: int, *flags: str) -> dict:
+def run_served(
+    path: str, folder: str, prompts, max_tokens: int, *flags: str, concurrency: int | None = None
+) -> dict:
     endpoint = f"ipc://{folder}/bench-{len(flags)}.sock"
     command = [sys.executable, "-m", "inference_engine", "--model", path, "--endpoint", endpoint,
                "--dtype", "float32", "--log-level", "WARNING", *flags]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "platform")]))
     engine = subprocess.Popen(command, cwd=ROOT, env=env)
     try:
-        return asyncio.run(stream_all(endpoint, engine.pid, prompts, max_tokens))
+        return asyncio.run(stream_all(endpoint, engine.pid, prompts, max_tokens, concurrency))
     finally:
         engine.terminate()
         engine.wait(60)
@@ -191,6 +203,11 @@ def main() -> None:
     parser.add_argument("--streams", type=int, help="concurrent streams (default 64)")
     parser.add_argument("--max-tokens", type=int, help="tokens per stream (default 128)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per peer (default 3)")
+    parser.add_argument(
+        "--levels",
+        default="1,16",
+        help="also serve the same requests at these lower concurrencies (default 1,16)",
+    )
     args = parser.parse_args()
     num_streams = args.streams or (32 if args.quick else 64)
     max_tokens = args.max_tokens or (32 if args.quick else 128)
@@ -221,6 +238,18 @@ def main() -> None:
             key: (label, min(runs[key], key=lambda r: r["elapsed"]))
             for key, (label, _) in peers.items()
         }
+        levels = [int(level) for level in args.levels.split(",") if level.strip()]
+        by_level = {
+            level: min(
+                (
+                    run_served(path, folder, prompts, max_tokens, concurrency=level)
+                    for _ in range(args.repeat)
+                ),
+                key=lambda r: r["elapsed"],
+            )
+            for level in levels
+            if level < num_streams
+        }
     rates = {}
     for key, (label, result) in results.items():
         rates[key] = num_tokens / result["elapsed"]
@@ -239,6 +268,12 @@ def main() -> None:
     print(f"served async / in process  (b)/(a) = {rates['b'] / rates['a']:.2f}x")
     print(f"served inline / in process (c)/(a) = {rates['c'] / rates['a']:.2f}x")
     print(f"async / inline output      (b)/(c) = {rates['b'] / rates['c']:.2f}x")
+    offline = rates["a"]
+    for level, result in sorted(by_level.items()):
+        rate = num_tokens / result["elapsed"]
+        print(f"\nserved (async) at {level} concurrent streams: {rate:8.1f} tok/s "
+              f"({rate / offline:.2f}x in process)")  # fmt: skip
+        print(f"    TTFT {percentiles(result['ttft'])}   ITL {percentiles(result['itl'])}")
     cpus = {key: min(r["cpu"] for r in rs) for key, rs in runs.items()}
     print(f"engine CPU per token vs in process: (b)/(a) = {cpus['b'] / cpus['a']:.2f}x, "
           f"(c)/(a) = {cpus['c'] / cpus['a']:.2f}x")  # fmt: skip
