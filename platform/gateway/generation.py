@@ -24,6 +24,7 @@ from inference_engine.protocol import (
     GenerateDelta,
     GenerateRequest,
     TokenLogprobs,
+    Usage,
 )
 from tenants.metering import Meter
 from tenants.models import UsageRecord
@@ -60,7 +61,6 @@ class _Choice:
     index: int
     is_first_of_prompt: bool
     text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_chars: int = 0  # characters streamed so far: completions' text_offset
@@ -194,7 +194,7 @@ class Generation:
     def _account(self, choice: _Choice, delta: GenerateDelta) -> None:
         if delta.token_ids:
             self.meter.mark_first_token()
-            choice.num_tokens += len(delta.token_ids)
+            self.meter.completion_tokens += len(delta.token_ids)
         if delta.text:
             choice.text.append(delta.text)
         if delta.logprobs:
@@ -204,16 +204,14 @@ class Generation:
         if delta.error is not None:
             _, _, usage_status = ENGINE_ERRORS.get(delta.error, (0, "", "error"))
             self.meter.fail(str(delta.error), usage_status)
-        self._update_usage(choice, delta)
-
-    def _update_usage(self, choice: _Choice, delta: GenerateDelta) -> None:
-        self.meter.completion_tokens = sum(c.num_tokens for c in self.choices)
         if delta.usage is not None and choice.is_first_of_prompt:
-            # The prompt is billed once per prompt, not once per choice.
-            usage = (delta.usage.prompt_tokens, delta.usage.cached_tokens)
-            self._prompt_usage[choice.index] = usage
-            self.meter.prompt_tokens = sum(p for p, _ in self._prompt_usage.values())
-            self.meter.cached_tokens = sum(c for _, c in self._prompt_usage.values())
+            self._count_prompt(choice, delta.usage)
+
+    def _count_prompt(self, choice: _Choice, usage: Usage) -> None:
+        """The prompt is billed once per prompt, not once per choice."""
+        self._prompt_usage[choice.index] = (usage.prompt_tokens, usage.cached_tokens)
+        self.meter.prompt_tokens = sum(p for p, _ in self._prompt_usage.values())
+        self.meter.cached_tokens = sum(c for _, c in self._prompt_usage.values())
 
     def usage(self) -> schemas.Usage:
         return schemas.Usage(
