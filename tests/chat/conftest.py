@@ -1,7 +1,6 @@
 """Chat fixtures: the gateway's live engine (and Daphne) on a tiny model, a user in a tenant
 with the model deployed, and WebSocket communicators on the real routing and middleware."""
 
-import asyncio
 import json
 
 import pytest
@@ -31,16 +30,7 @@ def _clear_quota_counters():
 @pytest.fixture(scope="session")
 def ready_engine(engine):  # noqa: F811
     """The engine, once it answers."""
-    from inference_engine.client import AsyncEngineClient
-
-    async def wait():
-        client = AsyncEngineClient(engine.endpoint)
-        try:
-            await client.wait_ready(timeout=120)
-        finally:
-            client.close()
-
-    asyncio.run(wait())
+    engine.wait_ready()
     return engine
 
 

@@ -36,22 +36,9 @@ class Platform:
         return list(UsageRecord.objects.filter(tenant=self.tenant).order_by("started_at"))
 
 
-def _engine_stats(endpoint: str):
-    from inference_engine.client import AsyncEngineClient
-
-    async def fetch():
-        client = AsyncEngineClient(endpoint)
-        try:
-            return await client.wait_ready(timeout=60)
-        finally:
-            client.close()
-
-    return asyncio.run(fetch())
-
-
 @pytest.fixture
 def platform(daphne_server, engine):
-    _engine_stats(engine.endpoint)
+    engine.wait_ready()
     plan = Plan.objects.create(slug="open", name="Open")
     tenant = services.tenant_create(slug="acme", plan=plan)
     _, key = services.api_key_create(tenant=tenant, name="sdk")
@@ -253,9 +240,7 @@ def test_a_client_disconnect_aborts_the_engine_and_is_metered_once(platform):
     assert record.status == "cancelled"
     assert 0 < record.completion_tokens < MAX_MODEL_LEN - 40
     assert record.prompt_tokens > 0  # the first delta already carried the prompt's count
-    wait_until(
-        lambda: _engine_stats(platform.engine.endpoint).num_requests_running == 0, 30, "an abort"
-    )
+    wait_until(lambda: platform.engine.wait_ready().num_requests_running == 0, 30, "an abort")
     time.sleep(0.5)
     assert len(platform.records()) == 1
 
@@ -328,7 +313,7 @@ def test_an_engine_dying_mid_stream_ends_it_with_an_error_event(platform, tmp_pa
     doomed = Engine(platform.engine.model_dir, f"ipc://{tmp_path}/doomed.sock", tmp_path / "log")
     doomed.start()
     try:
-        _engine_stats(doomed.endpoint)
+        doomed.wait_ready()
         deployment_register(name="doomed", endpoints=[doomed.endpoint])
         body = {
             "model": "doomed",
