@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -66,6 +67,8 @@ class AsyncEngineClient:
         # request_id -> (queue of deltas or an exception, when the stream started)
         self._streams: dict[str, tuple[asyncio.Queue, float]] = {}
         self._stats_waiters: list[asyncio.Future] = []
+        self._latest_stats: StatsResponse | None = None
+        self._latest_stats_at = 0.0
         self._control_waiters: list[asyncio.Future] = []
         self._last_heard = 0.0
         self._started_at = 0.0
@@ -108,6 +111,13 @@ class AsyncEngineClient:
             self._streams.pop(request_id, None)
             if not finished:
                 self._send(RequestType.ABORT, AbortRequest([request_id]))
+
+    def latest_stats(self) -> tuple[StatsResponse | None, float]:
+        """The newest STATS the engine sent (every heartbeat refreshes it) and its age in
+        seconds; (None, inf) before the first."""
+        if self._latest_stats is None:
+            return None, math.inf
+        return self._latest_stats, time.monotonic() - self._latest_stats_at
 
     async def abort(self, request_id: str) -> None:
         """Ask the engine to abort a request; its stream ends with finish reason "abort"."""
@@ -162,6 +172,12 @@ class AsyncEngineClient:
     @property
     def num_open_streams(self) -> int:
         return len(self._streams)
+
+    def num_buffered(self, request_id: str) -> int:
+        """Deltas of ``request_id`` received and not yet taken by its ``generate``: a consumer
+        that falls behind can see that more are ready and write them out together."""
+        stream = self._streams.get(request_id)
+        return stream[0].qsize() if stream is not None else 0
 
     def close(self) -> None:
         """Fail open streams with ``EngineUnavailable`` and close the socket."""
@@ -251,6 +267,7 @@ class AsyncEngineClient:
                 if self._engine_id is not None:
                     self._fail_all(EngineUnavailable(f"the engine at {self.endpoint} restarted"))
                 self._engine_id = stats.engine_id
+            self._latest_stats, self._latest_stats_at = stats, time.monotonic()
             _resolve(self._stats_waiters, stats)
         elif kind == ResponseType.CONTROL.value:
             _resolve(self._control_waiters, self._control_decoder.decode(payload))

@@ -1,4 +1,5 @@
-"""ASGI entry point: HTTP through Django, WebSockets through Channels.
+"""ASGI entry point: the API through a lean Django handler, pages through Django with its
+full middleware, WebSockets through Channels.
 
 Static files are served by the app itself (the platform must work offline, without a CDN or
 a separate web server); set SERVE_STATIC=0 when a proxy serves STATIC_ROOT instead.
@@ -18,8 +19,16 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from config.routing import websocket_urlpatterns  # noqa: E402
+from gateway.asgi import ApiASGIHandler, is_api_path  # noqa: E402
 
-http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
+pages_app = ASGIStaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
+api_app = ApiASGIHandler()
+
+
+async def http_app(scope, receive, send) -> None:
+    app = api_app if is_api_path(scope["path"]) else pages_app
+    await app(scope, receive, send)
+
 
 application = ProtocolTypeRouter(
     {

@@ -278,29 +278,47 @@ class Generation:
 
     async def sse(self) -> AsyncIterator[bytes]:
         """The response as server-sent events, ending with ``data: [DONE]``."""
+        # Events that are ready together go out in one write: the role chunks with the first
+        # token, tokens that queued up while the server was busy, and the last token with its
+        # finish chunk, the usage and [DONE].
+        events: list[bytes] = []
         try:
             if self.kind == "chat":
-                for choice in self.choices:
-                    yield self._chat_chunk(choice, schemas.ChunkDelta(role="assistant", content=""))
+                events += [
+                    self._chat_chunk(choice, schemas.ChunkDelta(role="assistant", content=""))
+                    for choice in self.choices
+                ]
+            num_open = len(self.choices)
             async for choice, delta in self.deltas():
                 if delta.error is not None:
-                    yield _event(engine_error(delta.error, delta.error_message).body())
+                    events.append(_event(engine_error(delta.error, delta.error_message).body()))
+                    yield b"".join(events)
                     return
                 if delta.text or delta.logprobs:
-                    yield self._text_event(choice, delta.text, None, delta.logprobs)
+                    events.append(self._text_event(choice, delta.text, None, delta.logprobs))
                 if choice.finish_reason is not None:
-                    yield self._text_event(choice, None, choice.finish_reason)
+                    events.append(self._text_event(choice, None, choice.finish_reason))
+                    num_open -= 1
+                if num_open and events and not self._has_ready_delta():
+                    yield b"".join(events)
+                    events.clear()
             if self.plan.include_usage:
-                yield self._usage_event()
-            yield b"data: [DONE]\n\n"
+                events.append(self._usage_event())
+            events.append(b"data: [DONE]\n\n")
+            yield b"".join(events)
         except EngineUnavailable as exc:
             self.meter.fail("engine_unavailable")
-            yield _event(unavailable(exc).body())
+            yield b"".join([*events, _event(unavailable(exc).body())])
         except asyncio.CancelledError:
             self.meter.fail("cancelled", UsageRecord.Status.CANCELLED)
             raise
         finally:
             await self.close()
+
+    def _has_ready_delta(self) -> bool:
+        """Whether the next delta of a single-choice stream is already here: when the server
+        falls behind, the tokens that queued up go out in one write instead of one each."""
+        return len(self.requests) == 1 and self.client.num_buffered(self.requests[0].request_id) > 0
 
     def _text_event(
         self,

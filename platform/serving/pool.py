@@ -1,9 +1,11 @@
 """Each web process keeps one ``AsyncEngineClient`` per engine endpoint and routes every
 request to the least-loaded ready replica of its deployment.
 
-Load is the replica's last reported running plus waiting requests (refreshed at most every
-``STATS_TTL_SECONDS``) plus what this process has sent it since. zmq.asyncio sockets belong
-to one event loop, so there is one pool per running loop.
+Load is the replica's last reported running plus waiting requests plus what this process has
+sent it since. The clients' heartbeats bring a fresh STATS every second, so routing waits for
+the engine only on a client's first request or after it went quiet; a replica that did not
+answer is not asked again for ``STATS_TTL_SECONDS``. zmq.asyncio sockets belong to one event
+loop, so there is one pool per running loop.
 """
 
 import asyncio
@@ -12,11 +14,10 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from inference_engine.client import AsyncEngineClient, EngineUnavailable
 
-STATS_TTL_SECONDS = 1.0
+STATS_TTL_SECONDS = 2.5  # two heartbeats and a half
 STATS_TIMEOUT_SECONDS = 1.0
 RETRY_SECONDS = 0.02
 
@@ -25,16 +26,10 @@ class NoReadyReplica(Exception):
     """No replica of the deployment answered as ready."""
 
 
-@dataclass
-class _Load:
-    stats: object | None
-    fetched_at: float
-
-
 class EnginePool:
     def __init__(self) -> None:
         self._clients: dict[str, AsyncEngineClient] = {}
-        self._loads: dict[str, _Load] = {}
+        self._silent_since: dict[str, float] = {}  # endpoint -> when a STATS went unanswered
         self._in_flight: Counter[str] = Counter()
 
     def client(self, endpoint: str) -> AsyncEngineClient:
@@ -54,13 +49,17 @@ class EnginePool:
                 stats = await client.stats(timeout=left)
             except EngineUnavailable:
                 await asyncio.sleep(min(RETRY_SECONDS, max(0.0, deadline - time.monotonic())))
-        self._loads[endpoint] = _Load(stats, time.monotonic())
+        if stats is None:
+            self._silent_since[endpoint] = time.monotonic()
         return stats
 
     async def _recent_stats(self, endpoint: str):
-        load = self._loads.get(endpoint)
-        if load is not None and time.monotonic() - load.fetched_at < STATS_TTL_SECONDS:
-            return load.stats
+        stats, age = self.client(endpoint).latest_stats()
+        if age < STATS_TTL_SECONDS:
+            return stats
+        silent_since = self._silent_since.get(endpoint)
+        if silent_since is not None and time.monotonic() - silent_since < STATS_TTL_SECONDS:
+            return None
         return await self.stats(endpoint)
 
     async def max_model_len(self, endpoint: str) -> int | None:

@@ -34,6 +34,7 @@ class FakeEngine:
         self.generates: asyncio.Queue = asyncio.Queue()
         self.is_answering = True
         self.engine_id = "first"
+        self.model = "fake"
         self.task = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -44,7 +45,9 @@ class FakeEngine:
                 request = msgspec.msgpack.decode(payload, type=GenerateRequest)
                 self.generates.put_nowait((identity, request))
             elif kind == RequestType.STATS.value and self.is_answering:
-                stats = StatsResponse(model="fake", ready=True, engine_id=self.engine_id)
+                stats = StatsResponse(
+                    model=self.model, max_model_len=256, ready=True, engine_id=self.engine_id
+                )
                 await self.send(identity, ResponseType.STATS, stats)
 
     async def send(self, identity: bytes, kind: ResponseType, message) -> None:
@@ -184,3 +187,29 @@ async def _eventually(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+async def test_heartbeats_keep_the_latest_stats_fresh(fake, client):
+    assert client.latest_stats()[0].model == "fake"
+    fake.model = "renamed"  # only a heartbeat's STATS can bring the new name
+    await _eventually(lambda: client.latest_stats()[0].model == "renamed")
+
+
+async def test_no_stats_before_the_engine_answers(tmp_path):
+    client = AsyncEngineClient(f"ipc://{tmp_path}/nobody.sock")
+    assert client.latest_stats() == (None, float("inf"))
+    client.close()
+
+
+async def test_num_buffered_counts_deltas_not_yet_taken(fake, client):
+    request = GenerateRequest(prompt="hi", request_id="slow")
+    async with contextlib.aclosing(client.generate(request)) as stream:
+        first = asyncio.create_task(anext(stream))
+        identity, _ = await fake.generates.get()
+        frame = [GenerateDelta("slow", text=t) for t in "abc"]
+        await fake.send(identity, ResponseType.OUTPUTS, frame)
+        assert (await first).text == "a"
+        assert client.num_buffered("slow") == 2
+        assert (await anext(stream)).text == "b"
+        assert client.num_buffered("slow") == 1
+    assert client.num_buffered("slow") == 0
