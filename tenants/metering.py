@@ -60,11 +60,13 @@ async def metered(
     api_key: ApiKey | None = None,
     user: AbstractBaseUser | None = None,
     on_finish: Callable[[Meter], None] | None = None,
+    precondition: Callable[[], None] | None = None,
 ) -> AsyncIterator[Meter]:
-    """See the module docstring; ``on_finish`` sees the final meter (metrics, logs)."""
-    ticket = await quotas.aadmission_acquire(
-        tenant=tenant, api_key=api_key, estimated_tokens=estimated_tokens
-    )
+    """See the module docstring; ``on_finish`` sees the final meter (metrics, logs).
+    ``precondition`` runs on the worker thread just before admission; what it raises
+    propagates with nothing admitted or recorded (the API checks its cached authorization
+    there, saving a thread trip of its own)."""
+    ticket = await _admit(precondition, tenant, api_key, estimated_tokens)
     meter = Meter(request_id=request_id, headers=ticket.headers)
     try:
         yield meter
@@ -84,6 +86,20 @@ async def metered(
         )
         if on_finish is not None:
             on_finish(meter)
+
+
+@sync_to_async
+def _admit(
+    precondition: Callable[[], None] | None,
+    tenant: Tenant,
+    api_key: ApiKey | None,
+    estimated_tokens: int,
+) -> quotas.AdmissionTicket:
+    if precondition is not None:
+        precondition()
+    return quotas.admission_acquire(
+        tenant=tenant, api_key=api_key, estimated_tokens=estimated_tokens
+    )
 
 
 @sync_to_async

@@ -235,6 +235,9 @@ ENGINE_ARGS = os.environ.get("ENGINE_ARGS", "--kv-cache-memory 268435456")
 
 GATEWAY_MAX_BODY_BYTES = int(os.environ.get("GATEWAY_MAX_BODY_BYTES", str(8 * 1024 * 1024)))
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
+# How long a web process trusts what it read about an API key and its model (see
+# gateway.authorization); 0 reads the database on every request.
+GATEWAY_AUTH_CACHE_SECONDS = float(os.environ.get("GATEWAY_AUTH_CACHE_SECONDS", "5"))
 METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")
 
 LOGGING = {

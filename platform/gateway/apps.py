@@ -4,3 +4,8 @@ from django.apps import AppConfig
 class GatewayConfig(AppConfig):
     name = "gateway"
     verbose_name = "OpenAI-compatible API"
+
+    def ready(self) -> None:
+        from gateway import authorization
+
+        authorization.connect_signals()

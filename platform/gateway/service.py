@@ -8,23 +8,20 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 
-from gateway import metrics
-from gateway.auth import api_key_for, bearer_key
+from gateway import authorization, metrics
+from gateway.auth import bearer_key
 from gateway.errors import ApiError
 from gateway.generation import Generation, fan_out
 from gateway.validation import GenerationPlan, finalize_max_tokens
 from serving.models import ModelDeployment
 from serving.pool import NoReadyReplica, get_pool
-from serving.selectors import deployment_for_tenant
 from tenants.metering import metered
-from tenants.models import ApiKey, UsageRecord
+from tenants.models import UsageRecord
 from tenants.quotas import QuotaExceeded
-from tenants.selectors import tenant_cache_salt
 
 RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
 
@@ -50,22 +47,6 @@ def read_body(request: HttpRequest) -> bytes:
     return body
 
 
-@sync_to_async
-def _authorize(raw_key: str, model: str) -> tuple[ApiKey, ModelDeployment, str | None]:
-    """The key, the deployment it may use, and its cache salt: one trip to the database
-    thread for everything the hot path needs from the ORM before the engine."""
-    api_key = api_key_for(raw_key)
-    deployment = deployment_for_tenant(tenant=api_key.tenant, name=model)
-    if deployment is None:
-        raise ApiError(
-            404,
-            f"The model '{model}' does not exist or you do not have access to it.",
-            code="model_not_found",
-            param="model",
-        )
-    return api_key, deployment, tenant_cache_salt(tenant=api_key.tenant)
-
-
 async def _route(deployment: ModelDeployment) -> tuple[str, int]:
     try:
         return await get_pool().route(deployment.endpoints, deployment.max_context)
@@ -85,15 +66,15 @@ async def serve_generation(
     try:
         raw_key = bearer_key(request)
         plan = plan_of(read_body(request))
-        api_key, deployment, cache_salt = await _authorize(raw_key, plan.model)
-        tenant, model = api_key.tenant.slug, deployment.name
-        endpoint, max_context = await _route(deployment)
-        reserved = finalize_max_tokens(plan, max_context)
-        response_id = RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
-        requests = fan_out(plan, response_id, cache_salt, str(api_key.tenant_id))
-        return await _run(
-            kind, plan, requests, api_key, deployment, endpoint, reserved, response_id
-        )
+        auth = await authorization.authorize(raw_key, plan.model)
+        tenant, model = auth.api_key.tenant.slug, auth.deployment.name
+        try:
+            return await _serve(kind, plan, auth)
+        except authorization.StaleAuthorization:
+            # What the key was read from has changed: read it again, and trust that read.
+            auth = await authorization.authorize(raw_key, plan.model)
+            tenant, model = auth.api_key.tenant.slug, auth.deployment.name
+            return await _serve(kind, plan, auth, is_checked=False)
     except QuotaExceeded as exc:
         metrics.observe_refusal(model, "rate_limited", tenant)
         return ApiError(429, str(exc), code="rate_limit_exceeded", headers=exc.headers).response()
@@ -102,16 +83,16 @@ async def serve_generation(
         return exc.response()
 
 
-async def _run(
-    kind: str,
-    plan: GenerationPlan,
-    requests: list,
-    api_key: ApiKey,
-    deployment: ModelDeployment,
-    endpoint: str,
-    reserved: int,
-    response_id: str,
+async def _serve(
+    kind: str, plan: GenerationPlan, auth: authorization.Authorization, is_checked: bool = True
 ) -> HttpResponse:
+    """Route, admit, run and meter one request. Admission first checks that ``auth`` is
+    current (unless not ``is_checked``) and raises ``StaleAuthorization`` if not."""
+    api_key, deployment = auth.api_key, auth.deployment
+    endpoint, max_context = await _route(deployment)
+    reserved = finalize_max_tokens(plan, max_context)
+    response_id = RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
+    requests = fan_out(plan, response_id, auth.cache_salt, str(api_key.tenant_id))
     stack = contextlib.AsyncExitStack()
     meter = await stack.enter_async_context(
         metered(
@@ -122,6 +103,7 @@ async def _run(
             source=UsageRecord.Source.API,
             estimated_tokens=reserved,
             on_finish=functools.partial(metrics.observe_finished, deployment.name, api_key.tenant),
+            precondition=auth.ensure_current if is_checked else None,
         )
     )
     pool = get_pool()

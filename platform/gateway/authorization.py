@@ -1,0 +1,142 @@
+"""Who may call which model: an API key, its tenant and plan, and the deployment it asked for,
+kept in memory for a few seconds so that the hot path does not query the database.
+
+Looking the key and the deployment up costs two queries and a trip to a worker thread, about
+half of what the gateway adds before a first token. So each web process keeps what it found
+for ``GATEWAY_AUTH_CACHE_SECONDS`` and checks it is still current where it goes to a worker
+thread anyway, on admission:
+
+- Saving or deleting an API key, tenant, plan or deployment (or a deployment's plans) in any
+  process replaces a token in Django's cache, the *auth generation*. Admission compares it
+  with the one the entry was read under and, when it changed, the request is authorized
+  again from the database. With Redis, a revoked key or a deactivated tenant is refused on
+  its very next request, in every web process.
+- The same signals clear this process's entries at once.
+- Without a shared cache (the embedded mode: one web process, local memory), a change made
+  by another process (a management command, a shell) reaches the web process when its
+  entries expire, within ``GATEWAY_AUTH_CACHE_SECONDS``.
+
+Keys are held by their SHA-256, never in the clear. Failed lookups are not cached.
+"""
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.cache import cache
+from django.db import transaction
+from django.db.models.signals import m2m_changed, post_delete, post_save
+from django.utils import timezone
+
+from gateway.auth import api_key_for
+from gateway.errors import ApiError
+from serving.models import ModelDeployment
+from serving.selectors import deployment_for_tenant
+from tenants.models import ApiKey, Plan, Tenant
+from tenants.selectors import tenant_cache_salt
+
+GENERATION_KEY = "gateway:auth-generation"
+HEALTH_FIELDS = frozenset({"replicas", "health", "checked_at"})
+MAX_ENTRIES = 10_000
+
+
+class StaleAuthorization(Exception):
+    """What an entry was read from has changed since; authorize again."""
+
+
+@dataclass(frozen=True)
+class Authorization:
+    api_key: ApiKey  # with its tenant and plan loaded
+    deployment: ModelDeployment
+    cache_salt: str | None
+    generation: str | None
+    fetched_at: float
+
+    def ensure_current(self) -> None:
+        """Raise ``StaleAuthorization`` if anything it was read from changed since. Sync: it
+        reads the shared cache, so call it from a worker thread (admission does)."""
+        if cache.get(GENERATION_KEY) != self.generation:
+            forget(self)
+            raise StaleAuthorization
+
+
+_entries: dict[tuple[str, str], Authorization] = {}
+
+
+async def authorize(raw_key: str, model: str) -> Authorization:
+    """The key's authorization for ``model``; ``ApiError`` 401/403/404 as the API answers."""
+    entry = _entries.get(_entry_key(raw_key, model))
+    max_age = settings.GATEWAY_AUTH_CACHE_SECONDS
+    if (
+        entry is not None
+        and time.monotonic() - entry.fetched_at < max_age
+        and not entry.api_key.is_expired(timezone.now())
+    ):
+        return entry
+    entry = await _fetch(raw_key, model)
+    if max_age > 0:
+        if len(_entries) >= MAX_ENTRIES:
+            _entries.clear()
+        _entries[_entry_key(raw_key, model)] = entry
+    return entry
+
+
+def forget(entry: Authorization | None = None) -> None:
+    """Drop one entry, or all of them."""
+    if entry is None:
+        _entries.clear()
+        return
+    for key in [key for key, value in _entries.items() if value is entry]:
+        _entries.pop(key, None)
+
+
+@sync_to_async
+def _fetch(raw_key: str, model: str) -> Authorization:
+    # The generation is read first: a change made during the lookup leaves the entry stale.
+    generation = cache.get(GENERATION_KEY)
+    api_key = api_key_for(raw_key)
+    deployment = deployment_for_tenant(tenant=api_key.tenant, name=model)
+    if deployment is None:
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist or you do not have access to it.",
+            code="model_not_found",
+            param="model",
+        )
+    return Authorization(
+        api_key=api_key,
+        deployment=deployment,
+        cache_salt=tenant_cache_salt(tenant=api_key.tenant),
+        generation=generation,
+        fetched_at=time.monotonic(),
+    )
+
+
+def _entry_key(raw_key: str, model: str) -> tuple[str, str]:
+    return hashlib.sha256(raw_key.encode()).hexdigest(), model
+
+
+def _changed(update_fields: frozenset[str] | None = None, **kwargs: object) -> None:
+    if update_fields is not None and update_fields <= HEALTH_FIELDS:
+        return  # the health poll's writes say nothing about who may call what
+    _entries.clear()
+    # after the commit, so that nobody reads the old rows under the new generation
+    transaction.on_commit(_new_generation)
+
+
+def _new_generation() -> None:
+    _entries.clear()
+    cache.set(GENERATION_KEY, uuid.uuid4().hex, timeout=None)
+
+
+def connect_signals() -> None:
+    """Called once from the app's ``ready()``."""
+    for model in (ApiKey, Tenant, Plan, ModelDeployment):
+        post_save.connect(_changed, sender=model, dispatch_uid=f"auth-{model.__name__}-save")
+        post_delete.connect(_changed, sender=model, dispatch_uid=f"auth-{model.__name__}-delete")
+    m2m_changed.connect(
+        _changed, sender=ModelDeployment.plans.through, dispatch_uid="auth-deployment-plans"
+    )
