@@ -14,9 +14,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from asgiref.sync import sync_to_async
 from django.contrib.auth.models import AbstractBaseUser
 
+from config.workers import database_worker
 from tenants import quotas, services
 from tenants.models import ApiKey, Tenant, UsageRecord
 
@@ -88,7 +88,7 @@ async def metered(
             on_finish(meter)
 
 
-@sync_to_async
+@database_worker
 def _admit(
     precondition: Callable[[], None] | None,
     tenant: Tenant,
@@ -102,7 +102,7 @@ def _admit(
     )
 
 
-@sync_to_async
+@database_worker
 def _finish(
     meter: Meter,
     ticket: quotas.AdmissionTicket,

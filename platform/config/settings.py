@@ -131,6 +131,9 @@ if IS_EMBEDDED:
                 "timeout": 20,
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
+            # Connections outlive a request on the API's shared worker threads
+            # (config.workers); SQLite's are cheap to keep and slow-ish to open.
+            "CONN_MAX_AGE": 600,
             # A file, not memory, so live-server tests can share it with their subprocesses;
             # one per test run, so concurrent runs in one checkout don't collide.
             "TEST": {"NAME": str(VAR_DIR / f"test-db-{os.getpid()}.sqlite3")},

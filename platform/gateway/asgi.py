@@ -1,16 +1,23 @@
 """Django for the machine-facing paths (the API, health, metrics), without the browser's
-middleware.
+middleware and without a thread per request.
 
 Sessions, CSRF, authentication by cookie, messages and the clickjacking header mean nothing
 to an API client, and every one of Django's built-in middlewares is sync-only: under ASGI each
-hook costs a trip to a worker thread and back, a dozen per request, which is most of the time
-the platform adds before a first token. This handler runs the same Django request cycle (URL
+hook costs a trip to a worker thread and back, a dozen per request, which was most of the time
+the platform added before a first token. This handler runs the same Django request cycle (URL
 resolution, signals, streaming responses, ``request_started``/``request_finished``) with no
 middleware, sets the one header the API wants from ``SecurityMiddleware``, and answers an
 unhandled exception with OpenAI's error object instead of an HTML page.
+
+Django also gives every request a thread of its own for thread-sensitive sync code, started
+and joined per request. The API's views do their database work through
+``config.workers.database_worker`` on shared threads instead, so this handler opens no such
+context: what little thread-sensitive work is left (the ``request_started`` and
+``request_finished`` receivers) runs on asgiref's one shared sync thread.
 """
 
 import logging
+from collections.abc import Callable
 
 from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
@@ -29,6 +36,11 @@ def is_api_path(path: str) -> bool:
 
 
 class ApiASGIHandler(ASGIHandler):
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            raise ValueError(f"The API serves HTTP only, not {scope['type']}.")
+        await self.handle(scope, receive, send)
+
     def load_middleware(self, is_async: bool = False) -> None:
         self._view_middleware = []
         self._template_response_middleware = []

@@ -1,8 +1,8 @@
 """Bearer API keys: ``Authorization: Bearer sk-…``."""
 
-from asgiref.sync import sync_to_async
 from django.http import HttpRequest
 
+from config.workers import database_worker
 from gateway.errors import ApiError
 from tenants.models import ApiKey
 from tenants.services import ApiKeyInvalid, api_key_authenticate
@@ -38,4 +38,4 @@ def api_key_for(raw_key: str) -> ApiKey:
 
 
 async def authenticate(request: HttpRequest) -> ApiKey:
-    return await sync_to_async(api_key_for)(bearer_key(request))
+    return await database_worker(api_key_for)(bearer_key(request))

@@ -24,13 +24,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.cache import cache
 from django.db import transaction
 from django.db.models.signals import m2m_changed, post_delete, post_save
 from django.utils import timezone
 
+from config.workers import database_worker
 from gateway.auth import api_key_for
 from gateway.errors import ApiError
 from serving.models import ModelDeployment
@@ -93,7 +93,7 @@ def forget(entry: Authorization | None = None) -> None:
         _entries.pop(key, None)
 
 
-@sync_to_async
+@database_worker
 def _fetch(raw_key: str, model: str) -> Authorization:
     # The generation is read first: a change made during the lookup leaves the entry stale.
     generation = cache.get(GENERATION_KEY)

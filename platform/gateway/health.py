@@ -3,21 +3,21 @@
 import asyncio
 import uuid
 
-from asgiref.sync import sync_to_async
 from django.core.cache import cache
 from django.db import connection
 
+from config.workers import database_worker
 from serving.models import ModelDeployment
 from serving.pool import get_pool
 
 
-@sync_to_async
+@database_worker
 def _check_database() -> None:
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
 
 
-@sync_to_async
+@database_worker
 def _check_cache() -> None:
     key = f"health:{uuid.uuid4().hex}"
     cache.set(key, "ok", timeout=10)
@@ -26,7 +26,7 @@ def _check_cache() -> None:
     cache.delete(key)
 
 
-@sync_to_async
+@database_worker
 def _enabled_deployments() -> list[ModelDeployment]:
     return list(ModelDeployment.objects.filter(is_enabled=True))
 

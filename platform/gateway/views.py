@@ -1,11 +1,11 @@
 """Thin async views: each one hands the request to a service and returns its response."""
 
 import msgspec
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from config.workers import database_worker
 from gateway import health, metrics, openapi
 from gateway.auth import authenticate
 from gateway.errors import ApiError
@@ -38,7 +38,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     return await serve_generation(request, "completion", plan_completion)
 
 
-@sync_to_async
+@database_worker
 def _models_of(tenant) -> list[Model]:
     return [
         Model(

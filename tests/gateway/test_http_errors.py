@@ -8,7 +8,9 @@ from serving.services import deployment_register
 from tenants import services
 from tenants.models import Plan, UsageRecord
 
-pytestmark = pytest.mark.django_db
+# The API does its database work on shared worker threads (config.workers), which see only
+# committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 CHAT_URL = "/v1/chat/completions"
 BODY = {"model": "dead", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
