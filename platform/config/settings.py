@@ -190,6 +190,9 @@ CELERY_BEAT_SCHEDULE = {
     "poll-engine-health": {"task": "serving.poll_engine_health", "schedule": 15.0},
     "purge-old-conversations": {"task": "chat.purge_old_conversations", "schedule": 24 * 3600.0},
 }
+# Daphne processes `make run` starts on one listening socket. More than one needs REDIS_URL:
+# quotas, the chat's channel layer and the API's auth generation must be shared.
+WEB_PROCESSES = int(os.environ.get("WEB_PROCESSES", "1"))
 RUN_WORKER = env_bool("RUN_WORKER", default=True)  # `make run` starts a worker with beat
 CELERY_WORKER_ARGS = os.environ.get("CELERY_WORKER_ARGS", "--concurrency 2")
 USAGE_RETENTION_DAYS = int(os.environ.get("USAGE_RETENTION_DAYS", "400"))

@@ -29,6 +29,7 @@ class ProcessSpec:
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    pass_fds: tuple[int, ...] = ()  # file descriptors the child inherits (a listening socket)
 
 
 def python_path_env(base_dir: Path) -> dict[str, str]:
@@ -77,6 +78,7 @@ class Supervisor:
             env={**os.environ, **spec.env},
             start_new_session=True,
             preexec_fn=_die_with_parent,
+            pass_fds=spec.pass_fds,
         )
 
     def _wait(self) -> int:

@@ -3,6 +3,7 @@ credentials logging in, and SIGTERM stopping everything."""
 
 import http.cookiejar
 import json
+import os
 import re
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +124,59 @@ def test_run_serves_the_admin_and_the_printed_credentials_log_in(platform_proces
     rest = process.stdout.read()
     assert "engine stopped" in rest  # the engine shut down cleanly too
     assert "celery@" in rest and " ready." in rest  # and the Celery worker had started
+
+
+def _children(pid: int) -> list[str]:
+    """Command lines of the processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append((stat.parent / "cmdline").read_text().replace("\0", " "))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _run_web_only(tmp_path, **env: str | None) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    process = subprocess.Popen(
+        [PYTHON, "manage.py", "runplatform", "--port", str(port), "--no-demo"],
+        cwd=ROOT,
+        env=subprocess_env(
+            VAR_DIR=str(tmp_path / "var"),
+            DATABASE_URL=None,
+            DEBUG=None,
+            RUN_ENGINE="0",
+            RUN_WORKER="0",
+            **env,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return process, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="several web processes need Redis")
+def test_several_web_processes_share_one_port(tmp_path):
+    process, base = _run_web_only(tmp_path, WEB_PROCESSES="3")
+    try:
+        _wait_for_http(f"{base}/health/live", timeout=60, ok_only=True)
+        daphnes = [c for c in _children(process.pid) if "daphne --fd" in c]
+        assert len(daphnes) == 3
+        for _ in range(20):  # every connection is answered, whichever process takes it
+            assert urllib.request.urlopen(f"{base}/health/live", timeout=5).status == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_several_web_processes_without_redis_are_refused(tmp_path):
+    process, _ = _run_web_only(tmp_path, WEB_PROCESSES="2", REDIS_URL=None)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "WEB_PROCESSES > 1 needs REDIS_URL" in output

@@ -1,5 +1,6 @@
 import os
 import shlex
+import socket
 import sys
 from pathlib import Path
 
@@ -39,22 +40,7 @@ class Command(BaseCommand):
             self.stdout.write(f"API key: {credentials.api_key}")
             self.stdout.write(f"API:     {base_url}/v1  (OpenAI-compatible)")
         self.stdout.flush()
-        processes.append(
-            ProcessSpec(
-                name="daphne",
-                argv=[
-                    sys.executable,
-                    "-m",
-                    "daphne",
-                    "--bind",
-                    options["host"],
-                    "--port",
-                    str(options["port"]),
-                    "config.asgi:application",
-                ],
-                env=env,
-            )
-        )
+        processes += self._web(options["host"], options["port"], env)
         if settings.RUN_WORKER:
             processes.append(
                 ProcessSpec(
@@ -77,6 +63,36 @@ class Command(BaseCommand):
         exit_code = Supervisor(processes).run()
         if exit_code:
             raise CommandError(f"The platform stopped (exit code {exit_code}).")
+
+    def _web(self, host: str, port: int, env: dict[str, str]) -> list[ProcessSpec]:
+        """One Daphne on host:port, or ``WEB_PROCESSES`` of them sharing one listening socket
+        that this process opens (the kernel hands each connection to one of them)."""
+        count = settings.WEB_PROCESSES
+        app = "config.asgi:application"
+        if count < 1:
+            raise CommandError("WEB_PROCESSES must be at least 1.")
+        if count == 1:
+            argv = ["--bind", host, "--port", str(port), app]
+            return [ProcessSpec("daphne", [sys.executable, "-m", "daphne", *argv], env)]
+        if not settings.REDIS_URL:
+            raise CommandError(
+                "WEB_PROCESSES > 1 needs REDIS_URL: the web processes share quotas, the chat's "
+                "channel layer and the API's auth generation through it."
+            )
+        listener = socket.create_server((host, port), backlog=1024)
+        listener.set_inheritable(True)
+        self._listener = listener  # open for as long as the children run
+        fd = listener.fileno()
+        self.stdout.write(f"Web:     {count} Daphne processes on {host}:{port}")
+        return [
+            ProcessSpec(
+                f"daphne-{i}",
+                [sys.executable, "-m", "daphne", "--fd", str(fd), app],
+                env,
+                pass_fds=(fd,),
+            )
+            for i in range(count)
+        ]
 
     def _engine(self, env: dict[str, str]) -> ProcessSpec:
         model_path = Path(settings.MODEL_PATH)
