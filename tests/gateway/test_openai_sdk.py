@@ -294,6 +294,18 @@ def _set_rpm(tenant, rpm: int) -> None:
     tenant.save()
 
 
+def test_a_finished_stream_frees_its_slot_before_the_client_sees_the_end(platform):
+    platform.tenant.max_concurrent_requests = 1
+    platform.tenant.save()
+    client = platform.client(max_retries=0)
+    for _ in range(5):  # each request starts the moment the previous stream ended
+        stream = _greedy_chat(client, max_tokens=3, stream=True)
+        assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
+    # the records are written just after each stream ended: all five, once each
+    wait_until(lambda: len(platform.records()) == 5, 10, "the five records")
+    assert all(record.completion_tokens == 3 for record in platform.records())
+
+
 def test_one_tenant_cannot_spend_or_see_anothers(platform):
     other = services.tenant_create(slug="globex", plan=platform.tenant.plan, requests_per_minute=1)
     _, other_key = services.api_key_create(tenant=other, name="theirs")
