@@ -200,6 +200,7 @@ def main() -> None:
     parser.add_argument("--model", default=str(ROOT / "models" / "demo-chat"))
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=128, help="requests at 64 streams")
+    parser.add_argument("--single", type=int, default=48, help="requests one at a time")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument(
         "--engine-threads", default="1", help="engine torch threads (1 leaves a core to Daphne)"
@@ -250,7 +251,7 @@ def main() -> None:
         asyncio.run(_direct(endpoint, 4, 4, 8))  # warm-up: engine ready, caches primed
         asyncio.run(_gateway(base, key, 4, 4, 8))
         rows = []
-        for concurrency, num in ((1, 16), (64, args.requests)):
+        for concurrency, num in ((1, args.single), (64, args.requests)):
             direct = asyncio.run(_direct(endpoint, num, concurrency, args.max_tokens))
             gateway = asyncio.run(_gateway(base, key, num, concurrency, args.max_tokens))
             rows.append((concurrency, direct, gateway))
