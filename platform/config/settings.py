@@ -99,6 +99,7 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "config.urls"
+API_URLCONF = "gateway.urls"  # what gateway.asgi resolves API paths against
 ASGI_APPLICATION = "config.asgi.application"
 
 TEMPLATES = [

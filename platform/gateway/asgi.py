@@ -48,6 +48,7 @@ class ApiASGIHandler(ASGIHandler):
         self._middleware_chain = convert_exception_to_response(self._api_response)
 
     async def _api_response(self, request: HttpRequest) -> HttpResponse:
+        request.urlconf = settings.API_URLCONF  # the API's few routes, not the whole site's
         try:
             response = await self._get_response_async(request)
         except Http404:

@@ -4,8 +4,6 @@ Django's full middleware."""
 import asyncio
 import json
 
-import pytest
-
 from config.asgi import application
 
 
@@ -71,8 +69,8 @@ async def test_an_unknown_api_route_is_a_json_404(async_db):
     assert status == 404 and json.loads(body)["error"]["code"] == "unknown_route"
 
 
-@pytest.mark.urls("tests.gateway.urls_failing")
-async def test_an_api_view_that_fails_answers_with_openais_error_object(async_db, caplog):
+async def test_an_api_view_that_fails_answers_with_openais_error_object(async_db, caplog, settings):
+    settings.API_URLCONF = "tests.gateway.urls_failing"
     status, headers, body = await _call("/v1/fail")
     assert status == 500
     assert headers["content-type"] == "application/json"
