@@ -201,6 +201,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=128, help="requests at 64 streams")
     parser.add_argument("--single", type=int, default=48, help="requests one at a time")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of both paths")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument(
         "--engine-threads", default="1", help="engine torch threads (1 leaves a core to Daphne)"
@@ -251,10 +252,11 @@ def main() -> None:
         asyncio.run(_direct(endpoint, 4, 4, 8))  # warm-up: engine ready, caches primed
         asyncio.run(_gateway(base, key, 4, 4, 8))
         rows = []
-        for concurrency, num in ((1, args.single), (64, args.requests)):
-            direct = asyncio.run(_direct(endpoint, num, concurrency, args.max_tokens))
-            gateway = asyncio.run(_gateway(base, key, num, concurrency, args.max_tokens))
-            rows.append((concurrency, direct, gateway))
+        for round_ in range(args.rounds):  # alternating, so a noisy spell hits both paths
+            for concurrency, num in ((1, args.single), (64, args.requests)):
+                direct = asyncio.run(_direct(endpoint, num, concurrency, args.max_tokens))
+                gateway = asyncio.run(_gateway(base, key, num, concurrency, args.max_tokens))
+                rows.append((round_ + 1, concurrency, direct, gateway))
     finally:
         for process in (daphne, engine):
             process.terminate()
@@ -267,18 +269,31 @@ def main() -> None:
     else:
         print("engine, Daphne and the clients share every CPU")
     print(f"model: {args.model}, {args.max_tokens} tokens per request, greedy, ignore_eos")
-    header = f"{'streams':>7} {'path':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-    print(header + f"{'ITL p99':>8} {'tok/s':>8}")
-    for concurrency, direct, gateway in rows:
+    header = f"{'round':>5} {'streams':>7} {'path':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+    print(header + f"{'ITL p50':>8} {'ITL p99':>8} {'tok/s':>8}")
+    added: dict[int, list[float]] = {}
+    ratios: dict[int, list[float]] = {}
+    for round_, concurrency, direct, gateway in rows:
         for name, run in (("direct", direct), ("gateway", gateway)):
             ttft = f"{_pct(run.ttft, 0.5):>7.1f}ms {_pct(run.ttft, 0.99):>7.1f}ms"
             itl = f"{_pct(run.itl, 0.5):>6.1f}ms {_pct(run.itl, 0.99):>6.1f}ms"
-            print(f"{concurrency:>7} {name:>8} {ttft} {itl} {run.tokens / run.seconds:>8.0f}")
-        added = statistics.median(gateway.ttft) - statistics.median(direct.ttft)
-        ratio = (gateway.tokens / gateway.seconds) / (direct.tokens / direct.seconds)
+            tok_s = run.tokens / run.seconds
+            print(f"{round_:>5} {concurrency:>7} {name:>8} {ttft} {itl} {tok_s:>8.0f}")
+        added.setdefault(concurrency, []).append(
+            (statistics.median(gateway.ttft) - statistics.median(direct.ttft)) * 1000
+        )
+        ratios.setdefault(concurrency, []).append(
+            (gateway.tokens / gateway.seconds) / (direct.tokens / direct.seconds)
+        )
+    print(f"\nmedian of {args.rounds} rounds (each round's figures in brackets):")
+    for concurrency in added:
+        each_added = ", ".join(f"{a:+.1f}" for a in added[concurrency])
+        each_ratio = ", ".join(f"{r:.2f}" for r in ratios[concurrency])
         print(
-            f"{concurrency:>7} gateway adds {added * 1000:+.1f} ms TTFT p50; "
-            f"throughput ratio gateway/direct = {ratio:.2f}"
+            f"{concurrency:>3} streams: gateway adds "
+            f"{statistics.median(added[concurrency]):+.1f} ms TTFT p50 [{each_added}]; "
+            f"throughput gateway/direct {statistics.median(ratios[concurrency]):.2f} "
+            f"[{each_ratio}]"
         )
 
 
