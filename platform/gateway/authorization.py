@@ -89,8 +89,10 @@ def forget(entry: Authorization | None = None) -> None:
     if entry is None:
         _entries.clear()
         return
-    for key in [key for key, value in _entries.items() if value is entry]:
-        _entries.pop(key, None)
+    # a snapshot: other threads (signal receivers, admission) may change the dict meanwhile
+    for key, value in list(_entries.items()):
+        if value is entry:
+            _entries.pop(key, None)
 
 
 @database_worker
