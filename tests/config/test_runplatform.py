@@ -53,29 +53,33 @@ def _wait_for_http(url: str, timeout: float, ok_only: bool = False) -> None:
     raise AssertionError(f"{url} never answered")
 
 
+def _run_platform(tmp_path, *args: str, **env: str | None) -> tuple[subprocess.Popen, str]:
+    """`manage.py runplatform` in the embedded mode on a free port: (process, base URL)."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [PYTHON, "manage.py", "runplatform", "--port", str(port), *args],
+        cwd=ROOT,
+        env=subprocess_env(VAR_DIR=str(tmp_path / "var"), DATABASE_URL=None, DEBUG=None, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return process, f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture
 def platform_process(tmp_path):
     from tests.inference_engine.conftest import save_model
 
     model = save_model(tmp_path / "model", "llama")
-    port = _free_port()
-    process = subprocess.Popen(
-        [PYTHON, "manage.py", "runplatform", "--port", str(port)],
-        cwd=ROOT,
-        env=subprocess_env(
-            VAR_DIR=str(tmp_path / "var"),
-            DATABASE_URL=None,
-            REDIS_URL=None,
-            DEBUG=None,
-            MODEL_PATH=model,
-            SERVED_MODEL_NAME="tiny",
-            ENGINE_ARGS="--dtype float32 --num-kv-blocks 64",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    process, base = _run_platform(
+        tmp_path,
+        REDIS_URL=None,
+        MODEL_PATH=model,
+        SERVED_MODEL_NAME="tiny",
+        ENGINE_ARGS="--dtype float32 --num-kv-blocks 64",
     )
-    yield process, f"http://127.0.0.1:{port}"
+    yield process, base
     if process.poll() is None:
         process.kill()
         process.wait()
@@ -139,23 +143,7 @@ def _children(pid: int) -> list[str]:
 
 
 def _run_web_only(tmp_path, **env: str | None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    process = subprocess.Popen(
-        [PYTHON, "manage.py", "runplatform", "--port", str(port), "--no-demo"],
-        cwd=ROOT,
-        env=subprocess_env(
-            VAR_DIR=str(tmp_path / "var"),
-            DATABASE_URL=None,
-            DEBUG=None,
-            RUN_ENGINE="0",
-            RUN_WORKER="0",
-            **env,
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return process, f"http://127.0.0.1:{port}"
+    return _run_platform(tmp_path, "--no-demo", RUN_ENGINE="0", RUN_WORKER="0", **env)
 
 
 @pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="several web processes need Redis")
