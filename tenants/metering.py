@@ -7,10 +7,9 @@ admission with the real token count and writes exactly one ``UsageRecord``.
 """
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,16 +35,6 @@ class Meter:
     status: str = UsageRecord.Status.OK
     error_code: str = ""
     headers: dict[str, str] = field(default_factory=dict)
-    # set by ``metered``: frees the admission early (see ``release``)
-    _release: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
-
-    async def release(self) -> None:
-        """Free the concurrency slots and settle the token reservation now, with the counts so
-        far; the usage record is still written when the metered block ends. Lets a response
-        end before its record is written without the client's next request finding its own
-        slot still taken."""
-        if self._release is not None:
-            await self._release()
 
     def mark_first_token(self) -> None:
         if self.first_token_at is None:
@@ -79,7 +68,6 @@ async def metered(
     there, saving a thread trip of its own)."""
     ticket = await _admit(precondition, tenant, api_key, estimated_tokens)
     meter = Meter(request_id=request_id, headers=ticket.headers)
-    meter._release = functools.partial(_release, ticket, meter)
     try:
         yield meter
     except asyncio.CancelledError:
@@ -112,11 +100,6 @@ def _admit(
     return quotas.admission_acquire(
         tenant=tenant, api_key=api_key, estimated_tokens=estimated_tokens
     )
-
-
-@database_worker
-def _release(ticket: quotas.AdmissionTicket, meter: Meter) -> None:
-    quotas.admission_release(ticket=ticket, actual_tokens=meter.total_tokens)
 
 
 @database_worker

@@ -305,7 +305,6 @@ class Generation:
             if self.plan.include_usage:
                 events.append(self._usage_event())
             events.append(b"data: [DONE]\n\n")
-            await self.meter.release()  # before the client can send its next request
             yield b"".join(events)
         except EngineUnavailable as exc:
             self.meter.fail("engine_unavailable")

@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import functools
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from django.conf import settings
@@ -136,17 +136,13 @@ async def _serve(
 
 
 class GenerationStreamResponse(StreamingHttpResponse):
-    """Server-sent events of a started ``Generation``. The usage record of a stream that
-    runs to its end is written once the response is out (``close``), so that writing it
-    does not hold up the end of the stream: a client waiting for the end to send its next
-    request would otherwise wait for the database too. A stream cut short by a disconnect
-    or a failure is recorded where it stops, and one never started when Django closes it."""
+    """Server-sent events of a started ``Generation``; the usage record is written when the
+    stream ends, is cancelled by a disconnect, or is never started at all."""
 
     def __init__(self, generation: Generation, stack: contextlib.AsyncExitStack) -> None:
         self._generation = generation
         self._stack = stack
         self._is_started = False
-        self._is_complete = False
         self._loop = asyncio.get_running_loop()
         super().__init__(self._events(), content_type="text/event-stream")
         self["Cache-Control"] = "no-cache"
@@ -157,28 +153,16 @@ class GenerationStreamResponse(StreamingHttpResponse):
         try:
             async for event in self._generation.sse():
                 yield event
-            self._is_complete = True
         finally:
-            if not self._is_complete:
-                await self._stack.aclose()
+            await self._stack.aclose()
 
     def close(self) -> None:
         super().close()
-        if self._is_complete or not self._is_started:
-            self._loop.call_soon_threadsafe(_keep_running, self._finish())
+        if not self._is_started:
+            # Django never iterated the stream (the client left first): finish it here.
+            self._loop.call_soon_threadsafe(asyncio.ensure_future, self._abandon())
 
-    async def _finish(self) -> None:
-        if not self._is_started:  # Django never iterated the stream: the client left first
-            self._generation.meter.fail("cancelled", UsageRecord.Status.CANCELLED)
-            await self._generation.close()
+    async def _abandon(self) -> None:
+        self._generation.meter.fail("cancelled", UsageRecord.Status.CANCELLED)
+        await self._generation.close()
         await self._stack.aclose()
-
-
-# Tasks that finish responses already sent; the loop keeps only weak references to tasks.
-_finishing: set[asyncio.Task] = set()
-
-
-def _keep_running(coroutine: Coroutine) -> None:
-    task = asyncio.ensure_future(coroutine)
-    _finishing.add(task)
-    task.add_done_callback(_finishing.discard)

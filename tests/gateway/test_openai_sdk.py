@@ -301,7 +301,7 @@ def test_a_finished_stream_frees_its_slot_before_the_client_sees_the_end(platfor
     for _ in range(5):  # each request starts the moment the previous stream ended
         stream = _greedy_chat(client, max_tokens=3, stream=True)
         assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
-    # the records are written just after each stream ended: all five, once each
+    # all five recorded, once each
     wait_until(lambda: len(platform.records()) == 5, 10, "the five records")
     assert all(record.completion_tokens == 3 for record in platform.records())
 
