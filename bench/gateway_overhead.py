@@ -224,8 +224,12 @@ def main() -> None:
         "DJANGO_SETTINGS_MODULE": "config.settings",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), str(ROOT)]),
         "LOG_LEVEL": "WARNING",
+        # as deployed: DEBUG keeps every query's SQL and runs one more to render it
+        "DEBUG": "0",
+        "SECRET_KEY": "gateway-bench-only",
+        "ALLOWED_HOSTS": "127.0.0.1",
     }
-    for name in ("DATABASE_URL", "REDIS_URL", "DEBUG"):
+    for name in ("DATABASE_URL", "REDIS_URL"):
         env.pop(name, None)
     os.environ.clear()
     os.environ.update(env)

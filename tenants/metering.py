@@ -17,8 +17,9 @@ from datetime import UTC, datetime
 from django.contrib.auth.models import AbstractBaseUser
 
 from config.workers import database_worker
-from tenants import quotas, services
+from tenants import quotas
 from tenants.models import ApiKey, Tenant, UsageRecord
+from tenants.settlement import Settlement, settle
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +80,10 @@ async def metered(
             meter.fail("internal_error")
         raise
     finally:
-        meter.finished_at = finished_at = time.time()
+        meter.finished_at = time.time()
         # Shielded: a second cancellation must not lose the record or leak the slot.
         await asyncio.shield(
-            _finish(meter, ticket, tenant, api_key, user, model, source, finished_at)
+            settle(_settlement(meter, ticket, tenant, api_key, user, model, source))
         )
         if on_finish is not None:
             on_finish(meter)
@@ -102,8 +103,7 @@ def _admit(
     )
 
 
-@database_worker
-def _finish(
+def _settlement(
     meter: Meter,
     ticket: quotas.AdmissionTicket,
     tenant: Tenant,
@@ -111,26 +111,26 @@ def _finish(
     user: AbstractBaseUser | None,
     model: str,
     source: str,
-    finished_at: float,
-) -> None:
-    try:
-        quotas.admission_release(ticket=ticket, actual_tokens=meter.total_tokens)
-    finally:
-        ttft = meter.first_token_at
-        services.usage_record_create(
-            request_id=meter.request_id,
-            tenant=tenant,
-            api_key=api_key,
-            user=user,
-            model=model,
-            source=source,
-            status=meter.status,
-            error_code=meter.error_code,
-            prompt_tokens=meter.prompt_tokens,
-            completion_tokens=meter.completion_tokens,
-            cached_tokens=meter.cached_tokens,
-            time_to_first_token_ms=(ttft - meter.started_at) * 1000 if ttft else None,
-            latency_ms=(finished_at - meter.started_at) * 1000,
-            started_at=datetime.fromtimestamp(meter.started_at, UTC),
-            finished_at=datetime.fromtimestamp(finished_at, UTC),
-        )
+) -> Settlement:
+    ttft = meter.first_token_at
+    return Settlement(
+        ticket=ticket,
+        actual_tokens=meter.total_tokens,
+        record={
+            "request_id": meter.request_id,
+            "tenant": tenant,
+            "api_key": api_key,
+            "user": user,
+            "model": model,
+            "source": source,
+            "status": meter.status,
+            "error_code": meter.error_code,
+            "prompt_tokens": meter.prompt_tokens,
+            "completion_tokens": meter.completion_tokens,
+            "cached_tokens": meter.cached_tokens,
+            "time_to_first_token_ms": (ttft - meter.started_at) * 1000 if ttft else None,
+            "latency_ms": (meter.finished_at - meter.started_at) * 1000,
+            "started_at": datetime.fromtimestamp(meter.started_at, UTC),
+            "finished_at": datetime.fromtimestamp(meter.finished_at, UTC),
+        },
+    )

@@ -155,7 +155,7 @@ def api_key_authenticate(*, raw_key: str) -> ApiKey:
 aapi_key_authenticate = sync_to_async(api_key_authenticate)
 
 
-def usage_record_create(
+def usage_record_build(
     *,
     request_id: str,
     tenant: Tenant,
@@ -173,8 +173,7 @@ def usage_record_create(
     latency_ms: float | None = None,
     error_code: str = "",
 ) -> UsageRecord:
-    """Record one request's usage, exactly once: a second call with the same ``request_id``
-    returns the first record unchanged."""
+    """One request's usage record, validated and not yet saved."""
     if api_key is None and user is None:
         raise ValidationError("A usage record needs an API key or a user.")
     if api_key is not None and api_key.tenant_id != tenant.pk:
@@ -197,12 +196,25 @@ def usage_record_create(
         error_code=error_code,
     )
     record.full_clean(exclude=["tenant", "api_key", "user", "request_id"])
+    return record
+
+
+def usage_record_create(**fields: object) -> UsageRecord:
+    """Record one request's usage, exactly once: a second call with the same ``request_id``
+    returns the first record unchanged. Takes ``usage_record_build``'s arguments."""
+    record = usage_record_build(**fields)
     try:
         with transaction.atomic():
             record.save()
     except IntegrityError:
-        return UsageRecord.objects.get(request_id=request_id, tenant=tenant)
+        return UsageRecord.objects.get(request_id=record.request_id, tenant=record.tenant)
     return record
+
+
+def usage_records_save(records: list[UsageRecord]) -> None:
+    """Save built records in one transaction (one statement per few hundred rows). A record
+    whose ``request_id`` is already there is skipped, leaving the first one as it was."""
+    UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
 
 
 ausage_record_create = sync_to_async(usage_record_create)

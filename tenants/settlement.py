@@ -1,0 +1,115 @@
+"""The end of a metered request, settled in groups: requests that end together release their
+admissions and write their usage records in one trip to a worker thread and one transaction.
+
+Settling each request on its own costs a worker-thread trip and a transaction of its own.
+When a batch of streams ends in the same moment (64 finish on the same engine step), those
+transactions queue on the database's write lock (SQLite's busy handler then sleeps for whole
+milliseconds) and the last stream's end waits behind all of them. Here the first request to
+end starts a settling task at once; whatever ends while that trip is under way goes in the
+next one. So a lone request waits no longer than before, and a burst of N costs a few
+transactions instead of N.
+
+A request still waits until its own record is committed: ``settle`` returns only then, and
+raises what went wrong for that request alone (one invalid record does not lose the others
+of its group).
+"""
+
+import asyncio
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from config.workers import database_worker
+from tenants import quotas, services
+from tenants.models import UsageRecord
+
+MAX_GROUP = 256
+
+
+@dataclass
+class Settlement:
+    """One request's end: its admission to release and the usage record to write."""
+
+    ticket: quotas.AdmissionTicket
+    actual_tokens: int
+    record: dict[str, Any]  # usage_record_build's arguments
+
+
+async def settle(settlement: Settlement) -> None:
+    """Release the admission and write the record, grouped with others that end meanwhile."""
+    loop = asyncio.get_running_loop()
+    settler = _settlers.get(loop)
+    if settler is None:
+        settler = _settlers[loop] = _Settler(loop)
+    await settler.submit(settlement)
+
+
+class _Settler:
+    """Per event loop: a queue of settlements and at most one task draining it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: list[tuple[Settlement, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, settlement: Settlement) -> None:
+        future = self._loop.create_future()
+        self._queue.append((settlement, future))
+        if self._task is None:
+            self._task = self._loop.create_task(self._drain())
+        await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                group, self._queue = self._queue[:MAX_GROUP], self._queue[MAX_GROUP:]
+                try:
+                    outcomes = await _settle_group([settlement for settlement, _ in group])
+                except Exception as exc:  # the trip itself failed (say, no database)
+                    outcomes = [exc] * len(group)
+                except BaseException:  # cancelled, at shutdown: nobody settles the rest
+                    for _, future in group + self._queue:
+                        future.cancel()
+                    self._queue = []
+                    raise
+                for (_, future), outcome in zip(group, outcomes, strict=True):
+                    if future.done():
+                        continue
+                    if outcome is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(outcome)
+        finally:
+            self._task = None
+
+
+_settlers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Settler]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@database_worker
+def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
+    """Settle each; return what failed for each one (None where all went well)."""
+    outcomes: list[BaseException | None] = [None] * len(group)
+    built: list[tuple[int, UsageRecord]] = []
+    for index, settlement in enumerate(group):
+        try:
+            quotas.admission_release(
+                ticket=settlement.ticket, actual_tokens=settlement.actual_tokens
+            )
+        except Exception as exc:  # the record is still written
+            outcomes[index] = exc
+        try:
+            built.append((index, services.usage_record_build(**settlement.record)))
+        except Exception as exc:
+            outcomes[index] = outcomes[index] or exc
+    try:
+        services.usage_records_save([record for _, record in built])
+    except Exception:
+        for index, record in built:  # one at a time, so that one bad record loses no other
+            try:
+                services.usage_records_save([record])
+            except Exception as exc:
+                outcomes[index] = outcomes[index] or exc
+    return outcomes

@@ -1,0 +1,144 @@
+"""Settling requests in groups: each still gets exactly one record and its slot back, a burst
+costs a few transactions instead of one each, and one request's failure stays its own."""
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.core.cache import cache
+from django.core.exceptions import ValidationError
+from django.db import OperationalError
+
+from tenants import quotas, services, settlement
+from tenants.metering import metered
+from tenants.models import Plan, UsageRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def keys(async_db):
+    cache.clear()
+    plan = Plan.objects.create(slug="open", name="Open")
+    tenant = services.tenant_create(slug="acme", plan=plan, max_concurrent_requests=100)
+    other = services.tenant_create(slug="globex", plan=plan)
+    yield services.api_key_create(tenant=tenant, name="k")[0], other
+    cache.clear()
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    """The size of each group settled, in order."""
+    sizes: list[int] = []
+    settle_group = settlement._settle_group
+
+    async def counted(group):
+        sizes.append(len(group))
+        return await settle_group(group)
+
+    monkeypatch.setattr(settlement, "_settle_group", counted)
+    return sizes
+
+
+async def _run(api_key, request_id: str, tokens: int) -> None:
+    async with metered(
+        request_id=request_id,
+        tenant=api_key.tenant,
+        api_key=api_key,
+        model="m",
+        source=UsageRecord.Source.API,
+        estimated_tokens=100,
+    ) as meter:
+        await asyncio.sleep(0)
+        meter.prompt_tokens, meter.completion_tokens = 5, tokens
+
+
+def _settlement(api_key, request_id: str, tenant=None, tokens: int = 7):
+    now = datetime.now(UTC)
+    ticket = quotas.admission_acquire(tenant=api_key.tenant, api_key=api_key, estimated_tokens=50)
+    return settlement.Settlement(
+        ticket=ticket,
+        actual_tokens=tokens,
+        record={
+            "request_id": request_id,
+            "tenant": tenant or api_key.tenant,
+            "api_key": api_key,
+            "model": "m",
+            "source": UsageRecord.Source.API,
+            "status": UsageRecord.Status.OK,
+            "started_at": now,
+            "finished_at": now,
+            "completion_tokens": tokens,
+        },
+    )
+
+
+def _concurrent(api_key) -> int:
+    return quotas.quota_usage(tenant=api_key.tenant, api_key=api_key).concurrent_requests
+
+
+async def test_requests_that_end_together_share_a_transaction(keys, groups):
+    api_key, _ = keys
+    await asyncio.gather(*(_run(api_key, f"req-{n}", tokens=n) for n in range(40)))
+
+    records = await sync_to_async(list)(UsageRecord.objects.order_by("completion_tokens"))
+    assert [(r.request_id, r.completion_tokens, r.prompt_tokens) for r in records] == [
+        (f"req-{n}", n, 5) for n in range(40)
+    ]
+    assert sum(groups) == 40 and len(groups) <= 3  # 40 ended together: not 40 transactions
+    assert await sync_to_async(_concurrent)(api_key) == 0
+
+
+async def test_a_lone_request_is_settled_before_it_returns(keys, groups):
+    api_key, _ = keys
+    await _run(api_key, "alone", tokens=3)
+    assert groups == [1]  # settled on its own, without waiting for company
+    record = await UsageRecord.objects.aget(request_id="alone")
+    assert record.completion_tokens == 3 and record.api_key_id == api_key.pk
+
+
+async def test_one_bad_record_fails_alone(keys, groups):
+    api_key, other_tenant = keys
+    good = [await sync_to_async(_settlement)(api_key, f"good-{n}") for n in range(3)]
+    bad = await sync_to_async(_settlement)(api_key, "bad", tenant=other_tenant)
+
+    outcomes = await asyncio.gather(
+        *(settlement.settle(s) for s in [good[0], bad, *good[1:]]), return_exceptions=True
+    )
+
+    assert outcomes[0] is None and outcomes[2] is None and outcomes[3] is None
+    assert isinstance(outcomes[1], ValidationError)
+    ids = await sync_to_async(set)(UsageRecord.objects.values_list("request_id", flat=True))
+    assert ids == {"good-0", "good-1", "good-2"}
+    assert await sync_to_async(_concurrent)(api_key) == 0  # the bad one's slot came back too
+
+
+async def test_a_request_id_settled_twice_keeps_its_first_record(keys, groups):
+    api_key, _ = keys
+    first = await sync_to_async(_settlement)(api_key, "twice", tokens=1)
+    again = await sync_to_async(_settlement)(api_key, "twice", tokens=2)
+    await asyncio.gather(settlement.settle(first), settlement.settle(again))
+    later = await sync_to_async(_settlement)(api_key, "twice", tokens=3)
+    await settlement.settle(later)
+
+    records = await sync_to_async(list)(UsageRecord.objects.filter(request_id="twice"))
+    assert [r.completion_tokens for r in records] == [1]
+
+
+async def test_when_the_database_fails_each_request_hears_it_and_frees_its_slot(
+    keys, groups, monkeypatch
+):
+    api_key, _ = keys
+
+    def unavailable(records):
+        raise OperationalError("the database went away")
+
+    monkeypatch.setattr(services, "usage_records_save", unavailable)
+    outcomes = await asyncio.gather(
+        *(_run(api_key, f"lost-{n}", tokens=1) for n in range(5)), return_exceptions=True
+    )
+
+    assert all(isinstance(outcome, OperationalError) for outcome in outcomes)
+    assert await sync_to_async(_concurrent)(api_key) == 0
+    assert sum(groups) == 5
