@@ -16,12 +16,15 @@ thread anyway, on admission:
   by another process (a management command, a shell) reaches the web process when its
   entries expire, within ``GATEWAY_AUTH_CACHE_SECONDS``.
 
-Keys are held by their SHA-256, never in the clear. Failed lookups are not cached.
+Keys are held by their SHA-256, never in the clear. Failed lookups are not cached. Requests
+that miss together (a burst after the entry expired) share one lookup instead of one each.
 """
 
+import asyncio
 import hashlib
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -64,11 +67,14 @@ class Authorization:
 
 
 _entries: dict[tuple[str, str], Authorization] = {}
+# lookups under way, per event loop, that later misses for the same key and model wait for
+_lookups: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict]" = weakref.WeakKeyDictionary()
 
 
 async def authorize(raw_key: str, model: str) -> Authorization:
     """The key's authorization for ``model``; ``ApiError`` 401/403/404 as the API answers."""
-    entry = _entries.get(_entry_key(raw_key, model))
+    entry_key = _entry_key(raw_key, model)
+    entry = _entries.get(entry_key)
     max_age = settings.GATEWAY_AUTH_CACHE_SECONDS
     if (
         entry is not None
@@ -76,12 +82,25 @@ async def authorize(raw_key: str, model: str) -> Authorization:
         and not entry.api_key.is_expired(timezone.now())
     ):
         return entry
-    entry = await _fetch(raw_key, model)
-    if max_age > 0:
-        if len(_entries) >= MAX_ENTRIES:
-            _entries.clear()
-        _entries[_entry_key(raw_key, model)] = entry
-    return entry
+    if max_age <= 0:
+        return await _fetch(raw_key, model)
+    lookups = _lookups.setdefault(asyncio.get_running_loop(), {})
+    lookup = lookups.get(entry_key)
+    if lookup is None:
+        lookup = lookups[entry_key] = asyncio.ensure_future(_fetch(raw_key, model))
+        lookup.add_done_callback(lambda done: _store(lookups, entry_key, done))
+    # shielded: a waiter that goes away (a client disconnect) leaves the lookup to the others
+    return await asyncio.shield(lookup)
+
+
+def _store(lookups: dict, entry_key: tuple[str, str], lookup: asyncio.Future) -> None:
+    if lookups.get(entry_key) is lookup:
+        del lookups[entry_key]
+    if lookup.cancelled() or lookup.exception() is not None:
+        return
+    if len(_entries) >= MAX_ENTRIES:
+        _entries.clear()
+    _entries[entry_key] = lookup.result()
 
 
 def forget(entry: Authorization | None = None) -> None:

@@ -1,6 +1,7 @@
 """Cached authorizations: a hit reads nothing, any change to what an entry was read from is
 seen, and nothing is trusted longer than GATEWAY_AUTH_CACHE_SECONDS."""
 
+import asyncio
 from datetime import timedelta
 
 import pytest
@@ -92,6 +93,47 @@ async def test_keys_are_not_held_in_the_clear(key):
     _, raw_key = key
     await authorization.authorize(raw_key, "m")
     assert all(raw_key not in entry_key for entry_key, _ in authorization._entries)
+
+
+async def test_requests_that_miss_together_share_one_lookup(key, monkeypatch):
+    _, raw_key = key
+    fetch, calls = authorization._fetch, []
+
+    async def counted(*args):
+        calls.append(args)
+        return await fetch(*args)
+
+    monkeypatch.setattr(authorization, "_fetch", counted)
+    entries = await asyncio.gather(*(authorization.authorize(raw_key, "m") for _ in range(20)))
+    assert len(calls) == 1 and all(entry is entries[0] for entry in entries)
+    assert await authorization.authorize(raw_key, "m") is entries[0]  # and it is kept
+
+    authorization.forget()
+    refusals = await asyncio.gather(
+        *(authorization.authorize("sk-wrong", "m") for _ in range(5)), return_exceptions=True
+    )
+    assert len(calls) == 2 and all(isinstance(r, ApiError) for r in refusals)
+    assert all(r.status == 401 for r in refusals)
+    await authorization.authorize(raw_key, "m")
+    assert len(calls) == 3  # the refusal was not kept, the first entry was forgotten
+
+
+async def test_a_waiter_that_goes_away_leaves_the_lookup_to_the_others(key, monkeypatch):
+    _, raw_key = key
+    fetch, gate = authorization._fetch, asyncio.Event()
+
+    async def slow(*args):
+        await gate.wait()
+        return await fetch(*args)
+
+    monkeypatch.setattr(authorization, "_fetch", slow)
+    leaving = asyncio.create_task(authorization.authorize(raw_key, "m"))
+    staying = asyncio.create_task(authorization.authorize(raw_key, "m"))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    gate.set()
+    entry = await staying
+    assert entry.deployment.name == "m" and leaving.cancelled()
 
 
 async def _sync(function, *args, **kwargs):
