@@ -40,23 +40,24 @@ async def settle(settlement: Settlement) -> None:
     loop = asyncio.get_running_loop()
     settler = _settlers.get(loop)
     if settler is None:
-        settler = _settlers[loop] = _Settler(loop)
+        settler = _settlers[loop] = _Settler()
     await settler.submit(settlement)
 
 
 class _Settler:
-    """Per event loop: a queue of settlements and at most one task draining it."""
+    """Per event loop: a queue of settlements and at most one task draining it. (It holds no
+    reference to its loop, which keys it weakly.)"""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self._queue: list[tuple[Settlement, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
 
     async def submit(self, settlement: Settlement) -> None:
-        future = self._loop.create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._queue.append((settlement, future))
         if self._task is None:
-            self._task = self._loop.create_task(self._drain())
+            self._task = loop.create_task(self._drain())
         await future
 
     async def _drain(self) -> None:
