@@ -2,7 +2,9 @@
 
 Only the conversation's owner, chatting as the conversation's tenant, may connect: an
 anonymous user is refused with close code 4401, anybody else with 4403 (also when the
-conversation does not exist, so ids cannot be probed).
+conversation does not exist, so ids cannot be probed). A refused socket is accepted and closed
+at once: a close before the handshake completes reaches a browser as 1006, without its code,
+and the page could not tell "sign in again" from "the server is restarting".
 
 Client → server frames (JSON objects, at most ``MAX_FRAME_CHARS`` characters):
 
@@ -97,15 +99,22 @@ class ChatConsumer(AsyncWebsocketConsumer):
     async def connect(self) -> None:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
-            await self.close(code=CLOSE_UNAUTHENTICATED)
+            await self._refuse(CLOSE_UNAUTHENTICATED)
             return
         conversation_id = int(self.scope["url_route"]["kwargs"]["conversation_id"])
         conversation = await self._conversation(user, conversation_id)
         if conversation is None:
-            await self.close(code=CLOSE_FORBIDDEN)
+            await self._refuse(CLOSE_FORBIDDEN)
             return
         self.user, self.conversation = user, conversation
         await self.accept()
+
+    async def _refuse(self, code: int) -> None:
+        """Accept, then close with ``code``: the browser sees the code (a refused handshake
+        would only give it 1006). Frames that arrive before the close completes are dropped."""
+        self.is_closed = True
+        await self.accept()
+        await self.close(code=code)
 
     async def disconnect(self, code: int) -> None:
         self.is_closed = True
@@ -113,6 +122,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._stop(self.run)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.is_closed:
+            return
         if text_data is None:
             await self._error("invalid_frame", "Send JSON text frames.")
             return

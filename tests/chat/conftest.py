@@ -84,7 +84,9 @@ class Chat:
 
 
 async def open_chat(user, conversation_id: int, cookie: bytes | None = None):
-    """(connected, close code, Chat) for ``user`` (None: anonymous) on the conversation."""
+    """(open, close code, Chat) for ``user`` (None: anonymous) on the conversation. The
+    server refuses a socket by accepting it and closing it at once, so that a browser sees the
+    code: that counts as not open, with the close's code."""
     headers = [ORIGIN]
     if user is not None:
         headers.append((b"cookie", cookie or await sync_to_async(session_cookie)(user)))
@@ -92,6 +94,11 @@ async def open_chat(user, conversation_id: int, cookie: bytes | None = None):
         asgi_application(), f"/ws/chat/{conversation_id}/", headers=headers
     )
     connected, code = await communicator.connect(timeout=FRAME_TIMEOUT)
+    if connected and not await communicator.receive_nothing(timeout=0):
+        # the consumer sends its close in the same turn as its accept
+        closed = await communicator.receive_output(timeout=FRAME_TIMEOUT)
+        assert closed["type"] == "websocket.close", closed
+        return False, closed.get("code"), Chat(communicator)
     return connected, code, Chat(communicator)
 
 

@@ -13,8 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.db import connections
 
+from chat import services as chat_services
 from serving.services import deployment_register
 from tenants import services
 from tenants.models import Plan, Tenant
@@ -226,5 +228,40 @@ def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser):
     except Exception:
         _shot(page, "failure.png")
         raise
+    finally:
+        context.close()
+
+
+_CLOSE_CODE_JS = """(path) => new Promise((resolve) => {
+    const socket = new WebSocket('ws://' + location.host + path);
+    socket.addEventListener('close', (event) => resolve(event.code));
+})"""
+
+
+def test_a_refused_socket_reaches_the_browser_with_its_close_code(chromium, live_chat, browser):
+    """Through Daphne to Chromium: signed out is 4401 and someone else's conversation 4403
+    (the codes the page turns into "sign in again" and "no access"), not a bare 1006 that it
+    can only answer by reconnecting."""
+
+    def alices_conversation_and_mallory():
+        acme = Tenant.objects.get(slug="acme")
+        mallory = get_user_model().objects.create_user("mallory", password=PASSWORD)
+        services.tenant_create(slug="globex", plan=acme.plan, owner=mallory)
+        return chat_services.conversation_create(user=acme.memberships.get().user, tenant=acme)
+
+    conversation = _in_thread(alices_conversation_and_mallory)
+    socket_path = f"/ws/chat/{conversation.pk}/"
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(f"{live_chat}/accounts/login/")  # the site's origin, with no session
+        assert page.evaluate(_CLOSE_CODE_JS, socket_path) == 4401
+
+        page.fill("#id_username", "mallory")
+        page.fill("#id_password", PASSWORD)
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{live_chat}/chat/")
+        assert page.evaluate(_CLOSE_CODE_JS, socket_path) == 4403
     finally:
         context.close()
