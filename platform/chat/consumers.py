@@ -36,9 +36,11 @@ Server → client frames:
   reply, saved with the error). Otherwise the socket stays open.
 
 Only one reply per conversation is generated at a time, across sockets and processes: a
-frame that would start another gets a ``busy`` error. The reply runs as its own task, so a
-stop frame is read at once, even before the first token; stop and disconnect cancel the
-task, which aborts the engine request.
+frame that would start another gets a ``busy`` error. The claim is a lease that the reply
+renews (``chat.claims``), so a process that dies mid-reply frees the conversation within
+half a minute, and its reply, left as streaming, is then marked interrupted. The reply runs
+as its own task, so a stop frame is read at once, even before the first token; stop and
+disconnect cancel the task, which aborts the engine request.
 """
 
 import asyncio
@@ -51,10 +53,9 @@ from dataclasses import dataclass, field
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
-from django.core.cache import cache
 from django.core.exceptions import ValidationError
 
-from chat import selectors, services
+from chat import claims, selectors, services
 from chat.generation import ChatError, ReplyOutcome, generate_reply
 from chat.models import Conversation, Message
 from chat.payloads import message_payload, settings_payload
@@ -65,13 +66,7 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_CHARS = 64 * 1024
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
-# A crashed process cannot release its conversation's lock; it expires after this long.
-GENERATION_LOCK_SECONDS = 15 * 60
 SETTINGS_FIELDS = ("model", "system_prompt", "temperature", "max_tokens")
-
-
-def _lock_key(conversation: Conversation) -> str:
-    return f"chat:generating:{conversation.tenant_id}:{conversation.pk}"
 
 
 @dataclass
@@ -79,8 +74,10 @@ class _Run:
     """One reply being generated."""
 
     reply: Message
+    claim: str  # the token of the conversation's claim, held until the reply is saved
     outcome: ReplyOutcome = field(default_factory=ReplyOutcome)
     task: asyncio.Task | None = None
+    keeper: asyncio.Task | None = None  # renews the claim while the reply runs
     is_generating: bool = True
     is_stopped: bool = False
     is_finished: bool = False
@@ -95,6 +92,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     run: _Run | None = None
     num_replies_started = 0
     is_closed = False
+    _claim_token = ""  # the claim taken by the frame being handled (see _claim)
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -211,23 +209,29 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._error("busy", "A reply is still being generated; stop it first.")
             yield False
             return
-        if not await cache.aadd(_lock_key(self.conversation), 1, GENERATION_LOCK_SECONDS):
+        token = await claims.aclaim(self.conversation)
+        if token is None:
             await self._error("busy", "A reply is being generated in another window.")
             yield False
             return
+        self._claim_token = token
         num_started = self.num_replies_started
         try:
+            # Nobody held the claim: a reply still saved as streaming was left by a process
+            # that died while writing it.
+            await database_sync_to_async(services.replies_interrupt)(conversation=self.conversation)
             yield True
         finally:
             if self.num_replies_started == num_started:  # nothing was started after all
-                await cache.adelete(_lock_key(self.conversation))
+                await claims.arelease(self.conversation, token)
 
     async def _start_reply(self, after_id: int) -> None:
         reply = await database_sync_to_async(services.reply_start)(
             conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
         )
         self.num_replies_started += 1
-        self.run = run = _Run(reply=reply)
+        self.run = run = _Run(reply=reply, claim=self._claim_token)
+        run.keeper = asyncio.create_task(claims.akeep(self.conversation, run.claim))
         await self._send({"type": "start", "message_id": reply.pk, "after_id": after_id})
         run.task = asyncio.create_task(self._generate(run))
 
@@ -290,7 +294,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
             logger.exception("chat reply %s could not be saved", run.reply.request_id)
             error = ChatError("internal_error", "The reply could not be saved. Please try again.")
         finally:
-            await cache.adelete(_lock_key(self.conversation))
+            if run.keeper is not None:
+                run.keeper.cancel()
+            await claims.arelease(self.conversation, run.claim)
             if self.run is run:
                 self.run = None
         if error is not None:

@@ -21,6 +21,7 @@ MAX_CONTENT_CHARS = 32_000
 MAX_SYSTEM_PROMPT_CHARS = 16_000
 MAX_TOKENS_LIMIT = 32_768
 TITLE_FROM_MESSAGE_CHARS = 60
+INTERRUPTED_MESSAGE = "The reply was interrupted: the server stopped while writing it."
 
 
 def _title_from(content: str) -> str:
@@ -188,6 +189,18 @@ def reply_start(*, conversation: Conversation, request_id: str) -> Message:
         status=Message.Status.STREAMING,
         model=conversation.model,
         request_id=request_id,
+    )
+
+
+def replies_interrupt(*, conversation: Conversation) -> int:
+    """Mark the conversation's replies still saved as streaming as failed: called when nobody
+    holds its claim, they were left by a process that died mid-reply. Returns how many."""
+    return Message.objects.filter(
+        conversation=conversation, role=Message.Role.ASSISTANT, status=Message.Status.STREAMING
+    ).update(
+        status=Message.Status.ERROR,
+        error_code="interrupted",
+        error_message=INTERRUPTED_MESSAGE,
     )
 
 

@@ -10,7 +10,7 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from chat import selectors, services
+from chat import claims, selectors, services
 from chat.payloads import message_payload, settings_payload
 from chat.selectors import SESSION_TENANT_KEY
 from tenants.models import Tenant
@@ -57,6 +57,8 @@ def _page(request: HttpRequest, tenant: Tenant, conversation=None) -> HttpRespon
         "models": selectors.chat_models(tenant=tenant),
     }
     if conversation is not None:
+        if not claims.is_claimed(conversation):
+            services.replies_interrupt(conversation=conversation)
         context["chat_state"] = {
             "conversation_id": conversation.pk,
             "settings": settings_payload(conversation),

@@ -169,7 +169,14 @@ if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
     CELERY_RESULT_BACKEND = REDIS_URL
 else:
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    # Quota counters and chat claims live here: culling at the default 300 entries would drop
+    # live ones at random.
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+            "OPTIONS": {"MAX_ENTRIES": 1_000_000},
+        }
+    }
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     # A broker that needs no server: kombu's filesystem transport, one folder under var/.
     CELERY_BROKER_DIR = VAR_DIR / "celery" / "broker"

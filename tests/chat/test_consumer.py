@@ -10,7 +10,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.core.cache import cache
 
-from chat import services
+from chat import claims, services
 from chat.models import Message
 from inference_engine.client import AsyncEngineClient
 from tenants import quotas
@@ -441,3 +441,53 @@ async def test_another_window_cannot_change_the_conversation_while_a_reply_strea
     assert done["type"] == "done" and done["status"] == "complete"
     await first.close()
     await second.close()
+
+
+async def test_a_reply_renews_its_claim_while_it_runs(
+    chat_world, async_db, ready_engine, monkeypatch
+):
+    """The claim is a lease: with a one-second lease, a reply held mid-stream for three
+    seconds still keeps other windows out, because it renews the lease."""
+    monkeypatch.setattr(claims, "LEASE_SECONDS", 1)
+    monkeypatch.setattr(claims, "RENEW_SECONDS", 0.2)
+    conversation = chat_world["conversation"]
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    _, _, first = await open_chat(chat_world["user"], conversation.pk)
+    _, _, second = await open_chat(chat_world["user"], conversation.pk)
+    await first.send(type="send", content="Tell me a long story")
+    await first.receive_until("start")
+    with engine_paused(ready_engine):
+        await asyncio.sleep(3)
+        await second.send(type="regenerate")
+        busy = await second.receive()
+        assert (busy["type"], busy["code"]) == ("error", "busy")
+        await first.send(type="stop")
+        done, _ = await first.receive_until("done")
+    assert done["status"] == "stopped"
+    assert not await sync_to_async(claims.is_claimed)(conversation)
+    await first.close()
+    await second.close()
+
+
+@pytest.fixture
+def orphaned_reply(chat_world):
+    """What a process that died mid-reply leaves: a reply saved as streaming, no live claim."""
+    conversation = chat_world["conversation"]
+    services.message_send(conversation=conversation, content="Hello?")
+    return services.reply_start(conversation=conversation, request_id="chat-dead")
+
+
+async def test_a_reply_left_streaming_by_a_dead_process_is_marked_interrupted(
+    chat_world, orphaned_reply, async_db
+):
+    conversation = chat_world["conversation"]
+    _, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Anyone there?")
+    done, _ = await chat.receive_until("done")
+    assert done["status"] == "complete"
+    await chat.close()
+    messages = await _messages(conversation)
+    assert [(m.pk, m.status, m.error_code) for m in messages if m.status != "complete"] == [
+        (orphaned_reply.pk, "error", "interrupted")
+    ]
+    assert len(messages) == 4

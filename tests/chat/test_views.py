@@ -4,9 +4,10 @@ another user's or another tenant's conversations."""
 import json
 
 import pytest
+from django.core.cache import cache
 from django.test import Client
 
-from chat import selectors, services
+from chat import claims, selectors, services
 from chat.models import Conversation, Message
 from serving.services import deployment_register
 from tenants import services as tenant_services
@@ -157,6 +158,21 @@ def test_the_conversation_page_carries_its_messages(alice, acme):
     assert state["conversation_id"] == conversation.pk
     assert state["messages"][0]["content"] == "</script><script>alert(1)</script>"
     assert state["settings"]["title"] == "</script><script>alert(1)</script>"
+
+
+def test_a_reply_nobody_is_writing_shows_as_interrupted(alice, acme):
+    """A reply saved as streaming while nobody holds the conversation's claim was left by a
+    process that died: the page shows it failed (with its actions), not typing forever."""
+    conversation = services.conversation_create(user=alice, tenant=acme)
+    services.message_send(conversation=conversation, content="Hello?")
+    live = services.reply_start(conversation=conversation, request_id="chat-live")
+    cache.add(claims.claim_key(conversation), "live-claim", 60)
+    streaming = state_of(login(alice).get(f"/chat/{conversation.pk}/"))["messages"][1]
+    assert (streaming["id"], streaming["status"]) == (live.pk, "streaming")
+
+    cache.delete(claims.claim_key(conversation))  # its process died: the lease ran out
+    interrupted = state_of(login(alice).get(f"/chat/{conversation.pk}/"))["messages"][1]
+    assert (interrupted["status"], interrupted["error_code"]) == ("error", "interrupted")
 
 
 def test_nobody_sees_another_users_or_tenants_conversations(alice, acme, plan, django_user_model):
