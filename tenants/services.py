@@ -217,9 +217,6 @@ def usage_records_save(records: list[UsageRecord]) -> None:
     UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
 
 
-ausage_record_create = sync_to_async(usage_record_create)
-
-
 class LastOwnerError(ValidationError):
     pass
 
