@@ -1,7 +1,9 @@
 """Chat fixtures: the gateway's live engine (and Daphne) on a tiny model, a user in a tenant
 with the model deployed, and WebSocket communicators on the real routing and middleware."""
 
+import contextlib
 import json
+import signal
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -117,3 +119,14 @@ def chat_world(transactional_db, ready_engine, django_user_model):
     conversation = chat_services.conversation_create(user=alice, tenant=acme, model=MODEL_NAME)
     chat_services.conversation_configure(conversation=conversation, temperature=0.0, max_tokens=8)
     return {"user": alice, "tenant": acme, "plan": plan, "conversation": conversation}
+
+
+@contextlib.contextmanager
+def engine_paused(running_engine):
+    """Hold the engine still (SIGSTOP) so a reply is certainly mid-stream, however fast the
+    machine: stop, disconnect and busy refusals are then tested without a race."""
+    running_engine.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        running_engine.process.send_signal(signal.SIGCONT)

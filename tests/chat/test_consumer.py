@@ -2,9 +2,7 @@
 the first token), disconnect, regenerate, edit, quota refusals and malformed frames."""
 
 import asyncio
-import contextlib
 import json
-import signal
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -16,20 +14,9 @@ from inference_engine.client import AsyncEngineClient
 from tenants import quotas
 from tenants import services as tenant_services
 from tenants.models import Tenant, UsageRecord
-from tests.chat.conftest import MODEL_NAME, open_chat
+from tests.chat.conftest import MODEL_NAME, engine_paused, open_chat
 
 LONG_REPLY_TOKENS = 200
-
-
-@contextlib.contextmanager
-def engine_paused(engine):
-    """Hold the engine still (SIGSTOP) so a reply is certainly mid-stream, however fast the
-    machine: stop, disconnect and busy refusals are then tested without a race."""
-    engine.process.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        engine.process.send_signal(signal.SIGCONT)
 
 
 @sync_to_async
