@@ -37,9 +37,14 @@ async def aclaim(conversation: Conversation) -> str | None:
 
 
 async def arelease(conversation: Conversation, token: str) -> None:
+    """Free the claim if ``token`` still holds it. Never raises: with the cache unreachable
+    the lease simply runs out."""
     key = claim_key(conversation)
-    if await cache.aget(key) == token:
-        await cache.adelete(key)
+    try:
+        if await cache.aget(key) == token:
+            await cache.adelete(key)
+    except Exception:  # noqa: BLE001 - a reply must end cleanly whatever the cache does
+        logger.warning("conversation %s: could not release its claim", conversation.pk)
 
 
 async def akeep(conversation: Conversation, token: str) -> None:
