@@ -92,7 +92,6 @@ class ChatConsumer(AsyncWebsocketConsumer):
     run: _Run | None = None
     num_replies_started = 0
     is_closed = False
-    _claim_token = ""  # the claim taken by the frame being handled (see _claim)
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -152,8 +151,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
     # --- frames -----------------------------------------------------------------------------
 
     async def on_send(self, frame: dict) -> None:
-        async with self._claim() as is_claimed:
-            if not is_claimed:
+        async with self._claim() as claim:
+            if claim is None:
                 return
             is_untitled = not self.conversation.title
             message = await database_sync_to_async(services.message_send)(
@@ -163,33 +162,33 @@ class ChatConsumer(AsyncWebsocketConsumer):
             if is_untitled:  # the first message titled the conversation
                 settings = settings_payload(self.conversation)
                 await self._send({"type": "settings", "settings": settings})
-            await self._start_reply(after_id=message.pk)
+            await self._start_reply(claim, after_id=message.pk)
 
     async def on_stop(self, frame: dict) -> None:
         if self.run is not None:
             await self._stop(self.run)
 
     async def on_regenerate(self, frame: dict) -> None:
-        async with self._claim() as is_claimed:
-            if not is_claimed:
+        async with self._claim() as claim:
+            if claim is None:
                 return
             await database_sync_to_async(services.reply_prepare_regenerate)(
                 conversation=self.conversation
             )
-            await self._start_reply(after_id=await self._last_message_id())
+            await self._start_reply(claim, after_id=await self._last_message_id())
 
     async def on_edit(self, frame: dict) -> None:
         message_id = frame.get("message_id")
         if isinstance(message_id, bool) or not isinstance(message_id, int):
             raise ValidationError("message_id must be a message's id.")
-        async with self._claim() as is_claimed:
-            if not is_claimed:
+        async with self._claim() as claim:
+            if claim is None:
                 return
             message = await database_sync_to_async(services.message_edit)(
                 conversation=self.conversation, message_id=message_id, content=frame.get("content")
             )
             await self._send({"type": "message", "message": message_payload(message)})
-            await self._start_reply(after_id=message.pk)
+            await self._start_reply(claim, after_id=message.pk)
 
     async def on_settings(self, frame: dict) -> None:
         changes = {name: frame[name] for name in SETTINGS_FIELDS if name in frame}
@@ -201,36 +200,36 @@ class ChatConsumer(AsyncWebsocketConsumer):
     # --- one reply --------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _claim(self) -> AsyncIterator[bool]:
+    async def _claim(self) -> AsyncIterator[str | None]:
         """Claim the conversation before changing it for a new reply (no other socket or
-        process may be generating one); yields False, having told the client, when busy.
-        The reply started inside keeps the claim until it ends; an error gives it back."""
+        process may be generating one); yields the claim's token, or None, having told the
+        client, when busy. The reply started inside keeps the claim until it ends; an error
+        gives it back."""
         if self.run is not None:
             await self._error("busy", "A reply is still being generated; stop it first.")
-            yield False
+            yield None
             return
         token = await claims.aclaim(self.conversation)
         if token is None:
             await self._error("busy", "A reply is being generated in another window.")
-            yield False
+            yield None
             return
-        self._claim_token = token
         num_started = self.num_replies_started
         try:
             # Nobody held the claim: a reply still saved as streaming was left by a process
             # that died while writing it.
             await database_sync_to_async(services.replies_interrupt)(conversation=self.conversation)
-            yield True
+            yield token
         finally:
             if self.num_replies_started == num_started:  # nothing was started after all
                 await claims.arelease(self.conversation, token)
 
-    async def _start_reply(self, after_id: int) -> None:
+    async def _start_reply(self, claim: str, after_id: int) -> None:
         reply = await database_sync_to_async(services.reply_start)(
             conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
         )
         self.num_replies_started += 1
-        self.run = run = _Run(reply=reply, claim=self._claim_token)
+        self.run = run = _Run(reply=reply, claim=claim)
         run.keeper = asyncio.create_task(claims.akeep(self.conversation, run.claim))
         await self._send({"type": "start", "message_id": reply.pk, "after_id": after_id})
         run.task = asyncio.create_task(self._generate(run))

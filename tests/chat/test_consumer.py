@@ -399,15 +399,22 @@ async def test_losing_access_closes_an_open_socket(chat_world, async_db):
     assert await _messages(chat_world["conversation"]) == []
 
 
-async def test_another_window_cannot_change_the_conversation_while_a_reply_streams(
-    chat_world, async_db, ready_engine
-):
+async def _two_windows_one_reply_streaming(chat_world):
+    """Two sockets on the conversation; the first has started a long reply."""
     conversation = chat_world["conversation"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     _, _, first = await open_chat(chat_world["user"], conversation.pk)
     _, _, second = await open_chat(chat_world["user"], conversation.pk)
     await first.send(type="send", content="Tell me a long story")
     await first.receive_until("start")
+    return first, second
+
+
+async def test_another_window_cannot_change_the_conversation_while_a_reply_streams(
+    chat_world, async_db, ready_engine
+):
+    conversation = chat_world["conversation"]
+    first, second = await _two_windows_one_reply_streaming(chat_world)
     with engine_paused(ready_engine):
         for frame in ({"type": "send", "content": "Me too"}, {"type": "regenerate"}):
             await second.send(**frame)
@@ -438,11 +445,7 @@ async def test_a_reply_renews_its_claim_while_it_runs(
     monkeypatch.setattr(claims, "LEASE_SECONDS", 1)
     monkeypatch.setattr(claims, "RENEW_SECONDS", 0.2)
     conversation = chat_world["conversation"]
-    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
-    _, _, first = await open_chat(chat_world["user"], conversation.pk)
-    _, _, second = await open_chat(chat_world["user"], conversation.pk)
-    await first.send(type="send", content="Tell me a long story")
-    await first.receive_until("start")
+    first, second = await _two_windows_one_reply_streaming(chat_world)
     with engine_paused(ready_engine):
         await asyncio.sleep(3)
         await second.send(type="regenerate")
