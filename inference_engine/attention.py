@@ -6,8 +6,10 @@ every attention call. This function writes the step's K/V into the paged cache o
 ``module.layer_idx`` and attends each request over its own blocks, causally:
 
 - short decodes (one new token) are batched in buckets of similar context length: one gather
-  of their blocks and one masked SDPA call per bucket; long decodes run one unmasked SDPA call
-  each over exactly their tokens, which is faster than masking padded buckets at that size;
+  of their blocks into a float32 ``[B, KVH, L, D]`` copy, then two batched matmuls and a
+  masked softmax per bucket (on the CPU this is about twice as fast as a masked bf16 SDPA
+  call, and it accumulates in float32 throughout); long decodes run one unmasked SDPA call
+  each over exactly their tokens, which is faster than padding buckets at that size;
 - prefill chunks run one SDPA call each, over the step's own K/V when nothing precedes them,
   else over their gathered blocks with an offset causal mask;
 - on CUDA with flash-attn installed, every request goes through one varlen call instead.
@@ -27,7 +29,7 @@ ATTENTION_NAME = "paged_engine"
 class DecodeBucket:
     query_index: torch.Tensor  # [B] rows of the packed step
     block_table: torch.Tensor  # [B, max_blocks] padded with 0
-    key_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True where attended
+    padding: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True past each one's context
     max_context_len: int
 
 
@@ -145,27 +147,50 @@ def paged_attention_forward(
             enable_gqa=gqa,
         )
         out[rows] = result[0].transpose(0, 1)
-    num_groups = num_heads // num_kv_heads
     if meta.long_decodes is not None:
         _attend_long_decodes(out, q, key_cache, value_cache, meta.long_decodes, scaling)
     for bucket in meta.decode_buckets:
-        batch, num_blocks = bucket.block_table.shape
-        shape = (batch, num_blocks * key_cache.shape[1], num_kv_heads, head_dim)
-        flat_ids = bucket.block_table.view(-1)
-        bucket_k = key_cache.flatten(1).index_select(0, flat_ids).view(shape).transpose(1, 2)
-        bucket_v = value_cache.flatten(1).index_select(0, flat_ids).view(shape).transpose(1, 2)
-        bucket_q = q.index_select(0, bucket.query_index).view(
-            batch, num_kv_heads, num_groups, head_dim
-        )
-        result = F.scaled_dot_product_attention(
-            bucket_q,
-            bucket_k.to(q.dtype),
-            bucket_v.to(q.dtype),
-            attn_mask=bucket.key_mask,
-            scale=scaling,
-        )
-        out.index_copy_(0, bucket.query_index, result.view(batch, num_heads, head_dim))
+        _attend_decode_bucket(out, q, key_cache, value_cache, bucket, scaling)
     return out.unsqueeze(0), None
+
+
+def _attend_decode_bucket(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    bucket: DecodeBucket,
+    scaling: float | None,
+) -> None:
+    """One query token per request over its padded blocks: ``softmax(q K^T) V`` in float32.
+
+    The heads that share a KV head are its query rows (``[B, KVH, G, D]``), so GQA needs no
+    K/V expansion. Padded key positions get ``-inf`` before the softmax, so they weigh 0."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    batch = bucket.block_table.shape[0]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    keys = _gather_heads_first(key_cache, bucket.block_table)
+    values = _gather_heads_first(value_cache, bucket.block_table)
+    queries = q.index_select(0, bucket.query_index).view(batch, num_kv_heads, -1, head_dim)
+    scores = torch.matmul(queries.float(), keys.transpose(-1, -2))  # [B, KVH, G, L]
+    scores.mul_(scale).masked_fill_(bucket.padding, float("-inf"))
+    result = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, KVH, G, D]
+    out.index_copy_(0, bucket.query_index, result.view(batch, num_heads, head_dim).to(out.dtype))
+
+
+def _gather_heads_first(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``block_table`` (``[B, N]``) as one contiguous float32 ``[B, KVH, N *
+    block_size, D]``: one gather, then one copy that transposes and widens. Batched matmuls
+    over this layout run far faster on the CPU than over the strided bf16 view."""
+    batch, num_blocks = block_table.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    tokens = cache.flatten(1).index_select(0, block_table.view(-1))
+    tokens = tokens.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    heads_first = torch.empty(
+        batch, num_kv_heads, num_blocks * block_size, head_dim, device=cache.device
+    )
+    return heads_first.copy_(tokens.transpose(1, 2))
 
 
 def _attend_long_decodes(

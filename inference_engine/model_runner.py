@@ -270,12 +270,12 @@ class ModelRunner:
                 continue
             members = decodes[bucket_start:end]
             num_blocks = -(-int(longest) // block_size)
-            key_mask = np.arange(num_blocks * block_size)[None, :] < context_lens[members][:, None]
+            padding = np.arange(num_blocks * block_size)[None, :] >= context_lens[members][:, None]
             meta.decode_buckets.append(
                 DecodeBucket(
                     to_device(cu_lens[members]),
                     to_device(np.ascontiguousarray(table[members, :num_blocks])),
-                    to_device(key_mask[:, None, None, :]),
+                    to_device(padding[:, None, None, :]),
                     int(longest),
                 )
             )
