@@ -264,7 +264,7 @@ def main() -> None:
         preexec_fn=_pinned_to(engine_cpus),
     )  # fmt: skip
     daphne = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-p", str(args.port), "config.asgi:application"],
+        [sys.executable, "-m", "config.webserver", "-p", str(args.port), "config.asgi:application"],
         env=env,
         stderr=subprocess.DEVNULL,
         preexec_fn=_pinned_to(web_cpus),

@@ -151,7 +151,7 @@ def test_several_web_processes_share_one_port(tmp_path):
     process, base = _run_web_only(tmp_path, WEB_PROCESSES="3")
     try:
         _wait_for_http(f"{base}/health/live", timeout=60, ok_only=True)
-        daphnes = [c for c in _children(process.pid) if "daphne --fd" in c]
+        daphnes = [c for c in _children(process.pid) if "config.webserver --fd" in c]
         assert len(daphnes) == 3
         for _ in range(20):  # every connection is answered, whichever process takes it
             assert urllib.request.urlopen(f"{base}/health/live", timeout=5).status == 200

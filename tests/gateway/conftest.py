@@ -140,7 +140,16 @@ class Daphne:
         )
         port = self.base.rsplit(":", 1)[1]
         self.process = subprocess.Popen(
-            [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", port, "config.asgi:application"],
+            [
+                PYTHON,
+                "-m",
+                "config.webserver",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                port,
+                "config.asgi:application",
+            ],
             cwd=ROOT,
             env=env,
             stdout=(folder / "daphne.log").open("ab"),

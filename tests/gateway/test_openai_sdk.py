@@ -197,6 +197,21 @@ def test_errors_arrive_as_the_sdks_exceptions(platform):
         _greedy_chat(platform.client(), max_tokens=2)
 
 
+@pytest.mark.parametrize(
+    "content_type", ["multipart/form-data; boundary=x", "application/x-www-form-urlencoded"]
+)
+def test_a_body_that_claims_to_be_a_form_gets_the_apis_error(platform, content_type):
+    """The server hands every body to the application untouched (Twisted's own form parsing
+    is off): a body that is not the form it claims to be gets OpenAI's error object, not a
+    bare 400 and a dropped connection."""
+    headers = {"Authorization": f"Bearer {platform.key}", "Content-Type": content_type}
+    with httpx.Client(base_url=platform.base, timeout=30) as http:
+        response = http.post("/v1/chat/completions", content=b"--y\r\nnot a form", headers=headers)
+        assert response.status_code == 415
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_media_type" and error["type"]
+
+
 def test_rate_limit_arrives_as_rate_limit_error_with_headers(platform):
     platform.tenant.requests_per_minute = 1
     platform.tenant.save()

@@ -73,7 +73,7 @@ class Command(BaseCommand):
             raise CommandError("WEB_PROCESSES must be at least 1.")
         if count == 1:
             argv = ["--bind", host, "--port", str(port), app]
-            return [ProcessSpec("daphne", [sys.executable, "-m", "daphne", *argv], env)]
+            return [ProcessSpec("daphne", [sys.executable, "-m", "config.webserver", *argv], env)]
         if not settings.REDIS_URL:
             raise CommandError(
                 "WEB_PROCESSES > 1 needs REDIS_URL: the web processes share quotas, the chat's "
@@ -87,7 +87,7 @@ class Command(BaseCommand):
         return [
             ProcessSpec(
                 f"daphne-{i}",
-                [sys.executable, "-m", "daphne", "--fd", str(fd), app],
+                [sys.executable, "-m", "config.webserver", "--fd", str(fd), app],
                 env,
                 pass_fds=(fd,),
             )
