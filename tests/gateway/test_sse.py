@@ -3,10 +3,12 @@
 import asyncio
 import json
 
+import msgspec
 import pytest
 
+from gateway import schemas
 from gateway.generation import Generation, fan_out
-from gateway.validation import plan_chat
+from gateway.validation import plan_chat, plan_completion
 from inference_engine.client import AsyncEngineClient
 from inference_engine.protocol import FinishReason, GenerateDelta, ResponseType, Usage
 from tenants.metering import Meter
@@ -87,3 +89,91 @@ async def test_ready_events_share_a_write(engine):
     assert last[3] == b"[DONE]"
     with pytest.raises(StopAsyncIteration):
         await anext(writes)
+
+
+# quotes, escapes, control characters, non-ASCII, the templates' own placeholder character
+AWKWARD_TEXTS = ['say "hi"', "back\\slash", "line\nbreak\t", "\x00\x1f", "héllo 世界 🙂", "\ue000"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_text_events_are_exactly_the_encoded_response_objects(engine, kind):
+    """Plain text events are cut from a template (the generation's fixed fields encoded
+    once): each must be byte for byte the encoding of the whole chunk object."""
+    fake, client = engine
+    body = {"model": "m", "stream": True, "n": 2}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        plan = plan_chat(json.dumps(body).encode())
+    else:
+        body["prompt"] = "hi"
+        plan = plan_completion(json.dumps(body).encode())
+    requests = fan_out(plan, "resp-1", None, "tenant")
+    generation = Generation(
+        kind=kind,
+        plan=plan,
+        requests=requests,
+        client=client,
+        meter=Meter("resp-1"),
+        response_id="resp-1",
+        model="m",
+    )
+    starting = asyncio.create_task(generation.start())
+    identities = {}
+    for _ in requests:
+        identity, request = await fake.generates.get()
+        identities[request.request_id] = identity
+    for index, request in enumerate(requests):  # the first token of each choice
+        delta = GenerateDelta(request.request_id, AWKWARD_TEXTS[index], [1])
+        await fake.send(identities[request.request_id], ResponseType.OUTPUTS, [delta])
+    await starting
+    for text in AWKWARD_TEXTS[2:]:
+        for request in requests:
+            delta = GenerateDelta(request.request_id, text, [2])
+            await fake.send(identities[request.request_id], ResponseType.OUTPUTS, [delta])
+    writes = generation.sse()
+    text_events = []
+    num_text_events = 2 + 2 * len(AWKWARD_TEXTS[2:])  # each choice's first token, then pairs
+    while len(text_events) < num_text_events:
+        write = await anext(writes)
+        events = [event + b"\n\n" for event in write.split(b"\n\n")[:-1]]
+        text_events += [event for event in events if b'"role"' not in event]
+
+    def expected(index: int, text: str) -> bytes:
+        if kind == "chat":
+            choice = schemas.ChatChunkChoice(
+                index=index,
+                delta=schemas.ChunkDelta(content=text),
+                logprobs=None,
+                finish_reason=None,
+            )
+            chunk = schemas.ChatCompletionChunk(
+                id="resp-1",
+                object="chat.completion.chunk",
+                created=generation.created,
+                model="m",
+                choices=[choice],
+            )
+        else:
+            choice = schemas.CompletionChoice(
+                index=index, text=text, logprobs=None, finish_reason=None
+            )
+            chunk = schemas.Completion(
+                object="text_completion",
+                id="resp-1",
+                created=generation.created,
+                model="m",
+                choices=[choice],
+            )
+        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    by_choice = {0: [], 1: []}  # the choices' streams interleave in arrival order
+    for event in text_events:
+        by_choice[json.loads(event[6:])["choices"][0]["index"]].append(event)
+    for index in (0, 1):
+        texts = [AWKWARD_TEXTS[index], *AWKWARD_TEXTS[2:]]
+        assert by_choice[index] == [expected(index, text) for text in texts]
+    assert json.loads(by_choice[1][-1][6:])["choices"][0] == (
+        {"index": 1, "delta": {"content": "\ue000"}, "logprobs": None, "finish_reason": None}
+        if kind == "chat"
+        else {"index": 1, "text": "\ue000", "logprobs": None, "finish_reason": None}
+    )
