@@ -4,9 +4,14 @@
 yields a ``Meter`` for the caller to fill with the engine's real counts, and on the way out,
 whatever happens (success, engine failure, client disconnect, cancellation), releases the
 admission with the real token count and writes exactly one ``UsageRecord``.
+
+A request cancelled while its admission is still on the worker thread (its client left) may
+yet be admitted there: that admission is then settled as soon as the thread is done, as a
+cancelled request with no tokens, so it holds no concurrency slot or reservation.
 """
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -67,8 +72,25 @@ async def metered(
     ``precondition`` runs on the worker thread just before admission; what it raises
     propagates with nothing admitted or recorded (the API checks its cached authorization
     there, saving a thread trip of its own)."""
-    ticket = await _admit(precondition, tenant, api_key, estimated_tokens)
-    meter = Meter(request_id=request_id, headers=ticket.headers)
+    started_at = time.time()
+    admission = asyncio.ensure_future(_admit(precondition, tenant, api_key, estimated_tokens))
+    try:
+        ticket = await asyncio.shield(admission)
+    except asyncio.CancelledError:
+        # the thread may still admit it: settle that admission once the thread is done
+        settle_orphan = functools.partial(
+            _settle_orphan,
+            request_id=request_id,
+            started_at=started_at,
+            tenant=tenant,
+            api_key=api_key,
+            user=user,
+            model=model,
+            source=source,
+        )
+        admission.add_done_callback(settle_orphan)
+        raise
+    meter = Meter(request_id=request_id, started_at=started_at, headers=ticket.headers)
     try:
         yield meter
     except asyncio.CancelledError:
@@ -87,6 +109,38 @@ async def metered(
         )
         if on_finish is not None:
             on_finish(meter)
+
+
+def _settle_orphan(
+    admission: asyncio.Future,
+    *,
+    request_id: str,
+    started_at: float,
+    tenant: Tenant,
+    api_key: ApiKey | None,
+    user: AbstractBaseUser | None,
+    model: str,
+    source: str,
+) -> None:
+    """The admission of a request cancelled while it ran, once it is done: settle it (if it
+    admitted anything) as a cancelled request with no tokens."""
+    if admission.cancelled() or admission.exception() is not None:
+        return  # refused, or failed: nothing was admitted
+    meter = Meter(request_id=request_id, started_at=started_at, finished_at=time.time())
+    meter.fail("cancelled", UsageRecord.Status.CANCELLED)
+    settlement = _settlement(meter, admission.result(), tenant, api_key, user, model, source)
+    task = asyncio.ensure_future(settle(settlement))
+    _orphans.add(task)  # held until it is done: the loop keeps only a weak reference
+    task.add_done_callback(_orphan_settled)
+
+
+_orphans: set[asyncio.Future] = set()
+
+
+def _orphan_settled(task: asyncio.Future) -> None:
+    _orphans.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("could not settle a cancelled request's admission", exc_info=task.exception())
 
 
 @database_worker
