@@ -187,9 +187,8 @@ def _gather_heads_first(cache: torch.Tensor, block_table: torch.Tensor) -> torch
     _, block_size, num_kv_heads, head_dim = cache.shape
     tokens = cache.flatten(1).index_select(0, block_table.view(-1))
     tokens = tokens.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    heads_first = torch.empty(
-        batch, num_kv_heads, num_blocks * block_size, head_dim, device=cache.device
-    )
+    shape = (batch, num_kv_heads, num_blocks * block_size, head_dim)
+    heads_first = torch.empty(shape, dtype=torch.float32, device=cache.device)
     return heads_first.copy_(tokens.transpose(1, 2))
 
 
