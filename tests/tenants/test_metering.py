@@ -5,6 +5,7 @@ import asyncio
 import threading
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core.cache import cache
 
 from tenants import quotas, services
@@ -25,7 +26,7 @@ def api_key(async_db):
 
 async def _eventually(check, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
-    while not await asyncio.to_thread(check):
+    while not await sync_to_async(check)():
         assert asyncio.get_running_loop().time() < deadline, "never happened"
         await asyncio.sleep(0.02)
 
