@@ -27,6 +27,19 @@ async def engine(tmp_path):
     fake.close()
 
 
+def _generation(kind: str, plan, client: AsyncEngineClient, response_id: str) -> Generation:
+    """A generation of model "m" for ``plan``, one engine request per choice."""
+    return Generation(
+        kind=kind,
+        plan=plan,
+        requests=fan_out(plan, response_id, None, "tenant"),
+        client=client,
+        meter=Meter(response_id),
+        response_id=response_id,
+        model="m",
+    )
+
+
 def _events(write: bytes) -> list:
     assert write.endswith(b"\n\n")
     return [
@@ -44,16 +57,8 @@ async def test_ready_events_share_a_write(engine):
         "stream_options": {"include_usage": True},
     }
     plan = plan_chat(json.dumps(body).encode())
-    requests = fan_out(plan, "chatcmpl-1", None, "tenant")
-    generation = Generation(
-        kind="chat",
-        plan=plan,
-        requests=requests,
-        client=client,
-        meter=Meter("chatcmpl-1"),
-        response_id="chatcmpl-1",
-        model="m",
-    )
+    generation = _generation("chat", plan, client, "chatcmpl-1")
+    requests = generation.requests
     request_id = requests[0].request_id
     starting = asyncio.create_task(generation.start())
     identity, _ = await fake.generates.get()
@@ -107,16 +112,8 @@ async def test_text_events_are_exactly_the_encoded_response_objects(engine, kind
     else:
         body["prompt"] = "hi"
         plan = plan_completion(json.dumps(body).encode())
-    requests = fan_out(plan, "resp-1", None, "tenant")
-    generation = Generation(
-        kind=kind,
-        plan=plan,
-        requests=requests,
-        client=client,
-        meter=Meter("resp-1"),
-        response_id="resp-1",
-        model="m",
-    )
+    generation = _generation(kind, plan, client, "resp-1")
+    requests = generation.requests
     starting = asyncio.create_task(generation.start())
     identities = {}
     for _ in requests:

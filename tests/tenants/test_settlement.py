@@ -2,6 +2,7 @@
 costs a few transactions instead of one each, and one request's failure stays its own."""
 
 import asyncio
+import threading
 from datetime import UTC, datetime
 
 import pytest
@@ -142,3 +143,49 @@ async def test_when_the_database_fails_each_request_hears_it_and_frees_its_slot(
     assert all(isinstance(outcome, OperationalError) for outcome in outcomes)
     assert await sync_to_async(_concurrent)(api_key) == 0
     assert sum(groups) == 5
+
+
+async def _eventually(check, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await sync_to_async(check)():
+        assert asyncio.get_running_loop().time() < deadline, "never happened"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_request_cancelled_during_its_admission_holds_no_slot(keys):
+    """Cancelled (its client left) while the admission is still on the worker thread: the
+    admission made there afterwards must not outlive the request."""
+    api_key, _ = keys
+    on_thread, go_on = threading.Event(), threading.Event()
+
+    def precondition() -> None:  # runs on the worker thread just before the admission
+        on_thread.set()
+        go_on.wait(10)
+
+    async def request() -> None:
+        async with metered(
+            request_id="req-cancelled",
+            tenant=api_key.tenant,
+            api_key=api_key,
+            model="m",
+            source=UsageRecord.Source.API,
+            estimated_tokens=100,
+            precondition=precondition,
+        ):
+            raise AssertionError("a cancelled request never runs")
+
+    task = asyncio.create_task(request())
+    assert await asyncio.to_thread(on_thread.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    go_on.set()  # the worker thread now admits the request that is gone
+
+    await _eventually(lambda: _concurrent(api_key) == 0 and UsageRecord.objects.exists())
+    record = await UsageRecord.objects.aget()
+    assert (record.request_id, record.status, record.error_code) == (
+        "req-cancelled",
+        UsageRecord.Status.CANCELLED,
+        "cancelled",
+    )
+    assert (record.prompt_tokens, record.completion_tokens) == (0, 0)
