@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from inference_engine.config import DTYPES, EngineConfig
+from inference_engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from inference_engine.protocol import MAX_FRAME_BYTES
 from inference_engine.server import EngineServer, ServerConfig
 
@@ -37,8 +37,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(
         "--kv-cache-memory",
         type=int,
-        help="KV cache size in bytes (default: 80%% of free GPU memory, or enough on CPU for "
-        "max-num-seqs full-length requests up to 4 GiB)",
+        help="KV cache size in bytes (default: what --gpu-memory-utilization leaves on a GPU, "
+        "or enough on CPU for max-num-seqs full-length requests up to 4 GiB)",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory for weights, activations and KV cache (default: "
+        "%(default)s)",
+    )
+    add(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto: Triton's paged kernel on a GPU, torch on the CPU (default: %(default)s)",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying CUDA graphs",
+    )
+    add(
+        "--max-cudagraph-batch-size",
+        type=int,
+        help="largest decode batch captured in a CUDA graph (default: --max-num-seqs, at most "
+        "512); larger ones run eagerly",
     )
     add("--max-model-len", type=int, help="longest prompt plus output (default: the model's)")
     add("--no-enable-prefix-caching", action="store_true", help="turn prefix caching off")
@@ -121,6 +145,10 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_enable_prefix_caching,
         max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_cudagraph_batch_size=args.max_cudagraph_batch_size,
     )
 
 

@@ -12,11 +12,17 @@ every attention call. This function writes the step's K/V into the paged cache o
   each over exactly their tokens, which is faster than padding buckets at that size;
 - prefill chunks run one SDPA call each, over the step's own K/V when nothing precedes them,
   else over their gathered blocks with an offset causal mask;
-- on CUDA with flash-attn installed, every request goes through one varlen call instead.
+- on a GPU (the ``triton`` backend) every request of the step, prefill chunk or decode, goes
+  through one Triton kernel launch that reads K/V straight from the paged cache through the
+  block tables (``triton_attention.py``); no Python loop over requests, no per-step gather, and
+  nothing read back to the host, so decode steps can be replayed from CUDA graphs;
+- with the ``flash_attn`` backend, every request goes through one varlen call over a gather of
+  its context.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +69,16 @@ class VarlenMetadata:
 
 
 @dataclass
+class UnifiedMetadata:
+    """Every request of the step for the Triton kernel, in the step's packing order."""
+
+    block_tables: torch.Tensor  # [R, max_blocks] int64
+    seq_lens: torch.Tensor  # [R] context after this step
+    query_start_loc: torch.Tensor  # [R + 1] first row of each request in the packed step
+    max_query_len: int  # host-side bound: picks the kernel's tile shape, never read on device
+
+
+@dataclass
 class PagedMetadata:
     """One step's paged layout, built once by the runner and shared by every layer."""
 
@@ -73,6 +89,7 @@ class PagedMetadata:
     long_decodes: LongDecodes | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     varlen: VarlenMetadata | None = None
+    unified: UnifiedMetadata | None = None
 
 
 def _flash_attn_varlen():
@@ -84,6 +101,29 @@ def _flash_attn_varlen():
 
 
 flash_attn_varlen_func = _flash_attn_varlen() if torch.cuda.is_available() else None
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(requested: str, device: torch.device) -> str:
+    """The attention backend for ``device``: ``auto`` is Triton's kernel on a GPU, torch's
+    vectorised ops on the CPU (where they are faster than anything Triton runs)."""
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if requested == "flash_attn" and (device.type != "cuda" or flash_attn_varlen_func is None):
+        raise ValueError("the flash_attn attention backend needs CUDA and flash-attn installed")
+    if requested == "triton":
+        if not triton_available():
+            raise ValueError("the triton attention backend needs Triton installed")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton attention backend needs CUDA (or TRITON_INTERPRET=1)")
+    return requested
 
 
 def paged_attention_forward(
@@ -110,6 +150,24 @@ def paged_attention_forward(
     flat_shape = (-1, num_kv_heads, head_dim)
     key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
     value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v.to(value_cache.dtype))
+
+    if meta.unified is not None:
+        from inference_engine.triton_attention import paged_attention
+
+        out = torch.empty_like(q)
+        unified = meta.unified
+        paged_attention(
+            out,
+            q,
+            key_cache,
+            value_cache,
+            unified.block_tables,
+            unified.seq_lens,
+            unified.query_start_loc,
+            unified.max_query_len,
+            head_dim**-0.5 if scaling is None else scaling,
+        )
+        return out.unsqueeze(0), None
 
     if meta.varlen is not None and flash_attn_varlen_func is not None:
         varlen = meta.varlen

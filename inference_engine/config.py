@@ -5,13 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# torch: vectorised torch ops (the CPU's); triton: one paged kernel launch per layer (the
+# GPU's); flash_attn: flash-attn's varlen kernel over a per-step gather of each context
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 @dataclass
 class EngineConfig:
     """What the engine is asked to run. ``max_model_len=None`` means the model's own limit;
     ``num_kv_blocks`` fixes the KV cache size, else ``kv_cache_memory`` (bytes) sizes it, else
-    the runner picks a default from free memory."""
+    the runner sizes it: on a GPU, ``gpu_memory_utilization`` of the device's memory less the
+    weights and the peak of a profiling step; on the CPU, enough for ``max_num_seqs``
+    full-length requests up to 4 GiB. ``enforce_eager`` turns off the CUDA graphs that replay
+    decode-only steps; ``max_cudagraph_batch_size`` is the largest one captured (default:
+    ``max_num_seqs``, at most 512)."""
 
     model: str
     dtype: str = "auto"
@@ -23,6 +30,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    max_cudagraph_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -31,7 +42,22 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float):
+            raise ValueError(f"gpu_memory_utilization must be a number, got {utilization!r}")
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        for name in (
+            "num_kv_blocks",
+            "kv_cache_memory",
+            "max_model_len",
+            "max_cudagraph_batch_size",
+        ):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:

@@ -34,36 +34,14 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        skip_tokenizer_init: bool = False,
-    ) -> None:
-        """``skip_tokenizer_init`` loads no tokenizer: prompts must be token ids, texts stay
-        empty and stop strings are ignored."""
+    def __init__(self, model: str, skip_tokenizer_init: bool = False, **options) -> None:
+        """``options`` are ``EngineConfig``'s fields (``dtype``, ``max_num_seqs``,
+        ``enforce_eager`` ...), so their defaults live in one place. ``skip_tokenizer_init``
+        loads no tokenizer: prompts must be token ids, texts stay empty and stop strings are
+        ignored."""
         from transformers import AutoTokenizer
 
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching,
-            max_model_len=max_model_len,
-        )
+        config = EngineConfig(model=model, **options)
         self.core = EngineCore(config)
         self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(model)
         self._req_counter = itertools.count()

@@ -2,11 +2,16 @@
 
 Dtype ``"auto"`` means the checkpoint's dtype, except that float16 on CPU becomes bfloat16
 (CPU float16 matmuls are very slow); float32 and bfloat16 are kept as they are.
+
+On a GPU a step's inputs are packed on the host into one pinned buffer and copied once; the
+attention is one Triton launch per layer; decode-only steps replay CUDA graphs; and the one
+device-to-host copy is the sampled token ids.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,10 +23,12 @@ from inference_engine.attention import (
     LongDecodes,
     PagedMetadata,
     PrefillChunk,
+    UnifiedMetadata,
     VarlenMetadata,
 )
 from inference_engine.config import EngineConfig
-from inference_engine.protocol import TokenLogprobs
+from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
+from inference_engine.protocol import SamplingParams, TokenLogprobs
 from inference_engine.sampler import Sampler, SamplingRow
 from inference_engine.scheduler import ScheduledRequest
 
@@ -30,8 +37,112 @@ DECODE_BUCKET_RATIO = 0.5
 # decodes with at least this many context tokens are attended one by one, unmasked
 LONG_DECODE_MIN_CONTEXT = 256
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
-CUDA_KV_CACHE_FRACTION = 0.8
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One step packed on the host, request after request (``R`` requests, ``T`` tokens)."""
+
+    token_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    lens: np.ndarray  # [R] new tokens
+    starts: np.ndarray  # [R] position of each one's first new token
+    context_lens: np.ndarray  # [R] tokens with KV after this step
+    cu_lens: np.ndarray  # [R + 1] first row of each request
+    block_table: np.ndarray  # [R, max_blocks] padded with 0
+    logits_rows: np.ndarray  # [S] the last row of each sampling request
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool((self.lens == 1).all()) and len(self.logits_rows) == len(self.lens)
+
+    def decode_batch(self) -> DecodeBatch:
+        return DecodeBatch(
+            self.token_ids, self.positions, self.slot_mapping, self.context_lens, self.block_table
+        )
+
+
+def plan_step(
+    scheduled: list[ScheduledRequest], block_tables: list[list[int]], block_size: int
+) -> StepPlan:
+    num_requests = len(scheduled)
+    token_ids: list[int] = []
+    for item in scheduled:
+        token_ids.extend(item.request.all_token_ids[item.start : item.start + item.num_new_tokens])
+    lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_requests)
+    starts = np.fromiter((item.start for item in scheduled), np.int64, num_requests)
+    cu_lens = np.zeros(num_requests + 1, np.int64)
+    np.cumsum(lens, out=cu_lens[1:])
+    req_of_token = np.repeat(np.arange(num_requests), lens)
+    positions = np.arange(int(cu_lens[-1])) - cu_lens[:-1][req_of_token] + starts[req_of_token]
+    table = np.zeros((num_requests, max(len(ids) for ids in block_tables)), np.int64)
+    for i, block_ids in enumerate(block_tables):
+        table[i, : len(block_ids)] = block_ids
+    slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
+    is_sampling = np.fromiter((item.is_sampling for item in scheduled), bool, num_requests)
+    return StepPlan(
+        token_ids=np.array(token_ids, np.int64),
+        positions=positions,
+        slot_mapping=slots,
+        lens=lens,
+        starts=starts,
+        context_lens=starts + lens,
+        cu_lens=cu_lens,
+        block_table=table,
+        logits_rows=cu_lens[1:][is_sampling] - 1,
+    )
+
+
+def kv_cache_budget(
+    total_memory: int, utilization: float, peak_torch_memory: int, non_torch_memory: int
+) -> int:
+    """Bytes left for the KV cache when this engine may use ``utilization`` of the device:
+    what remains after the weights and a profiled step's activations (``peak_torch_memory``)
+    and the CUDA context and libraries' own memory (``non_torch_memory``), as vLLM sizes it."""
+    budget = int(total_memory * utilization) - peak_torch_memory - non_torch_memory
+    if budget <= 0:
+        raise ValueError(
+            f"no memory is left for the KV cache: {utilization:.0%} of "
+            f"{total_memory / 2**30:.1f} GiB is {total_memory * utilization / 2**30:.1f} GiB, "
+            f"and the weights and a step's activations take "
+            f"{(peak_torch_memory + non_torch_memory) / 2**30:.1f} GiB; "
+            "raise --gpu-memory-utilization or lower --max-num-batched-tokens"
+        )
+    return budget
+
+
+class HostStaging:
+    """Copies a step's integer arrays to the device in one transfer: packed into a pinned host
+    buffer, then one non-blocking copy. On the CPU the arrays are used where they are."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = torch.empty(0, dtype=torch.int64)
+
+    def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        if self.device.type == "cpu":
+            return [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
+        sizes = [array.size for array in arrays]
+        total = sum(sizes)
+        if total > self.pinned.numel():
+            # the step before read its sampled ids back, so no copy from the old buffer is queued
+            self.pinned = torch.empty(
+                max(total, 2 * self.pinned.numel()), pin_memory=True, dtype=torch.int64
+            )
+        host = self.pinned[:total].numpy()
+        offset = 0
+        for array, size in zip(arrays, sizes, strict=True):
+            host[offset : offset + size] = array.reshape(-1)
+            offset += size
+        device_buffer = self.pinned[:total].to(self.device, non_blocking=True)
+        return [
+            part.view(array.shape)
+            for part, array in zip(device_buffer.split(sizes), arrays, strict=True)
+        ]
 
 
 @dataclass
@@ -114,14 +225,61 @@ class ModelRunner:
         self.vocab_size = self.model.config.vocab_size
         self.spec = model_spec(self.model.config, getattr(self.model, "generation_config", None))
         self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        self.backend = attention.select_backend(config.attention_backend, self.device)
+        self.sampler = Sampler(self.device)
+        self.staging = HostStaging(self.device)
         self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        # decode graphs pad their batches with requests on one scratch block past the
+        # scheduler's, so the Triton backend keeps one
+        num_cache_blocks = self.num_blocks + (self.backend == "triton")
+        shape = (num_cache_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.key_caches = [self._empty(shape) for _ in range(self.spec.num_layers)]
         self.value_caches = [self._empty(shape) for _ in range(self.spec.num_layers)]
-        self.sampler = Sampler(self.device)
-        self.use_varlen = (
-            attention.flash_attn_varlen_func is not None and self.device.type == "cuda"
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); attention: %s",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.num_blocks * self.bytes_per_block / 2**30,
+            self.backend,
         )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager:
+            self.graphs = self.decode_graphs(capture=True)
+            seconds = self.graphs.capture()
+            logger.info(
+                "captured CUDA graphs for %d decode batch sizes up to %d in %.1f s",
+                len(self.graphs.sizes),
+                self.graphs.max_batch_size,
+                seconds,
+            )
+
+    def decode_graphs(self, *, capture: bool) -> DecodeGraphs:
+        """Decode graphs over this runner's caches (scratch block: the one past the
+        scheduler's). ``capture=False`` replays eagerly, for tests without a GPU."""
+        max_batch_size = self.config.max_cudagraph_batch_size or self.config.max_num_seqs
+        return DecodeGraphs(
+            self._graph_forward,
+            max_batch_size=min(max_batch_size, self.config.max_num_seqs),
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            scratch_block=self.key_caches[0].shape[0] - 1,
+            block_size=self.block_size,
+            device=self.device,
+            capture=capture,
+        )
+
+    def _graph_forward(self, input_ids, positions, slot_mapping, unified) -> torch.Tensor:
+        meta = PagedMetadata(self.key_caches, self.value_caches, slot_mapping, unified=unified)
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=None,
+            use_cache=False,
+            logits_to_keep=0,
+            paged_metadata=meta,
+        )
+        return output.logits[0]
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -145,8 +303,7 @@ class ModelRunner:
         if self.config.kv_cache_memory is not None:
             num_blocks = self.config.kv_cache_memory // self.bytes_per_block
         elif self.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            num_blocks = int(free_bytes * CUDA_KV_CACHE_FRACTION) // self.bytes_per_block
+            num_blocks = self._profile_kv_cache_bytes() // self.bytes_per_block
         else:
             max_len = self.config.max_model_len or self.spec.max_position_embeddings
             wanted = self.config.max_num_seqs * -(-max_len // self.block_size)
@@ -154,6 +311,68 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError("KV cache memory is too small for a single block")
         return int(num_blocks)
+
+    def _profile_kv_cache_bytes(self) -> int:
+        """Run the largest step the scheduler can make (``max_num_batched_tokens`` tokens,
+        split over up to ``max_num_seqs`` sampling requests) on a throwaway cache, then size the
+        KV cache from the peak memory it took."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_requests = min(self.config.max_num_seqs, num_tokens)
+        lens = np.full(num_requests, num_tokens // num_requests, np.int64)
+        lens[: num_tokens % num_requests] += 1
+        blocks_per_request = -(-int(lens.max()) // self.block_size)
+        shape = (num_requests * blocks_per_request, self.block_size) + (
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+        )
+        self.key_caches = [self._empty(shape) for _ in range(self.spec.num_layers)]
+        self.value_caches = [self._empty(shape) for _ in range(self.spec.num_layers)]
+        table = np.arange(num_requests * blocks_per_request).reshape(num_requests, -1)
+        cu_lens = np.zeros(num_requests + 1, np.int64)
+        np.cumsum(lens, out=cu_lens[1:])
+        req_of_token = np.repeat(np.arange(num_requests), lens)
+        positions = np.arange(num_tokens) - cu_lens[:-1][req_of_token]
+        plan = StepPlan(
+            token_ids=np.zeros(num_tokens, np.int64),
+            positions=positions,
+            slot_mapping=table[req_of_token, positions // self.block_size] * self.block_size
+            + positions % self.block_size,
+            lens=lens,
+            starts=np.zeros(num_requests, np.int64),
+            context_lens=lens,
+            cu_lens=cu_lens,
+            block_table=table,
+            logits_rows=cu_lens[1:] - 1,
+        )
+        logits = self._forward(plan)
+        # the sampler's widest path: float32 copies, sorting for top-p, noise
+        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1)
+        rows = [SamplingRow(str(i), params, [0], [0], frozenset()) for i in range(num_requests)]
+        self.sampler(logits, rows)
+        self.sampler.release([row.req_id for row in rows])
+        torch.cuda.synchronize(self.device)
+        del logits
+        self.key_caches, self.value_caches = [], []
+        peak_torch_memory = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # what the process holds outside torch's allocator: the CUDA context, cuBLAS, NCCL
+        non_torch_memory = max(total - free - torch.cuda.memory_reserved(self.device), 0)
+        torch.cuda.empty_cache()
+        budget = kv_cache_budget(
+            total, self.config.gpu_memory_utilization, peak_torch_memory, non_torch_memory
+        )
+        logger.info(
+            "memory profile: weights and peak activations %.2f GiB, outside torch %.2f GiB, "
+            "%.2f GiB left for the KV cache at gpu_memory_utilization=%.2f",
+            peak_torch_memory / 2**30,
+            non_torch_memory / 2**30,
+            budget / 2**30,
+            self.config.gpu_memory_utilization,
+        )
+        return min(budget, free)
 
     def release(self, req_ids: list[str]) -> None:
         self.sampler.release(req_ids)
@@ -164,15 +383,12 @@ class ModelRunner:
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """Run one step. Returns the sampled token per sampling request and its logprobs
         where asked for."""
-        input_ids, positions, logits_rows, meta = self._prepare(scheduled, block_tables)
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            past_key_values=None,
-            use_cache=False,
-            logits_to_keep=logits_rows,
-            paged_metadata=meta,
-        )
+        plan = plan_step(scheduled, block_tables, self.block_size)
+        graphs = self.graphs
+        if graphs is not None and plan.is_decode_only and len(plan.lens) <= graphs.max_batch_size:
+            logits = graphs.run(plan.decode_batch())
+        else:
+            logits = self._forward(plan)
         sampling = [item.request for item in scheduled if item.is_sampling]
         if not sampling:
             return {}, {}
@@ -182,39 +398,53 @@ class ModelRunner:
             )
             for r in sampling
         ]
-        token_ids, logprobs = self.sampler(output.logits[0], rows)
+        token_ids, logprobs = self.sampler(logits, rows)
         sampled = {r.req_id: token for r, token in zip(sampling, token_ids, strict=True)}
         wanted = {r.req_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None}
         return sampled, wanted
 
-    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]):
-        block_size, device = self.block_size, self.device
-        num_requests = len(scheduled)
-        token_ids: list[int] = []
-        for item in scheduled:
-            token_ids.extend(
-                item.request.all_token_ids[item.start : item.start + item.num_new_tokens]
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """The model run eagerly over a packed step: logits ``[S, V]`` of its sampling rows."""
+        input_ids, positions, logits_rows, meta = self._prepare(plan)
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=None,
+            use_cache=False,
+            logits_to_keep=logits_rows,
+            paged_metadata=meta,
+        )
+        return output.logits[0]
+
+    def _prepare(self, plan: StepPlan):
+        if self.backend == "triton":
+            ids, positions, slots, table, seq_lens, starts, logits_rows = self.staging.upload(
+                plan.token_ids,
+                plan.positions,
+                plan.slot_mapping,
+                plan.block_table,
+                plan.context_lens,
+                plan.cu_lens,
+                plan.logits_rows,
             )
-        lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_requests)
-        starts = np.fromiter((item.start for item in scheduled), np.int64, num_requests)
-        context_lens = starts + lens
-        cu_lens = np.zeros(num_requests + 1, np.int64)
-        np.cumsum(lens, out=cu_lens[1:])
-        num_tokens = int(cu_lens[-1])
-        req_of_token = np.repeat(np.arange(num_requests), lens)
-        positions = np.arange(num_tokens) - cu_lens[:-1][req_of_token] + starts[req_of_token]
-        max_blocks = max(len(table) for table in block_tables)
-        table = np.zeros((num_requests, max_blocks), np.int64)
-        for i, block_ids in enumerate(block_tables):
-            table[i, : len(block_ids)] = block_ids
-        slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
-        is_sampling = np.fromiter((item.is_sampling for item in scheduled), bool, num_requests)
+            unified = UnifiedMetadata(table, seq_lens, starts, int(plan.lens.max()))
+            meta = PagedMetadata(self.key_caches, self.value_caches, slots, unified=unified)
+            return ids.unsqueeze(0), positions.unsqueeze(0), logits_rows, meta
+
+        device = self.device
 
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
 
-        meta = PagedMetadata(self.key_caches, self.value_caches, to_device(slots))
-        if self.use_varlen:
+        lens, starts, context_lens, cu_lens = (
+            plan.lens,
+            plan.starts,
+            plan.context_lens,
+            plan.cu_lens,
+        )
+        meta = PagedMetadata(self.key_caches, self.value_caches, to_device(plan.slot_mapping))
+        if self.backend == "flash_attn":
+            num_requests, block_size, table = len(lens), self.block_size, plan.block_table
             cu_seqlens_k = np.zeros(num_requests + 1, np.int64)
             np.cumsum(context_lens, out=cu_seqlens_k[1:])
             req_of_key = np.repeat(np.arange(num_requests), context_lens)
@@ -228,10 +458,16 @@ class ModelRunner:
                 to_device(key_slots + key_pos % block_size),
             )
         else:
-            self._plan_cpu_attention(meta, table, lens, starts, context_lens, cu_lens, to_device)
-        logits_rows = to_device(cu_lens[1:][is_sampling] - 1)
-        input_tensor = torch.tensor(token_ids, dtype=torch.long).to(device).unsqueeze(0)
-        return input_tensor, to_device(positions).unsqueeze(0), logits_rows, meta
+            self._plan_cpu_attention(
+                meta, plan.block_table, lens, starts, context_lens, cu_lens, to_device
+            )
+        input_tensor = to_device(plan.token_ids).unsqueeze(0)
+        return (
+            input_tensor,
+            to_device(plan.positions).unsqueeze(0),
+            to_device(plan.logits_rows),
+            meta,
+        )
 
     def _plan_cpu_attention(self, meta, table, lens, starts, context_lens, cu_lens, to_device):
         block_size = self.block_size

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.inference_engine import triton_interpreter
+
+triton_interpreter.enable()  # before any test module imports a Triton kernel
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -1,0 +1,185 @@
+"""Decode-only steps replayed from CUDA graphs, one per batch size of a ladder (as vLLM and
+nano-vllm do): a step of ``n`` decodes is padded to the next captured size and replayed.
+
+Every input of a graph lives in one static device buffer with fixed offsets, so a step is one
+host-to-device copy (through a pinned buffer) and one replay. Padding rows are decodes of one
+token on a scratch block that no request owns: they write their K/V there and their logits are
+dropped, so they never touch a real request's cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from inference_engine.attention import UnifiedMetadata
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURED_BATCH_SIZE = 512
+
+# (input_ids [1, B], position_ids [1, B], slot_mapping [B], attention metadata) -> logits [B, V]
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, UnifiedMetadata], torch.Tensor]
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 256, then every 16: the padding stays under 8 rows where
+    batches are small and steps are cheap, as in vLLM's default ladder."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, MAX_CAPTURED_BATCH_SIZE + 1, 16))
+    capped = [size for size in sizes if size < max_batch_size]
+    return [*capped, min(max_batch_size, MAX_CAPTURED_BATCH_SIZE)]
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A decode-only step on the host: one new token per request."""
+
+    token_ids: np.ndarray  # [n]
+    positions: np.ndarray  # [n]
+    slot_mapping: np.ndarray  # [n]
+    seq_lens: np.ndarray  # [n] context after this step
+    block_table: np.ndarray  # [n, num_blocks]
+
+
+class StaticInputs:
+    """The fixed layout of every graph's inputs: ids, positions, slots, context lengths and
+    query starts (``max_batch_size`` each, one more for the starts), then the block tables."""
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        rows = max_batch_size
+        self.offsets = [0, rows, 2 * rows, 3 * rows, 4 * rows, 5 * rows + 1]
+        self.size = self.offsets[-1] + rows * max_blocks_per_seq
+
+    def views(self, buffer: np.ndarray | torch.Tensor):
+        """``(ids, positions, slots, seq_lens, query_start_loc, block_tables)`` over ``buffer``."""
+        ids, positions, slots, seq_lens, starts, tables = (
+            buffer[start:end]
+            for start, end in zip(self.offsets, [*self.offsets[1:], self.size], strict=True)
+        )
+        return ids, positions, slots, seq_lens, starts, tables.reshape(self.max_batch_size, -1)
+
+    def used(self, batch_size: int) -> int:
+        """Elements to copy for a batch: everything before the tables, and its rows of them."""
+        return self.offsets[-1] + batch_size * self.max_blocks_per_seq
+
+    def fill(
+        self,
+        host: np.ndarray,
+        batch: DecodeBatch,
+        batch_size: int,
+        scratch_block: int,
+        block_size: int,
+    ) -> None:
+        """Write ``batch`` padded to ``batch_size`` into ``host``, the layout's host copy."""
+        ids, positions, slots, seq_lens, starts, tables = self.views(host)
+        num_real = len(batch.token_ids)
+        if num_real > batch_size or batch.block_table.shape[1] > self.max_blocks_per_seq:
+            raise ValueError("the decode batch does not fit the captured graph")
+        ids[:num_real] = batch.token_ids
+        positions[:num_real] = batch.positions
+        slots[:num_real] = batch.slot_mapping
+        seq_lens[:num_real] = batch.seq_lens
+        tables[:num_real, : batch.block_table.shape[1]] = batch.block_table
+        padding = slice(num_real, batch_size)
+        ids[padding] = 0
+        positions[padding] = 0
+        slots[padding] = scratch_block * block_size
+        seq_lens[padding] = 1
+        tables[padding, 0] = scratch_block
+        starts[: batch_size + 1] = np.arange(batch_size + 1)
+
+
+class DecodeGraphs:
+    """Captures ``forward`` for each size of ``capture_sizes`` and replays the smallest that
+    holds a decode step. With ``capture=False`` the same static buffers and padding run the
+    forward eagerly instead, which lets the CPU tests check everything but the capture."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        *,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+        block_size: int,
+        device: torch.device,
+        capture: bool = True,
+    ) -> None:
+        self.forward = forward
+        self.sizes = capture_sizes(max_batch_size)
+        self.layout = StaticInputs(self.sizes[-1], max_blocks_per_seq)
+        self.scratch_block = scratch_block
+        self.block_size = block_size
+        self.device = device
+        self.capture_enabled = capture
+        pin = device.type == "cuda"
+        self.host = torch.zeros(self.layout.size, dtype=torch.int64, pin_memory=pin)
+        self.inputs = torch.zeros(self.layout.size, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    def batch_size_for(self, num_requests: int) -> int | None:
+        """The captured size a step of ``num_requests`` decodes runs at, None if too many."""
+        for size in self.sizes:
+            if size >= num_requests:
+                return size
+        return None
+
+    def capture(self) -> float:
+        """Capture every size, largest first so the smaller ones reuse its memory pool.
+        Returns the seconds it took."""
+        began = time.perf_counter()
+        empty = DecodeBatch(*(np.zeros(0, np.int64) for _ in range(4)), np.zeros((0, 1), np.int64))
+        pool = None
+        for size in reversed(self.sizes):
+            self._upload(empty, size)
+            self._run(size)  # warm-up: lazy initialisation and autotuning stay out of the graph
+            if not self.capture_enabled:
+                continue
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._run(size)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = graph
+        if self.capture_enabled:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - began
+
+    def run(self, batch: DecodeBatch) -> torch.Tensor:
+        """Logits ``[n, V]`` for the batch's ``n`` decodes."""
+        num_real = len(batch.token_ids)
+        size = self.batch_size_for(num_real)
+        if size is None:
+            raise ValueError(f"{num_real} decodes exceed the largest captured batch")
+        self._upload(batch, size)
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._run(size)[:num_real]
+        graph.replay()
+        return self.outputs[size][:num_real]
+
+    def _upload(self, batch: DecodeBatch, size: int) -> None:
+        # the host buffer is free again: the last step read its sampled ids back, which waits
+        # for every copy queued before it
+        self.layout.fill(self.host.numpy(), batch, size, self.scratch_block, self.block_size)
+        used = self.layout.used(size)
+        self.inputs[:used].copy_(self.host[:used], non_blocking=True)
+
+    def _run(self, size: int) -> torch.Tensor:
+        ids, positions, slots, seq_lens, starts, tables = self.layout.views(self.inputs)
+        meta_inputs = UnifiedMetadata(tables[:size], seq_lens[:size], starts[: size + 1], 1)
+        return self.forward(
+            ids[:size].unsqueeze(0), positions[:size].unsqueeze(0), slots[:size], meta_inputs
+        )
