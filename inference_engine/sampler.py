@@ -5,12 +5,18 @@ Order, as in vLLM: logprobs are taken from the raw logits; then min_tokens maski
 and min-p. Greedy rows (temperature 0) take the argmax. Random rows use the exponential race
 (argmax of probs / Exp(1) noise); a seeded request draws its noise from its own
 ``torch.Generator``, so its tokens do not depend on what else is in the batch.
+
+Nothing loops over rows on the device: per-row parameters, banned tokens and token counts for
+the penalties are built on the host as arrays and uploaded without a sync (pinned, non-blocking
+on a GPU); the one wait is the copy of the sampled ids (and the logprobs asked for) back. Only
+seeded rows draw their noise one by one, from their own generators.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inference_engine.protocol import SamplingParams, TokenLogprobs
@@ -42,31 +48,54 @@ class Sampler:
         """``logits`` ``[S, V]``, one row per entry of ``rows``. Returns a token id per row and
         its logprobs where ``params.logprobs`` was set."""
         params = [row.params for row in rows]
-        if all(p.is_greedy for p in params) and not any(_needs_processing(row) for row in rows):
+        all_greedy = all(p.is_greedy for p in params)
+        if all_greedy and not any(_needs_processing(row) for row in rows):
             # max() is much faster than argmax() on bfloat16 on CPU; both take the first maximum
-            token_ids = logits.max(dim=-1).indices.tolist()
-            return token_ids, self._logprobs(logits, rows, token_ids)
+            return self._to_host(logits.max(dim=-1).indices, logits, rows)
         logits = logits.float()
-
         raw_logits = logits
         logits = logits.clone()
         self._mask_min_tokens(logits, rows)
         self._apply_penalties(logits, rows)
-        greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
         token_ids = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temperature = torch.tensor(
-                [p.temperature if p.temperature > 0 else 1.0 for p in params],
-                device=self.device,
-            )
-            logits = logits / temperature.unsqueeze(1)
-            logits = _top_k_top_p_min_p(logits, params, self.device)
+        if not all_greedy:
+            greedy = self._upload(np.array([p.is_greedy for p in params]))
+            temperature = np.array([p.temperature if p.temperature > 0 else 1.0 for p in params])
+            logits.div_(self._upload(temperature.astype(np.float32)).unsqueeze(1))
+            logits = self._top_k_top_p_min_p(logits, params)
             probs = logits.softmax(dim=-1)
             noise = self._exponential_noise(probs, rows)
             sampled = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(greedy, token_ids, sampled)
-        token_id_list = token_ids.tolist()
-        return token_id_list, self._logprobs(raw_logits, rows, token_id_list)
+        return self._to_host(token_ids, raw_logits, rows)
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for it: pinned, then non-blocking."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_host(
+        self, token_ids: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The step's one wait: the sampled ids and the logprobs asked for, copied back
+        together."""
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        device_results = [token_ids]
+        if wanted:
+            device_results.extend(self._logprobs(logits, token_ids, rows, wanted))
+        if self.device.type != "cpu":
+            device_results = [tensor.to("cpu", non_blocking=True) for tensor in device_results]
+            torch.cuda.current_stream(self.device).synchronize()
+        token_id_list = device_results[0].tolist()
+        results: list[TokenLogprobs | None] = [None] * len(rows)
+        if wanted:
+            chosen, top_values, top_ids = (tensor.tolist() for tensor in device_results[1:])
+            for j, i in enumerate(wanted):
+                n = rows[i].params.logprobs
+                results[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_values[j][:n])
+        return token_id_list, results
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_()
@@ -82,6 +111,8 @@ class Sampler:
         return noise
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
         for i, row in enumerate(rows):
             params = row.params
             if len(row.output_token_ids) >= params.min_tokens:
@@ -89,50 +120,95 @@ class Sampler:
             banned = set(params.stop_token_ids or ())
             if not params.ignore_eos:
                 banned |= row.eos_token_ids
-            if banned:
-                logits[i, list(banned)] = float("-inf")
+            banned_rows.extend([i] * len(banned))
+            banned_ids.extend(banned)
+        if banned_ids:
+            index = self._upload(np.array([banned_rows, banned_ids], np.int64))
+            logits[index[0], index[1]] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        if not any(_has_penalty(row.params) for row in rows):
+        penalised = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+        if not penalised:
             return
         num_rows, vocab_size = logits.shape
-        output_counts = torch.zeros(num_rows, vocab_size, device=self.device)
-        seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=self.device)
-        for i, row in enumerate(rows):
-            if not _has_penalty(row.params):
-                continue
-            if row.output_token_ids:
-                ids = torch.tensor(row.output_token_ids, device=self.device)
-                output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float))
-            if row.params.repetition_penalty != 1.0 and row.prompt_token_ids:
-                seen[i, torch.tensor(row.prompt_token_ids, device=self.device)] = True
-        seen |= output_counts > 0
-        repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)
-        repetition = repetition.unsqueeze(1).expand_as(logits)
-        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits.copy_(torch.where(seen, penalised, logits))
-        frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)
-        presence = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)
-        logits -= frequency.unsqueeze(1) * output_counts
-        logits -= presence.unsqueeze(1) * (output_counts > 0).float()
+        output_rows, output_ids, prompt_rows, prompt_ids = [], [], [], []
+        for i in penalised:
+            row = rows[i]
+            output_rows.extend([i] * len(row.output_token_ids))
+            output_ids.extend(row.output_token_ids)
+            if row.params.repetition_penalty != 1.0:
+                prompt_rows.extend([i] * len(row.prompt_token_ids))
+                prompt_ids.extend(row.prompt_token_ids)
+        factors = np.array(
+            [
+                [r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
+                for r in rows
+            ],
+            np.float32,
+        )
+        repetition, frequency, presence = self._upload(factors).T.unsqueeze(2)
+        output_counts = torch.zeros(num_rows, vocab_size, device=logits.device)
+        if output_ids:
+            index = self._upload(np.array([output_rows, output_ids], np.int64))
+            ones = torch.ones(len(output_ids), device=logits.device)
+            output_counts.index_put_((index[0], index[1]), ones, accumulate=True)
+        seen = output_counts > 0
+        if prompt_ids:
+            index = self._upload(np.array([prompt_rows, prompt_ids], np.int64))
+            seen[index[0], index[1]] = True
+        penalties = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits.copy_(torch.where(seen, penalties, logits))
+        logits -= frequency * output_counts
+        logits -= presence * (output_counts > 0).float()
+
+    def _top_k_top_p_min_p(
+        self, logits: torch.Tensor, params: list[SamplingParams]
+    ) -> torch.Tensor:
+        vocab_size = logits.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        # 2.0 turns the top-p cut off for rows that did not ask for it (sums can reach 1.0)
+        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
+        min_p = [p.min_p for p in params]
+        cut_k, cut_p, cut_min_p = (
+            any(k < vocab_size for k in top_k),
+            any(p < 1.0 for p in top_p),
+            any(p > 0 for p in min_p),
+        )
+        if not (cut_k or cut_p or cut_min_p):
+            return logits
+        values = self._upload(np.array([top_k, top_p, min_p], np.float32))
+        k, p, min_p_values = (column.unsqueeze(1) for column in values)
+        if cut_k or cut_p:
+            sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+            remove = ranks >= k
+            sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            # drop a token once the mass before it already reaches top_p; the first stays
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            remove |= mass_before >= p
+            remove[:, 0] = False
+            logits = logits.scatter(1, sorted_ids, sorted_logits.masked_fill(remove, float("-inf")))
+        if cut_min_p:
+            probs = logits.softmax(dim=-1)
+            threshold = min_p_values * probs.amax(-1, keepdim=True)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        return logits
 
     def _logprobs(
-        self, logits: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
-    ) -> list[TokenLogprobs | None]:
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        results: list[TokenLogprobs | None] = [None] * len(rows)
-        if not wanted:
-            return results
-        logprobs = logits[wanted].float().log_softmax(dim=-1)
-        num_top = max(rows[i].params.logprobs for i in wanted)
-        top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
-        chosen_ids = torch.tensor([[token_ids[i]] for i in wanted], device=logprobs.device)
-        chosen = logprobs.gather(1, chosen_ids).squeeze(1)
-        top_values, top_ids, chosen = top_values.tolist(), top_ids.tolist(), chosen.tolist()
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            results[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_values[j][:n])
-        return results
+        self,
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        rows: list[SamplingRow],
+        wanted: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Of the rows in ``wanted``: the sampled token's logprob ``[W]`` and the top
+        ``max(logprobs)`` values and ids ``[W, N]``."""
+        index = self._upload(np.array(wanted, np.int64))
+        logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)
+        num_top = max(max(rows[i].params.logprobs for i in wanted), 1)
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        chosen = logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)
+        return chosen, top_values, top_ids
 
 
 def _has_penalty(params: SamplingParams) -> bool:
@@ -145,30 +221,3 @@ def _has_penalty(params: SamplingParams) -> bool:
 
 def _needs_processing(row: SamplingRow) -> bool:
     return _has_penalty(row.params) or len(row.output_token_ids) < row.params.min_tokens
-
-
-def _top_k_top_p_min_p(
-    logits: torch.Tensor, params: list[SamplingParams], device: torch.device
-) -> torch.Tensor:
-    vocab_size = logits.shape[-1]
-    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-    top_p = [p.top_p for p in params]
-    # 2.0 turns the top-p cut off for rows that did not ask for it (float sums can reach 1.0)
-    top_p_cut = [p if p < 1.0 else 2.0 for p in top_p]
-    min_p = [p.min_p for p in params]
-    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-        k = torch.tensor(top_k, device=device).clamp(max=vocab_size)
-        ranks = torch.arange(vocab_size, device=device).unsqueeze(0)
-        remove = ranks >= k.unsqueeze(1)
-        sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        # drop a token once the mass before it already reaches top_p; the first always stays
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        remove |= mass_before >= torch.tensor(top_p_cut, device=device).unsqueeze(1)
-        remove[:, 0] = False
-        logits = logits.scatter(1, sorted_ids, sorted_logits.masked_fill(remove, float("-inf")))
-    if any(p > 0 for p in min_p):
-        probs = logits.softmax(dim=-1)
-        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(-1, keepdim=True)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    return logits

@@ -115,3 +115,25 @@ def test_mixed_greedy_and_random_rows():
     logits = logits_for(LINEAR, [0.0] * VOCAB)
     tokens, _ = sampler(logits, [row("g", temperature=0), row("s", seed=1, top_k=2)])
     assert tokens[0] == 9 and tokens[1] in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+
+
+def test_batched_penalties_and_bans_match_each_row_sampled_alone():
+    """Penalty counts and min-token bans are gathered for the whole batch at once: each row
+    must still see only its own prompt, outputs and stop tokens."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, VOCAB, generator=generator) * 3
+    logits[1, 5], logits[1, 6] = 20.0, 15.0  # b's prompt token leads until penalised
+    logits[3, 7], logits[3, 8] = 50.0, 40.0  # d's EOS and stop token lead until banned
+    rows = [
+        row("a", outputs=[1, 1, 2], prompt=[3], temperature=0, frequency_penalty=0.7),
+        row("b", outputs=[4], prompt=[4, 5], temperature=0, repetition_penalty=1.8),
+        row("c", temperature=0),
+        row("d", outputs=[6], eos=frozenset({7}), stop_token_ids=[8], min_tokens=3, temperature=0),
+        row("e", outputs=[9, 0], prompt=[2], temperature=0, presence_penalty=2.0, logprobs=2),
+    ]
+    batched_tokens, batched_logprobs = Sampler(torch.device("cpu"))(logits, rows)
+    for i, one in enumerate(rows):
+        tokens, logprobs = Sampler(torch.device("cpu"))(logits[i : i + 1], [one])
+        assert batched_tokens[i] == tokens[0]
+        assert batched_logprobs[i] == logprobs[0]
+    assert batched_logprobs[4] is not None and len(batched_logprobs[4].top_token_ids) == 2
