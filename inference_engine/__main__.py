@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from inference_engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from inference_engine.protocol import MAX_FRAME_BYTES
@@ -95,8 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=0,
-        help="torch CPU threads (default: torch's own choice, one per core); on a machine "
-        "shared with other processes, fewer threads avoid waiting on descheduled ones",
+        help="torch CPU threads (default: one per CPU this process may run on, its affinity); "
+        "on a machine shared with other processes, fewer threads avoid waiting on "
+        "descheduled ones",
     )
     add("--log-level", default="INFO", help="logging level (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -126,10 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         shutdown_grace_period=args.shutdown_grace_period,
         max_frame_bytes=args.max_frame_bytes,
     )
-    if args.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     EngineServer(engine_config, server_config).run()
 
 

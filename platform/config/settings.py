@@ -244,6 +244,9 @@ SERVED_MODEL_NAME = os.environ.get("SERVED_MODEL_NAME", "demo-chat")
 ENGINE_ENDPOINT = os.environ.get("ENGINE_ENDPOINT", f"ipc://{VAR_DIR / 'engine.sock'}")
 # Extra `python -m inference_engine` flags, e.g. "--dtype bfloat16 --device cuda".
 ENGINE_ARGS = os.environ.get("ENGINE_ARGS", "--kv-cache-memory 268435456")
+# CPUs of the engine that `make run` starts: auto (the web tier gets one core per Daphne
+# process, at most half; the engine the rest), off, or a list such as "2-7" (config.placement)
+ENGINE_CPUS = os.environ.get("ENGINE_CPUS", "auto")
 
 # --- API gateway ------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ class ProcessSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     pass_fds: tuple[int, ...] = ()  # file descriptors the child inherits (a listening socket)
+    cpus: frozenset[int] | None = None  # pinned to these CPUs (config.placement), else anywhere
 
 
 def python_path_env(base_dir: Path) -> dict[str, str]:
@@ -44,6 +45,15 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _child_setup(cpus: frozenset[int] | None):
+    def setup() -> None:
+        _die_with_parent()
+        if cpus is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 class Supervisor:
@@ -72,12 +82,13 @@ class Supervisor:
         self._stop_signal = signum
 
     def _start(self, spec: ProcessSpec) -> None:
-        logger.info("starting %s: %s", spec.name, " ".join(spec.argv))
+        pinned = f" on CPUs {sorted(spec.cpus)}" if spec.cpus is not None else ""
+        logger.info("starting %s%s: %s", spec.name, pinned, " ".join(spec.argv))
         self.children[spec.name] = subprocess.Popen(
             spec.argv,
             env={**os.environ, **spec.env},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_child_setup(spec.cpus),
             pass_fds=spec.pass_fds,
         )
 

@@ -2,6 +2,7 @@ import os
 import shlex
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from django.conf import settings
@@ -9,6 +10,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from config.demo import demo_bootstrap
+from config.placement import Placement, available_cpus, plan_placement
 from config.supervisor import ProcessSpec, Supervisor, python_path_env
 from serving.services import deployment_register
 
@@ -31,8 +33,15 @@ class Command(BaseCommand):
         env = python_path_env(settings.BASE_DIR)
         processes = []
         self.stdout.write(f"Mode: {'embedded' if settings.IS_EMBEDDED else 'production'}")
+        placement = Placement(None, None, 0)
         if settings.RUN_ENGINE:
-            processes.append(self._engine(env))
+            try:
+                placement = plan_placement(
+                    available_cpus(), settings.WEB_PROCESSES, settings.ENGINE_CPUS
+                )
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
+            processes.append(self._engine(env, placement))
         if not options["no_demo"]:
             credentials = demo_bootstrap()
             self.stdout.write(f"Admin:   {base_url}/admin/")
@@ -40,9 +49,9 @@ class Command(BaseCommand):
             self.stdout.write(f"API key: {credentials.api_key}")
             self.stdout.write(f"API:     {base_url}/v1  (OpenAI-compatible)")
         self.stdout.flush()
-        processes += self._web(options["host"], options["port"], env)
+        web = self._web(options["host"], options["port"], env)
         if settings.RUN_WORKER:
-            processes.append(
+            web.append(
                 ProcessSpec(
                     name="celery",
                     argv=[
@@ -60,6 +69,7 @@ class Command(BaseCommand):
                     env=env,
                 )
             )
+        processes += [replace(spec, cpus=placement.web_cpus) for spec in web]
         exit_code = Supervisor(processes).run()
         if exit_code:
             raise CommandError(f"The platform stopped (exit code {exit_code}).")
@@ -94,7 +104,7 @@ class Command(BaseCommand):
             for i in range(count)
         ]
 
-    def _engine(self, env: dict[str, str]) -> ProcessSpec:
+    def _engine(self, env: dict[str, str], placement: Placement) -> ProcessSpec:
         model_path = Path(settings.MODEL_PATH)
         if not (model_path / "config.json").exists():
             raise CommandError(
@@ -105,6 +115,12 @@ class Command(BaseCommand):
         self.stdout.write(
             f"Engine:  {settings.SERVED_MODEL_NAME} from {model_path} at {settings.ENGINE_ENDPOINT}"
         )
+        if placement.engine_cpus is not None:
+            self.stdout.write(
+                f"  CPUs:  engine {_cpu_list(placement.engine_cpus)} "
+                f"({placement.engine_threads} threads), web tier "
+                f"{_cpu_list(placement.web_cpus or frozenset())}"
+            )
         return ProcessSpec(
             name="engine",
             argv=[
@@ -117,7 +133,14 @@ class Command(BaseCommand):
                 settings.ENGINE_ENDPOINT,
                 "--served-model-name",
                 settings.SERVED_MODEL_NAME,
-                *shlex.split(settings.ENGINE_ARGS),
+                "--threads",
+                str(placement.engine_threads),
+                *shlex.split(settings.ENGINE_ARGS),  # after ours: a flag given here wins
             ],
-            env=env,
+            env={**env, **placement.engine_env},
+            cpus=placement.engine_cpus,
         )
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(str(cpu) for cpu in sorted(cpus))
