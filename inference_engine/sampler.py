@@ -2,14 +2,15 @@
 
 Order, as in vLLM: logprobs are taken from the raw logits; then min_tokens masking, penalties
 (repetition on prompt and output, presence and frequency on output), temperature, top-k, top-p
-and min-p. Greedy rows (temperature 0) take the argmax. Random rows use the exponential race
-(argmax of probs / Exp(1) noise); a seeded request draws its noise from its own
-``torch.Generator``, so its tokens do not depend on what else is in the batch.
+and min-p. Greedy rows (temperature 0) take the argmax. Random rows draw one uniform number
+each and take the token where it falls in their cumulative distribution; a seeded request
+draws from its own ``torch.Generator``, so its tokens do not depend on what else is in the
+batch.
 
 Nothing loops over rows on the device: per-row parameters, banned tokens and token counts for
 the penalties are built on the host as arrays and uploaded without a sync (pinned, non-blocking
 on a GPU); the one wait is the copy of the sampled ids (and the logprobs asked for) back. Only
-seeded rows draw their noise one by one, from their own generators.
+seeded rows draw their number one by one, from their own generators.
 """
 
 from __future__ import annotations
@@ -63,9 +64,7 @@ class Sampler:
             temperature = np.array([p.temperature if p.temperature > 0 else 1.0 for p in params])
             logits.div_(self._upload(temperature.astype(np.float32)).unsqueeze(1))
             logits = self._top_k_top_p_min_p(logits, params)
-            probs = logits.softmax(dim=-1)
-            noise = self._exponential_noise(probs, rows)
-            sampled = (probs / noise).argmax(dim=-1)
+            sampled = self._sample(logits.softmax(dim=-1), rows)
             token_ids = torch.where(greedy, token_ids, sampled)
         return self._to_host(token_ids, raw_logits, rows)
 
@@ -97,8 +96,13 @@ class Sampler:
                 results[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_values[j][:n])
         return token_id_list, results
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_()
+    def _sample(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One draw per row by inverse transform: a uniform number per row placed in the
+        row's cumulative distribution. (The exponential race takes a random number per
+        vocabulary entry: 14 ms a step at 64 rows of 8,000 on one CPU core, against 1 ms.)"""
+        cumulative = probs.cumsum(dim=-1)
+        total = cumulative[:, -1:]
+        uniform = torch.rand(total.shape, device=probs.device)
         for i, row in enumerate(rows):
             if row.params.seed is None or row.params.is_greedy:
                 continue
@@ -107,8 +111,11 @@ class Sampler:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(row.params.seed)
                 self.generators[row.req_id] = generator
-            noise[i].exponential_(generator=generator)
-        return noise
+            uniform[i] = torch.rand(1, generator=generator, device=probs.device)
+        # strictly below the total, so the first entry past the draw always has mass
+        below_total = torch.nextafter(total, torch.zeros_like(total))
+        draws = torch.minimum(uniform * total, below_total)
+        return torch.searchsorted(cumulative, draws, right=True).squeeze(1)
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         banned_rows: list[int] = []

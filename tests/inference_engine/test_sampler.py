@@ -137,3 +137,27 @@ def test_batched_penalties_and_bans_match_each_row_sampled_alone():
         assert batched_tokens[i] == tokens[0]
         assert batched_logprobs[i] == logprobs[0]
     assert batched_logprobs[4] is not None and len(batched_logprobs[4].top_token_ids) == 2
+
+
+def test_random_draws_follow_the_distribution_and_never_pick_a_masked_token():
+    torch.manual_seed(0)
+    # probabilities 0.5, 0.3, 0.2 on tokens 0-2; the last token leads but is cut by top_k
+    logits_row = [math.log(0.5), math.log(0.3), math.log(0.2)] + [-1e9] * (VOCAB - 4) + [9.0]
+    logits_row[VOCAB - 1] = -1e9
+    rows = 4000
+    tokens, _ = Sampler(torch.device("cpu"))(
+        logits_for(*[logits_row] * rows), [row(f"r{i}", top_k=3) for i in range(rows)]
+    )
+    counts = [tokens.count(token) / rows for token in range(VOCAB)]
+    assert set(tokens) == {0, 1, 2}
+    for token, expected in enumerate([0.5, 0.3, 0.2]):
+        assert abs(counts[token] - expected) < 0.03, (token, counts)
+
+
+def test_a_draw_at_the_top_of_the_range_stays_on_a_token_with_mass(monkeypatch):
+    """A draw times the total mass can round up to the total (1.0 here stands for that
+    product): it must not run past the last token with probability, onto a masked one."""
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape))
+    logits_row = [2.0, 1.0] + [-float("inf")] * (VOCAB - 2)
+    tokens, _ = Sampler(torch.device("cpu"))(logits_for(logits_row), [row(temperature=1.0)])
+    assert tokens == [1]
