@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import fields
 
 from inference_engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from inference_engine.protocol import MAX_FRAME_BYTES
@@ -17,6 +18,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Serve one model over ZeroMQ (ROUTER socket, msgspec frames).",
     )
     add = parser.add_argument
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+
+    def add_engine(name: str, **options) -> None:
+        """A flag for an ``EngineConfig`` field, with the field's default."""
+        field_name = name.removeprefix("--").replace("-", "_")
+        add(name, default=defaults[field_name], **options)
+
     add("--model", required=True, help="path of a Hugging Face model directory")
     add(
         "--endpoint",
@@ -24,33 +32,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ZeroMQ endpoint to bind, tcp://HOST:PORT or ipc:///PATH (default: %(default)s)",
     )
     add("--served-model-name", help="model name reported in STATS and metrics (default: --model)")
-    add("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype")
-    add("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 ...")
-    add("--block-size", type=int, default=16, help="tokens per KV cache block")
-    add("--max-num-seqs", type=int, default=256, help="most requests in one batch")
-    add(
+    add_engine("--dtype", choices=DTYPES, help="weights and KV cache dtype")
+    add_engine("--device", help="torch device: auto, cpu, cuda, cuda:1 ...")
+    add_engine("--block-size", type=int, help="tokens per KV cache block")
+    add_engine("--max-num-seqs", type=int, help="most requests in one batch")
+    add_engine(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
         help="most tokens in one step (decodes plus prefill chunks)",
     )
-    add("--num-kv-blocks", type=int, help="KV cache size in blocks (or give --kv-cache-memory)")
-    add(
+    add_engine(
+        "--num-kv-blocks", type=int, help="KV cache size in blocks (or give --kv-cache-memory)"
+    )
+    add_engine(
         "--kv-cache-memory",
         type=int,
         help="KV cache size in bytes (default: what --gpu-memory-utilization leaves on a GPU, "
         "or enough on CPU for max-num-seqs full-length requests up to 4 GiB)",
     )
-    add(
+    add_engine(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
         help="share of the GPU's memory for weights, activations and KV cache (default: "
         "%(default)s)",
     )
-    add(
+    add_engine(
         "--attention-backend",
-        default="auto",
         choices=ATTENTION_BACKENDS,
         help="auto: Triton's paged kernel on a GPU, torch on the CPU (default: %(default)s)",
     )
@@ -59,13 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run decode steps eagerly instead of replaying CUDA graphs",
     )
-    add(
+    add_engine(
         "--max-cudagraph-batch-size",
         type=int,
         help="largest decode batch captured in a CUDA graph (default: --max-num-seqs, at most "
         "512); larger ones run eagerly",
     )
-    add("--max-model-len", type=int, help="longest prompt plus output (default: the model's)")
+    add_engine(
+        "--max-model-len", type=int, help="longest prompt plus output (default: the model's)"
+    )
     add("--no-enable-prefix-caching", action="store_true", help="turn prefix caching off")
     add(
         "--max-queued-requests",
@@ -135,22 +144,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_enable_prefix_caching,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_cudagraph_batch_size=args.max_cudagraph_batch_size,
-    )
+    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    options["enable_prefix_caching"] = not args.no_enable_prefix_caching
+    return EngineConfig(**options)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ class AsyncEngineClient:
             await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
 
     async def control(self, request: ControlRequest) -> ControlResponse:
-        """Reserved for model load and unload (the engine refuses for now)."""
+        """Ask the engine to load a model or unload its own; its answer says whether it did.
+        Raises ``EngineUnavailable`` when no engine answers in time."""
         self._start()
         waiter = asyncio.get_running_loop().create_future()
         self._control_waiters.append(waiter)

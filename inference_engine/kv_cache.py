@@ -215,8 +215,3 @@ class KVCacheManager:
                 raise AssertionError(f"block {block.block_id} freed twice")
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.cached_blocks.values():
-            block.block_hash = None
-        self.cached_blocks.clear()

@@ -1,5 +1,6 @@
-"""``LLM``: the offline API. Tokenizes, runs ``EngineCore`` to completion, detokenizes and
-applies stop strings.
+"""``LLM``: the offline API. Tokenizes, runs ``EngineCore`` to completion, and turns its
+outputs into text through the server's own ``OutputProcessor`` (detokenizing, stop strings with
+``include_stop_str_in_output``, logprobs' text), as vLLM's in-process client does.
 
 Bad input: ``generate`` validates every prompt before it adds any, and raises ``ValueError``
 naming the prompt's index for an empty prompt or one longer than ``max_model_len`` (nothing
@@ -10,12 +11,14 @@ back as outputs with ``finish_reason="error"`` and an ``error`` message; the oth
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from inference_engine.config import EngineConfig
 from inference_engine.core import EngineCore
-from inference_engine.protocol import FinishReason, SamplingParams, TokenLogprobs
-from inference_engine.tokenization import IncrementalDetokenizer, find_stop_string, render_chat
+from inference_engine.output_processor import OutputProcessor
+from inference_engine.protocol import SamplingParams, TokenLogprobs
+from inference_engine.tokenization import render_chat
 
 Prompt = str | list[int]
 
@@ -84,14 +87,13 @@ class LLM:
             if error is not None:
                 raise ValueError(f"prompt {index}: {error[1]}")
         by_id = {output.req_id: output for output in outputs}
-        detokenizers: dict[str, IncrementalDetokenizer] = {}
+        processor = OutputProcessor(self.tokenizer, abort=self.core.abort_requests)
         for output, request_params in zip(outputs, params, strict=True):
-            if self.tokenizer is not None:
-                detokenizers[output.req_id] = IncrementalDetokenizer(
-                    self.tokenizer, output.prompt_token_ids
-                )
             if request_params.logprobs is not None:
                 output.logprobs = []
+            processor.add_request(
+                output.req_id, b"", output.req_id, output.prompt_token_ids, request_params
+            )
             self.core.add_request(
                 output.req_id,
                 output.prompt_token_ids,
@@ -99,32 +101,18 @@ class LLM:
                 priority=priority,
                 cache_salt=cache_salt,
             )
-        stops = {output.req_id: p.stop for output, p in zip(outputs, params, strict=True)}
         while self.core.has_unfinished_requests():
-            for delta in self.core.step():
-                output = by_id[delta.req_id]
-                if output.finish_reason is not None:
-                    continue  # already stopped by a stop string
-                output.token_ids.extend(delta.new_token_ids)
-                if delta.new_logprobs and output.logprobs is not None:
-                    output.logprobs.extend(delta.new_logprobs)
-                new_text = ""
-                detokenizer = detokenizers.get(delta.req_id)
-                if detokenizer is not None:
-                    new_text = detokenizer.push(delta.new_token_ids)
-                    if delta.is_finished:
-                        new_text += detokenizer.flush()
-                    output.text += new_text
-                hit = find_stop_string(output.text, stops[delta.req_id], len(new_text))
-                if hit is not None:
-                    output.text = output.text[:hit]
-                    output.finish_reason = str(FinishReason.STOP)
-                    if not delta.is_finished:
-                        self.core.abort_requests([delta.req_id])
-                elif delta.is_finished:
+            for _, delta in processor.deltas(self.core.step(), time.time()):
+                output = by_id[delta.request_id]
+                output.token_ids.extend(delta.token_ids)
+                output.text += delta.text
+                if delta.logprobs and output.logprobs is not None:
+                    output.logprobs.extend(delta.logprobs)
+                if delta.usage is not None:
+                    output.num_cached_tokens = delta.usage.cached_tokens
+                if delta.finish_reason is not None:
                     output.finish_reason = str(delta.finish_reason)
                     output.error = delta.error_message
-                output.num_cached_tokens = delta.num_cached_tokens
         return outputs
 
     def _new_output(self, prompt: Prompt) -> RequestOutput:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 class RequestState:
     identity: bytes
     request_id: str
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: no tokenizer, ids only
     stop: list[str] | None
     # characters kept back so that a stop string is never sent in part
     holdback: int
@@ -57,7 +57,8 @@ class OutputProcessor:
         abort: Callable[[list[str]], None],
         metrics: EngineMetrics | None = None,
     ) -> None:
-        """``abort(req_ids)`` asks the busy loop to abort requests in the core."""
+        """``abort(req_ids)`` asks the core to abort requests (through the busy loop in the
+        server, directly in ``LLM``). With ``tokenizer=None`` deltas carry token ids only."""
         self.tokenizer = tokenizer
         self.abort = abort
         self.metrics = metrics
@@ -77,7 +78,11 @@ class OutputProcessor:
         self.states[req_id] = RequestState(
             identity=identity,
             request_id=request_id,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+                if self.tokenizer is not None
+                else None
+            ),
             stop=stop,
             holdback=max(map(len, stop)) - 1 if stop else 0,
             wants_logprobs=params.logprobs is not None,
@@ -88,6 +93,18 @@ class OutputProcessor:
         """Frames ``[identity, OUTPUTS, payload]``: one per client, with its deltas of this
         step. ``step_time`` is when the step's tokens were sampled."""
         by_identity: dict[bytes, list[GenerateDelta]] = {}
+        for identity, delta in self.deltas(outputs, step_time):
+            by_identity.setdefault(identity, []).append(delta)
+        return [
+            [identity, ResponseType.OUTPUTS.value, self._encoder.encode(deltas)]
+            for identity, deltas in by_identity.items()
+        ]
+
+    def deltas(
+        self, outputs: list[EngineOutput], step_time: float
+    ) -> list[tuple[bytes, GenerateDelta]]:
+        """The step's deltas with the identity of the client each is for."""
+        deltas = []
         for output in outputs:
             state = self.states.get(output.req_id)
             if state is None:
@@ -109,11 +126,8 @@ class OutputProcessor:
                 if not output.is_finished:
                     self.abort([output.req_id])
             if delta is not None:
-                by_identity.setdefault(state.identity, []).append(delta)
-        return [
-            [identity, ResponseType.OUTPUTS.value, self._encoder.encode(deltas)]
-            for identity, deltas in by_identity.items()
-        ]
+                deltas.append((state.identity, delta))
+        return deltas
 
     def _process_one(
         self, output: EngineOutput, state: RequestState, step_time: float
@@ -133,9 +147,10 @@ class OutputProcessor:
 
         is_first_token = state.num_tokens == 0 and bool(token_ids)
         state.num_tokens += len(token_ids)
-        new_text = state.detokenizer.push(token_ids) if token_ids else ""
-        if output.is_finished:
-            new_text += state.detokenizer.flush()
+        detokenizer = state.detokenizer
+        new_text = detokenizer.push(token_ids) if token_ids and detokenizer is not None else ""
+        if output.is_finished and detokenizer is not None:
+            new_text += detokenizer.flush()
         state.text += new_text
         stop_at = find_stop_string(state.text, state.stop, len(new_text)) if state.stop else None
         if stop_at is not None:
@@ -173,8 +188,8 @@ class OutputProcessor:
 
     def _with_text(self, output: EngineOutput, token_ids: list[int]) -> list | None:
         """The step's logprobs with each token's text, as OpenAI's API reports them."""
-        if output.new_logprobs is None:
-            return None
+        if output.new_logprobs is None or self.tokenizer is None:
+            return output.new_logprobs
         decode = self.tokenizer.decode
         for token_id, entry in zip(token_ids, output.new_logprobs, strict=False):
             entry.token = decode([token_id])

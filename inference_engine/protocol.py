@@ -258,7 +258,6 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     new_token_ids: list[int] = msgspec.field(default_factory=list)
     # one entry per new token when logprobs were requested
     new_logprobs: list[TokenLogprobs] | None = None
-    new_text: str = ""
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

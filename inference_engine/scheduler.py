@@ -43,10 +43,6 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 

@@ -49,6 +49,7 @@ from inference_engine.protocol import (
     GenerateRequest,
     RequestType,
     ResponseType,
+    SamplingParams,
     StatsResponse,
 )
 from inference_engine.tokenization import render_chat
@@ -72,6 +73,18 @@ class ServerConfig:
     async_output: bool = True
     shutdown_grace_period: float = 30.0
     max_frame_bytes: int = MAX_FRAME_BYTES
+
+
+@dataclass
+class QueuedAdd:
+    """A generate request on its way from the input thread to the busy loop."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
 
 
 @dataclass
@@ -248,20 +261,20 @@ class EngineServer:
                 self._pending_switch = payload
             else:
                 self._num_adds_taken += 1
-                req_id, token_ids, params, priority, cache_salt, arrival = payload
+                add: QueuedAdd = payload
                 try:
                     self.core.add_request(
-                        req_id,
-                        token_ids,
-                        params,
-                        priority=priority,
-                        cache_salt=cache_salt,
-                        arrival_time=arrival,
+                        add.req_id,
+                        add.prompt_token_ids,
+                        add.params,
+                        priority=add.priority,
+                        cache_salt=add.cache_salt,
+                        arrival_time=add.arrival_time,
                     )
                 except Exception as exc:  # noqa: BLE001 - the core should refuse by output
-                    logger.exception("adding %s failed", req_id)
+                    logger.exception("adding %s failed", add.req_id)
                     failed = EngineOutput(
-                        req_id,
+                        add.req_id,
                         finish_reason=FinishReason.ERROR,
                         error_code=ErrorCode.ENGINE_ERROR,
                         error_message=f"the engine could not add the request: {exc}",
@@ -434,13 +447,10 @@ class EngineServer:
             return
         self.processor.add_request(req_id, identity, request_id, token_ids, request.params)
         self._num_adds_queued += 1
-        self.input_queue.put(
-            (
-                _ADD,
-                next(self._seq),
-                (req_id, token_ids, request.params, request.priority, request.cache_salt, arrival),
-            )
+        add = QueuedAdd(
+            req_id, token_ids, request.params, request.priority, request.cache_salt, arrival
         )
+        self.input_queue.put((_ADD, next(self._seq), add))
 
     def _tokenize(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:

@@ -51,6 +51,17 @@ def test_stop_strings_trim_the_text_and_stop_the_request(llm_cache):
     assert len(stopped.token_ids) < len(full.token_ids)
     assert not llm.core.has_unfinished_requests()
     assert llm.core.scheduler.kv_cache.usage == 0.0
+    [kept] = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(
+            temperature=0,
+            max_tokens=30,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )
+    assert kept.finish_reason == "stop" and kept.text == full.text[: cut + len(stop)]
 
 
 def test_eos_stops_unless_ignored(eos_llama_dir):
