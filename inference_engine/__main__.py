@@ -10,6 +10,7 @@ from dataclasses import fields
 from inference_engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from inference_engine.protocol import MAX_FRAME_BYTES
 from inference_engine.server import EngineServer, ServerConfig
+from inference_engine.waiting_queue import SCHEDULING_POLICIES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,6 +83,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="waiting requests past which a new one is refused with 'overloaded'",
     )
+    add(
+        "--tenant-queue-share",
+        type=float,
+        default=0.5,
+        help="most of the waiting queue one tenant may hold; past it only that tenant is "
+        "refused with 'overloaded' (default: %(default)s; 1 turns it off)",
+    )
+    add_engine(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        help="admission order: fcfs, priority, or fair (priority, then the least-served "
+        "tenant by virtual token counters) (default: %(default)s)",
+    )
     add("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     add("--metrics-host", default="127.0.0.1", help="address of the metrics server")
     add(
@@ -113,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_queued_requests < 0:
         parser.error("--max-queued-requests must be >= 0")
+    if not 0 < args.tenant_queue_share <= 1:
+        parser.error("--tenant-queue-share must be in (0, 1]")
     if args.threads < 0:
         parser.error("--threads must be >= 0")
     return args
@@ -136,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         async_output=not args.no_async_output,
         shutdown_grace_period=args.shutdown_grace_period,
         max_frame_bytes=args.max_frame_bytes,
+        tenant_queue_share=args.tenant_queue_share,
     )
     import torch
 

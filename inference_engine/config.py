@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inference_engine.waiting_queue import SCHEDULING_POLICIES
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # torch: vectorised torch ops (the CPU's); triton: one paged kernel launch per layer (the
 # GPU's); flash_attn: flash-attn's varlen kernel over a per-step gather of each context
@@ -18,7 +20,8 @@ class EngineConfig:
     weights and the peak of a profiling step; on the CPU, enough for ``max_num_seqs``
     full-length requests up to 4 GiB. ``enforce_eager`` turns off the CUDA graphs that replay
     decode-only steps; ``max_cudagraph_batch_size`` is the largest one captured (default:
-    ``max_num_seqs``, at most 512)."""
+    ``max_num_seqs``, at most 512). ``scheduling_policy`` orders admission: ``fcfs``,
+    ``priority``, or ``fair`` (priority, then the least-served tenant)."""
 
     model: str
     dtype: str = "auto"
@@ -34,6 +37,7 @@ class EngineConfig:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     max_cudagraph_batch_size: int | None = None
+    scheduling_policy: str = "fair"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -46,6 +50,11 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, int | float):

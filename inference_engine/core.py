@@ -37,6 +37,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy,
         )
         self._pending: list[EngineOutput] = []
 
@@ -49,6 +50,8 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        tenant_id: str = "",
+        tenant_weight: float = 1.0,
     ) -> None:
         """Queue a request. A request that cannot be served gets an error output from the
         next ``step()`` instead of an exception."""
@@ -61,6 +64,8 @@ class EngineCore:
             cache_salt=cache_salt,
             arrival_time=arrival_time,
             max_model_len=self.max_model_len,
+            tenant_id=tenant_id,
+            weight=tenant_weight,
         )
         error = self.validate_prompt(prompt_token_ids)
         if error is None:

@@ -47,6 +47,7 @@ class RequestState:
     last_token_time: float = 0.0
     # a stop string was hit; waiting for the core's final output
     is_stopped: bool = False
+    tenant_id: str = ""
 
 
 class OutputProcessor:
@@ -73,6 +74,7 @@ class OutputProcessor:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        tenant_id: str = "",
     ) -> None:
         stop = params.stop or None
         self.states[req_id] = RequestState(
@@ -87,6 +89,7 @@ class OutputProcessor:
             holdback=max(map(len, stop)) - 1 if stop else 0,
             wants_logprobs=params.logprobs is not None,
             include_stop=params.include_stop_str_in_output,
+            tenant_id=tenant_id,
         )
 
     def process(self, outputs: list[EngineOutput], step_time: float) -> list[list[bytes]]:
@@ -218,6 +221,11 @@ class OutputProcessor:
         if self.metrics is not None:
             usage = delta.usage or Usage()
             self.metrics.record_finished(
-                delta.finish_reason, delta.timings, usage.prompt_tokens, usage.cached_tokens
+                delta.finish_reason,
+                delta.timings,
+                usage.prompt_tokens,
+                usage.cached_tokens,
+                tenant_id=state.tenant_id,
+                num_output_tokens=usage.completion_tokens,
             )
         return delta

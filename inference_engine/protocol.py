@@ -59,6 +59,9 @@ class ErrorCode(enum.StrEnum):
     MODEL_NOT_LOADED = "model_not_loaded"
 
 
+MAX_TENANT_WEIGHT = 1000.0
+
+
 def _check_number(name: str, value: object, *, integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
@@ -176,6 +179,8 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # Lower values are served first, as in vLLM.
     priority: int = 0
     cache_salt: str | None = None
+    # the tenant's share under fair scheduling (its plan's weight): 2 is served twice as much
+    tenant_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.messages is not None and isinstance(self.messages, list):
@@ -225,6 +230,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         if not self.request_id:
             raise ValueError("request_id must be set")
         _check_number("priority", self.priority, integer=True)
+        _check_number("tenant_weight", self.tenant_weight)
+        if not 0 < self.tenant_weight <= MAX_TENANT_WEIGHT:
+            raise ValueError(f"tenant_weight must be in (0, {MAX_TENANT_WEIGHT}]")
 
 
 class AbortRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -30,6 +30,8 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         max_model_len: int | None = None,
+        tenant_id: str = "",
+        weight: float = 1.0,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -40,6 +42,9 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.cache_salt = cache_salt
+        # fair scheduling: whose request this is, and that tenant's share (> 0)
+        self.tenant_id = tenant_id
+        self.weight = weight
         self.max_model_len = max_model_len
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

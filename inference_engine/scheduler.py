@@ -2,15 +2,14 @@
 
 Each step serves running requests first (a decode takes one token, an unfinished prefill its
 next chunk) out of ``max_num_batched_tokens``, then admits waiting requests while the budget,
-``max_num_seqs`` and free KV blocks allow. When blocks run out the lowest-priority, newest
-running request is preempted by recompute: its blocks are freed and it goes back to the front
-of the waiting queue. Waiting requests are served by (priority, arrival); lower priority values
-go first, as in vLLM.
+``max_num_seqs`` and free KV blocks allow. When blocks run out a running request is preempted
+by recompute: its blocks are freed and it goes back to the front of its waiting queue. The
+waiting queue's policy (``waiting_queue.py``: ``fcfs``, ``priority`` or ``fair``, the default)
+orders admission and picks the victim; lower priority values go first, as in vLLM.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from inference_engine.kv_cache import KVCacheManager
 from inference_engine.protocol import FinishReason
 from inference_engine.request import Request, RequestStatus
+from inference_engine.waiting_queue import make_waiting_queue
 
 
 class RequestRejected(ValueError):
@@ -56,14 +56,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
+        policy: str = "fair",
     ) -> None:
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        # heap of (priority, arrival_order, request); aborted entries are skipped lazily
-        self._waiting: list[tuple[int, int, Request]] = []
+        self.waiting = make_waiting_queue(policy)
         self._arrival_counter = itertools.count()
         self.num_preemptions = 0
 
@@ -96,7 +96,7 @@ class Scheduler:
         request.arrival_order = next(self._arrival_counter)
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
-        heapq.heappush(self._waiting, (request.priority, request.arrival_order, request))
+        self.waiting.push(request)
 
     def abort_requests(self, req_ids: list[str]) -> list[Request]:
         """Finish the given unfinished requests with ABORT; unknown ids are ignored."""
@@ -119,30 +119,32 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
-                victim = max(self.running, key=lambda r: (r.priority, r.arrival_order))
+                victim = self.waiting.victim(self.running)
                 self._preempt(victim)
                 output.preempted_req_ids.append(victim.req_id)
                 if victim.req_id in scheduled:
-                    budget += scheduled.pop(victim.req_id).num_new_tokens
+                    unscheduled = scheduled.pop(victim.req_id)
+                    self._charge(unscheduled, refund=True)
+                    budget += unscheduled.num_new_tokens
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                scheduled[request.req_id] = ScheduledRequest(
-                    request, num_new_tokens, request.num_computed_tokens
-                )
+                item = ScheduledRequest(request, num_new_tokens, request.num_computed_tokens)
+                scheduled[request.req_id] = item
+                self._charge(item)
                 budget -= num_new_tokens
 
         while (
             not output.preempted_req_ids
             and budget > 0
             and len(self.running) < self.max_num_seqs
-            and (request := self._peek_waiting()) is not None
+            and (request := self.waiting.peek()) is not None
         ):
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_cached, budget)
             if self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
-            heapq.heappop(self._waiting)
+            self.waiting.pop(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -150,11 +152,23 @@ class Scheduler:
             if not request.timings.first_scheduled:
                 request.timings.first_scheduled = time.time()
             self.running.append(request)
-            scheduled[request.req_id] = ScheduledRequest(request, num_new_tokens, num_cached)
+            item = ScheduledRequest(request, num_new_tokens, num_cached)
+            scheduled[request.req_id] = item
+            # charged as it is admitted, so the next admission of this step sees it
+            self._charge(item)
             budget -= num_new_tokens
 
         output.scheduled = list(scheduled.values())
         return output
+
+    def _charge(self, item: ScheduledRequest, refund: bool = False) -> None:
+        """Tell the waiting queue what this step serves ``item``'s tenant: positions computed
+        count as prompt tokens, except a decode's one position, which is its last sampled
+        token; a sampled token counts as output."""
+        is_decode = item.is_sampling and item.start >= item.request.num_prompt_tokens
+        num_prompt, num_output = item.num_new_tokens - is_decode, int(item.is_sampling)
+        sign = -1 if refund else 1
+        self.waiting.charge(item.request, sign * num_prompt, sign * num_output)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
@@ -183,14 +197,6 @@ class Scheduler:
             self.running = [request for request in self.running if not request.is_finished]
         return updated
 
-    def _peek_waiting(self) -> Request | None:
-        while self._waiting:
-            request = self._waiting[0][2]
-            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                return request
-            heapq.heappop(self._waiting)
-        return None
-
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request.req_id)
@@ -198,11 +204,13 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        heapq.heappush(self._waiting, (request.priority, request.arrival_order, request))
+        self.waiting.push(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        was_waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.timings.finished = time.time()
         self.kv_cache.free(request.req_id)
-        self.requests.pop(request.req_id, None)
+        if self.requests.pop(request.req_id, None) is not None:
+            self.waiting.finished(request, was_waiting)

@@ -19,6 +19,7 @@ closes the sockets.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -27,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -73,6 +74,8 @@ class ServerConfig:
     async_output: bool = True
     shutdown_grace_period: float = 30.0
     max_frame_bytes: int = MAX_FRAME_BYTES
+    # most of the waiting queue one tenant may hold; past it only that tenant is refused
+    tenant_queue_share: float = 0.5
 
 
 @dataclass
@@ -85,6 +88,8 @@ class QueuedAdd:
     priority: int
     cache_salt: str | None
     arrival_time: float
+    tenant_id: str
+    tenant_weight: float
 
 
 @dataclass
@@ -95,6 +100,7 @@ class _Snapshot:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    waiting_by_tenant: dict[str, int] = field(default_factory=dict)
 
 
 class EngineServer:
@@ -108,13 +114,21 @@ class EngineServer:
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.snapshot = _Snapshot()
-        self.metrics = EngineMetrics(self.model_name, self._gauges)
+        self.metrics = EngineMetrics(
+            self.model_name, self._gauges, lambda: self.snapshot.waiting_by_tenant
+        )
         self.input_queue: queue.PriorityQueue = queue.PriorityQueue()
         self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = itertools.count()
         # one writer each, so their difference (adds not yet in the core) needs no lock
         self._num_adds_queued = 0
         self._num_adds_taken = 0
+        # written by the I/O thread and the busy loop respectively; their difference is in transit
+        self._adds_queued_by_tenant: collections.Counter[str] = collections.Counter()
+        self._adds_taken_by_tenant: collections.Counter[str] = collections.Counter()
+        self.tenant_queue_cap = max(
+            1, int(server_config.max_queued_requests * server_config.tenant_queue_share)
+        )
         self._ready = threading.Event()
         self._draining = threading.Event()
         self._abort_now = threading.Event()
@@ -260,8 +274,9 @@ class EngineServer:
             elif kind == _SWITCH:
                 self._pending_switch = payload
             else:
-                self._num_adds_taken += 1
                 add: QueuedAdd = payload
+                self._num_adds_taken += 1
+                self._adds_taken_by_tenant[add.tenant_id] += 1
                 try:
                     self.core.add_request(
                         add.req_id,
@@ -270,6 +285,8 @@ class EngineServer:
                         priority=add.priority,
                         cache_salt=add.cache_salt,
                         arrival_time=add.arrival_time,
+                        tenant_id=add.tenant_id,
+                        tenant_weight=add.tenant_weight,
                     )
                 except Exception as exc:  # noqa: BLE001 - the core should refuse by output
                     logger.exception("adding %s failed", add.req_id)
@@ -296,6 +313,7 @@ class EngineServer:
             scheduler.num_waiting,
             scheduler.kv_cache.usage,
             scheduler.num_preemptions,
+            scheduler.waiting.num_waiting_by_tenant(),
         )
 
     def _queue_abort(self, req_ids: list[str]) -> None:
@@ -429,6 +447,17 @@ class EngineServer:
                 f"the waiting queue is full ({self.config.max_queued_requests} requests)",
             )
             return
+        tenant = request.tenant_id or ""
+        if self._num_waiting_of(tenant) >= self.tenant_queue_cap:
+            self._reply_error(
+                router,
+                identity,
+                request_id,
+                ErrorCode.OVERLOADED,
+                f"this tenant's share of the waiting queue is full ({self.tenant_queue_cap} "
+                "requests)",
+            )
+            return
         if req_id in self.processor.states:
             self._reply_error(
                 router,
@@ -445,12 +474,28 @@ class EngineServer:
                 router, identity, request_id, ErrorCode.INVALID_REQUEST, f"cannot tokenize: {exc}"
             )
             return
-        self.processor.add_request(req_id, identity, request_id, token_ids, request.params)
+        self.processor.add_request(
+            req_id, identity, request_id, token_ids, request.params, tenant_id=tenant
+        )
         self._num_adds_queued += 1
         add = QueuedAdd(
-            req_id, token_ids, request.params, request.priority, request.cache_salt, arrival
+            req_id,
+            token_ids,
+            request.params,
+            request.priority,
+            request.cache_salt,
+            arrival,
+            tenant,
+            request.tenant_weight,
         )
+        self._adds_queued_by_tenant[tenant] += 1
         self.input_queue.put((_ADD, next(self._seq), add))
+
+    def _num_waiting_of(self, tenant: str) -> int:
+        """The tenant's waiting requests as the busy loop last saw them, plus its adds on
+        their way there."""
+        in_transit = self._adds_queued_by_tenant[tenant] - self._adds_taken_by_tenant[tenant]
+        return self.snapshot.waiting_by_tenant.get(tenant, 0) + in_transit
 
     def _tokenize(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:

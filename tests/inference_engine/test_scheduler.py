@@ -69,7 +69,7 @@ def test_preemption_picks_the_newest_and_requeues_it_first():
     assert scheduled_tokens(output) == {"old": 1}
     new = scheduler.requests["new"]
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
-    assert scheduler._peek_waiting() is new
+    assert scheduler.waiting.peek() is new
     while scheduler.has_unfinished_requests():
         run_step(scheduler)
     assert new.output_token_ids == [7] * 8

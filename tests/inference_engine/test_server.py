@@ -312,7 +312,7 @@ async def test_garbage_and_oversized_frames_do_not_hurt_the_engine(engine, clien
 
 
 async def test_stats_metrics_and_control(client, metrics_port):
-    await collect(client, GenerateRequest(prompt=PROMPTS[0], params=GREEDY))
+    await collect(client, GenerateRequest(prompt=PROMPTS[0], params=GREEDY, tenant_id="acme"))
     stats = await client.stats()
     assert (stats.model, stats.max_model_len, stats.ready) == ("tiny-llama", 512, True)
     assert stats.num_requests_running == stats.num_requests_waiting == 0
@@ -340,6 +340,9 @@ async def test_stats_metrics_and_control(client, metrics_port):
         "request_queue_time_seconds_sum",
     ):
         assert re.search(rf'^engine:{name}{{[^}}]*model_name="tiny-llama"', text, re.M), name
+    for name in ("tenant_tokens_total", "tenant_request_queue_time_seconds_count"):
+        assert re.search(rf'^engine:{name}{{[^}}]*tenant="acme"', text, re.M), name
+    assert "# TYPE engine:tenant_requests_waiting gauge" in text
 
     reply = await client.control(ControlRequest("load", model="other"))
     assert not reply.ok and "no Hugging Face model directory" in reply.message
@@ -352,8 +355,12 @@ async def test_overloaded_past_max_queued_requests(small_engine):
     try:
         await client.wait_ready(timeout=90)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        # one tenant each, so no tenant reaches its share before the queue is full
         results = await asyncio.gather(
-            *(collect(client, GenerateRequest(prompt=p, params=params)) for p in PROMPTS[:8])
+            *(
+                collect(client, GenerateRequest(prompt=p, params=params, tenant_id=f"t{i}"))
+                for i, p in enumerate(PROMPTS[:8])
+            )
         )
         errors = [deltas[-1].error for deltas in results]
         assert ErrorCode.OVERLOADED in errors
@@ -364,6 +371,27 @@ async def test_overloaded_past_max_queued_requests(small_engine):
                 assert len(deltas) == 1 and "queue is full" in deltas[-1].error_message
             else:
                 assert deltas[-1].finish_reason == FinishReason.LENGTH
+    finally:
+        client.close()
+
+
+async def test_a_tenant_over_its_share_of_the_queue_is_refused_alone(small_engine):
+    """Two waiting places, half for any one tenant: a flood from one tenant is refused past
+    its share while another tenant's request still gets in."""
+    client = AsyncEngineClient(small_engine.endpoint)
+    try:
+        await client.wait_ready(timeout=90)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        flood = [
+            collect(client, GenerateRequest(prompt=p, params=params, tenant_id="a"))
+            for p in PROMPTS[:5]
+        ]
+        other = collect(client, GenerateRequest(prompt=PROMPTS[6], params=params, tenant_id="b"))
+        # in one burst, the other tenant's last: without shares the flood would fill the queue
+        *flooded, other = await asyncio.gather(*flood, other)
+        refusals = [d[-1].error_message for d in flooded if d[-1].error == ErrorCode.OVERLOADED]
+        assert refusals and all("tenant's share" in message for message in refusals)
+        assert other[-1].finish_reason == FinishReason.LENGTH
     finally:
         client.close()
 
@@ -455,6 +483,8 @@ def test_help_lists_every_option():
         "--kv-cache-memory",
         "--max-model-len",
         "--max-queued-requests",
+        "--tenant-queue-share",
+        "--scheduling-policy",
         "--metrics-port",
         "--no-async-output",
         "--threads",

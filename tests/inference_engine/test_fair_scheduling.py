@@ -1,0 +1,188 @@
+"""Fair sharing between tenants (the ``fair`` waiting queue), without torch: virtual token
+counters order admission within a priority, weights scale them, a tenant back from idle banks
+no credit, priorities still come first, and nobody starves."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+
+from inference_engine.protocol import SamplingParams
+from inference_engine.request import Request
+from inference_engine.scheduler import Scheduler
+
+PROMPT, OUTPUT = 8, 8  # tokens of every request here
+REQUEST_COST = PROMPT * 1 + OUTPUT * 2  # its weighted cost once served in full
+
+ids = itertools.count()
+
+
+def scheduler(policy="fair", **overrides) -> Scheduler:
+    options = dict(num_blocks=256, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    options.update(overrides)
+    return Scheduler(policy=policy, **options)
+
+
+def request(tenant: str, priority: int = 0, weight: float = 1.0) -> Request:
+    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
+    prompt = list(range(100, 100 + PROMPT))
+    return Request(
+        f"{tenant}-{next(ids)}", prompt, params, tenant_id=tenant, priority=priority, weight=weight
+    )
+
+
+def step(scheduler: Scheduler, served: Counter) -> list[str]:
+    """One step; counts each tenant's weighted tokens. Returns the admitted tenants."""
+    running_before = {r.req_id for r in scheduler.running}
+    output = scheduler.schedule()
+    admitted = []
+    for item in output.scheduled:
+        request = item.request
+        if request.req_id not in running_before:
+            admitted.append(request.tenant_id)
+        is_decode = item.is_sampling and item.start >= request.num_prompt_tokens
+        served[request.tenant_id] += (item.num_new_tokens - is_decode) + 2 * item.is_sampling
+    sampled = {item.request.req_id: 7 for item in output.scheduled if item.is_sampling}
+    scheduler.update_from_output(output, sampled)
+    return admitted
+
+
+def run_with_backlogs(scheduler: Scheduler, backlogs: dict[str, list[Request]], steps: int):
+    for requests in backlogs.values():
+        for r in requests:
+            scheduler.add_request(r)
+    served: Counter = Counter()
+    for _ in range(steps):
+        step(scheduler, served)
+    return served
+
+
+def test_two_tenants_with_backlogs_share_equally():
+    s = scheduler()
+    served = run_with_backlogs(
+        s, {"a": [request("a") for _ in range(40)], "b": [request("b") for _ in range(40)]}, 100
+    )
+    assert abs(served["a"] - served["b"]) <= REQUEST_COST, served
+
+
+def test_fcfs_lets_the_first_flood_take_everything():
+    s = scheduler(policy="fcfs")
+    served = run_with_backlogs(
+        s, {"a": [request("a") for _ in range(40)], "b": [request("b") for _ in range(40)]}, 100
+    )
+    assert served["b"] == 0 and served["a"] > 0
+
+
+def test_a_weight_of_two_gets_twice_the_share():
+    s = scheduler(max_num_seqs=3)
+    served = run_with_backlogs(
+        s,
+        {
+            "gold": [request("gold", weight=2.0) for _ in range(60)],
+            "free": [request("free") for _ in range(60)],
+        },
+        160,  # both still have a backlog
+    )
+    assert served["gold"] == pytest.approx(2 * served["free"], abs=2 * REQUEST_COST), served
+
+
+def test_a_newcomer_is_admitted_next_despite_a_flood():
+    s = scheduler()
+    for _ in range(50):
+        s.add_request(request("flood"))
+    served: Counter = Counter()
+    for _ in range(40):
+        step(s, served)
+    s.add_request(request("newcomer"))
+    admitted = []
+    while "newcomer" not in admitted:
+        admitted = step(s, served)
+        assert len(admitted) <= 1 or admitted[0] == "newcomer"
+    assert s.waiting.counters["newcomer"] >= min(s.waiting.counters.values())
+
+
+def test_a_tenant_back_from_idle_banks_no_credit():
+    s = scheduler()
+    served: Counter = Counter()
+    s.add_request(request("b"))
+    for _ in range(60):
+        step(s, served)  # b finishes and goes idle
+    assert not any(r.tenant_id == "b" for r in s.requests.values())
+    for _ in range(60):
+        s.add_request(request("a"))
+    for _ in range(150):
+        step(s, served)  # a is served alone for a long while
+    a_before = served["a"]
+    for _ in range(30):
+        s.add_request(request("b"))
+    served_after: Counter = Counter()
+    for _ in range(120):
+        step(s, served_after)
+    # b does not get to catch up on what a was served while b was away
+    assert served_after["a"] > 0 and served["a"] >= a_before
+    assert abs(served_after["a"] - served_after["b"]) <= 2 * REQUEST_COST, served_after
+
+
+def test_priority_comes_before_fairness():
+    s = scheduler(max_num_seqs=1)
+    for _ in range(5):
+        s.add_request(request("interactive", priority=0))
+    for _ in range(5):
+        s.add_request(request("batch", priority=10))
+    admitted = []
+    for _ in range(200):
+        admitted += step(s, Counter())
+    assert admitted == ["interactive"] * 5 + ["batch"] * 5
+
+
+def test_a_low_weight_tenant_still_progresses():
+    s = scheduler(max_num_seqs=2)
+    served = run_with_backlogs(
+        s,
+        {
+            "heavy": [request("heavy", weight=10.0) for _ in range(100)],
+            "light": [request("light", weight=0.5) for _ in range(20)],
+        },
+        400,
+    )
+    assert served["light"] >= REQUEST_COST
+    assert served["heavy"] > served["light"]
+
+
+def test_preemption_takes_the_most_served_tenants_newest_request():
+    # 4 blocks of 4 tokens: two 8-token prompts fill the cache; both need a third block
+    s = scheduler(num_blocks=4, max_num_seqs=4)
+    s.waiting.counters["heavy"] = 1000.0
+    light = request("light")
+    heavy = request("heavy")
+    s.add_request(heavy)
+    s.add_request(light)
+    served: Counter = Counter()
+    step(s, served)
+    output = s.schedule()
+    assert output.preempted_req_ids == [heavy.req_id]
+
+
+def test_the_waiting_count_is_kept_per_tenant():
+    s = scheduler(max_num_seqs=1)
+    for tenant in ("a", "a", "b"):
+        s.add_request(request(tenant))
+    assert s.waiting.num_waiting_by_tenant() == {"a": 2, "b": 1}
+    # counters tie at 0: the tenant with less in the engine goes first
+    assert step(s, Counter()) == ["b"]
+    assert s.waiting.num_waiting_by_tenant() == {"a": 2}
+
+
+def test_tenant_metric_labels_are_bounded():
+    from inference_engine.metrics import MAX_TENANT_LABELS, OTHER_TENANTS, EngineMetrics
+
+    metrics = EngineMetrics("m", lambda: (0, 0, 0.0), lambda: {"t1": 3, "t200": 2})
+    labels = {metrics.tenant_label(f"t{i}") for i in range(MAX_TENANT_LABELS + 50)}
+    assert len(labels) == MAX_TENANT_LABELS + 1 and OTHER_TENANTS in labels
+    assert metrics.tenant_label("t1") == "t1"
+    [waiting] = [
+        m for m in metrics.registry.collect() if m.name.endswith("tenant_requests_waiting")
+    ]
+    assert {s.labels["tenant"]: s.value for s in waiting.samples} == {"t1": 3, OTHER_TENANTS: 2}
