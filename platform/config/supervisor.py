@@ -1,13 +1,19 @@
-"""Runs the platform's processes side by side and stops them together.
+"""Runs the platform's processes side by side, restarts the ones that die, and stops them
+together.
 
 `make run` starts one supervisor; it starts each child in its own session (so a Ctrl-C
 reaches only the supervisor, which then stops the children in order), forwards SIGINT and
-SIGTERM as a graceful SIGTERM to every child, kills what is still alive after a grace
-period, and stops everything when any child dies. On Linux each child also gets
-PR_SET_PDEATHSIG, so even a supervisor killed with SIGKILL leaves no orphan behind.
+SIGTERM as a graceful SIGTERM to every child, and kills what is still alive after a grace
+period. A child that exits on its own is restarted, as systemd's ``Restart=always`` or
+supervisord would: after 1 s, then 2, 4, ... up to 30 s while it keeps dying, and from 1 s again
+once it has stayed up for a minute. Only a stop signal stops the platform. Each child's
+restarts and last exit code are written to ``status_file`` (JSON) for the web tier's metrics
+and console. On Linux each child also gets PR_SET_PDEATHSIG, so even a supervisor killed with
+SIGKILL leaves no orphan behind.
 """
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -22,6 +28,24 @@ logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.2
+FIRST_BACKOFF_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 30.0
+STABLE_SECONDS = 60.0  # up this long, a child's next crash backs off from the start again
+
+
+def restart_delay(consecutive_failures: int) -> float:
+    """Seconds before the restart that follows ``consecutive_failures`` (1, 2, ...) crashes
+    in a row: 1, 2, 4, ... capped at 30."""
+    return min(FIRST_BACKOFF_SECONDS * 2 ** (consecutive_failures - 1), MAX_BACKOFF_SECONDS)
+
+
+@dataclass
+class ChildState:
+    started_at: float = 0.0
+    restarts: int = 0
+    consecutive_failures: int = 0
+    last_exit_code: int | None = None
+    restart_at: float | None = None  # when the next start is due; None while it runs
 
 
 @dataclass
@@ -57,10 +81,17 @@ def _child_setup(cpus: frozenset[int] | None):
 
 
 class Supervisor:
-    def __init__(self, specs: Sequence[ProcessSpec], grace_seconds: float = 15.0) -> None:
+    def __init__(
+        self,
+        specs: Sequence[ProcessSpec],
+        grace_seconds: float = 15.0,
+        status_file: Path | None = None,
+    ) -> None:
         self.specs = list(specs)
         self.grace_seconds = grace_seconds
+        self.status_file = status_file
         self.children: dict[str, subprocess.Popen] = {}
+        self.states = {spec.name: ChildState() for spec in self.specs}
         self._stop_signal: int | None = None
 
     def run(self) -> int:
@@ -84,6 +115,8 @@ class Supervisor:
     def _start(self, spec: ProcessSpec) -> None:
         pinned = f" on CPUs {sorted(spec.cpus)}" if spec.cpus is not None else ""
         logger.info("starting %s%s: %s", spec.name, pinned, " ".join(spec.argv))
+        state = self.states.setdefault(spec.name, ChildState())
+        state.started_at, state.restart_at = time.monotonic(), None
         self.children[spec.name] = subprocess.Popen(
             spec.argv,
             env={**os.environ, **spec.env},
@@ -91,17 +124,61 @@ class Supervisor:
             preexec_fn=_child_setup(spec.cpus),
             pass_fds=spec.pass_fds,
         )
+        self._write_status()
 
     def _wait(self) -> int:
+        specs = {spec.name: spec for spec in self.specs}
         while self._stop_signal is None:
+            now = time.monotonic()
             for name, child in self.children.items():
+                state = self.states[name]
+                if state.restart_at is not None:
+                    if now >= state.restart_at:
+                        self._start(specs[name])
+                    continue
                 code = child.poll()
                 if code is not None:
-                    logger.error("%s exited with code %s; stopping the platform", name, code)
-                    return code or 1
+                    self._schedule_restart(name, code, now)
             time.sleep(POLL_SECONDS)
         logger.info("received %s; stopping", signal.Signals(self._stop_signal).name)
         return 0
+
+    def _schedule_restart(self, name: str, code: int, now: float) -> None:
+        state = self.states[name]
+        if now - state.started_at >= STABLE_SECONDS:
+            state.consecutive_failures = 0
+        state.consecutive_failures += 1
+        state.restarts += 1
+        state.last_exit_code = code
+        delay = restart_delay(state.consecutive_failures)
+        state.restart_at = now + delay
+        logger.error(
+            "%s exited with code %s; restarting it in %.0f s (restart %d)",
+            name,
+            code,
+            delay,
+            state.restarts,
+        )
+        self._write_status()
+
+    def _write_status(self) -> None:
+        if self.status_file is None:
+            return
+        status = {
+            name: {
+                "running": state.restart_at is None,
+                "restarts": state.restarts,
+                "last_exit_code": state.last_exit_code,
+                "pid": self.children[name].pid if name in self.children else None,
+            }
+            for name, state in self.states.items()
+        }
+        temporary = self.status_file.with_suffix(".tmp")
+        try:
+            temporary.write_text(json.dumps(status))
+            temporary.replace(self.status_file)
+        except OSError:
+            logger.exception("could not write %s", self.status_file)
 
     def _stop_all(self) -> None:
         alive = [child for child in self.children.values() if child.poll() is None]

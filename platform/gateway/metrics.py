@@ -2,9 +2,13 @@
 latency histograms. Label values are bounded: past ``MAX_LABEL_VALUES`` distinct tenants or
 models, new ones are counted as "other", so a flood of names cannot blow up the registry."""
 
+import json
 import threading
+from pathlib import Path
 
+from django.conf import settings
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tenants.metering import Meter
 from tenants.models import Tenant
@@ -78,6 +82,39 @@ def observe_finished(model: str, tenant: Tenant, meter: Meter) -> None:
     if meter.first_token_at is not None:
         time_to_first_token.labels(model_name).observe(meter.first_token_at - meter.started_at)
     request_latency.labels(model_name).observe(meter.finished_at - meter.started_at)
+
+
+class SupervisedProcesses:
+    """``llm_platform_process_restarts_total`` and ``llm_platform_process_up`` per process that
+    ``make run``'s supervisor runs, read from its status file when scraped."""
+
+    def collect(self):
+        restarts = CounterMetricFamily(
+            "llm_platform_process_restarts",
+            "Times make run's supervisor restarted a process that died.",
+            labels=["process"],
+        )
+        up = GaugeMetricFamily(
+            "llm_platform_process_up",
+            "1 while the process runs, 0 while it waits to be restarted.",
+            labels=["process"],
+        )
+        for name, status in supervisor_status().items():
+            restarts.add_metric([name], status.get("restarts", 0))
+            up.add_metric([name], 1 if status.get("running") else 0)
+        yield restarts
+        yield up
+
+
+def supervisor_status() -> dict[str, dict]:
+    """What ``make run``'s supervisor last wrote about its processes; empty without one."""
+    try:
+        return json.loads((Path(settings.VAR_DIR) / "supervisor.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+registry.register(SupervisedProcesses())
 
 
 def exposition() -> bytes:

@@ -168,3 +168,56 @@ def test_several_web_processes_without_redis_are_refused(tmp_path):
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0
     assert "WEB_PROCESSES > 1 needs REDIS_URL" in output
+
+
+def _complete(base: str, api_key: str) -> dict:
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 3}).encode(),
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+    )
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
+def test_a_killed_engine_is_restarted_and_serves_again(platform_process, tmp_path):
+    process, base = platform_process
+    api_key = _read_until(process, r"API key: (sk-\S+)", timeout=120).group(1)
+    _wait_for_http(f"{base}/health/ready", timeout=120, ok_only=True)
+    assert _complete(base, api_key)["usage"]["completion_tokens"] == 3
+    [engine] = [
+        int(stat.parent.name)
+        for stat in Path("/proc").glob("[0-9]*/stat")
+        if _is_child_engine(stat, process.pid)
+    ]
+
+    os.kill(engine, signal.SIGKILL)
+
+    status_file = tmp_path / "var" / "supervisor.json"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = json.loads(status_file.read_text())["engine"]
+        if status["restarts"] >= 1 and status["running"]:
+            break
+        time.sleep(0.2)
+    assert status["restarts"] == 1 and status["last_exit_code"] == -signal.SIGKILL
+    assert status["pid"] != engine and process.poll() is None
+    deadline = time.monotonic() + 120
+    while True:  # the web tier picks the new engine up without a restart of its own
+        try:
+            assert _complete(base, api_key)["usage"]["completion_tokens"] == 3
+            break
+        except urllib.error.HTTPError as error:
+            assert error.code == 503, error.read()
+            assert time.monotonic() < deadline, "the restarted engine never served"
+            time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+
+
+def _is_child_engine(stat: Path, parent: int) -> bool:
+    try:
+        if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+            return False
+        return "inference_engine" in (stat.parent / "cmdline").read_text()
+    except (OSError, IndexError, ValueError):
+        return False

@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from config.supervisor import ProcessSpec, Supervisor
+from config.supervisor import ProcessSpec, Supervisor, restart_delay
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -60,17 +61,45 @@ def test_a_stop_signal_stops_every_child():
     assert not any(_alive(pid) for pid in pids)
 
 
-def test_a_dying_child_stops_the_others_and_fails_the_run():
-    crash = [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"]
-    supervisor = Supervisor([ProcessSpec("crash", crash), ProcessSpec("b", SLEEPER)])
+def test_a_dying_child_is_restarted_and_the_platform_keeps_running(tmp_path):
+    crash = [sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(3)"]
+    status_file = tmp_path / "supervisor.json"
+    supervisor = Supervisor(
+        [ProcessSpec("crash", crash), ProcessSpec("b", SLEEPER)], status_file=status_file
+    )
     thread, result = _run_in_thread(supervisor)
     _wait_started(supervisor, 2)
-    survivor = supervisor.children["b"].pid
+    first, survivor = supervisor.children["crash"].pid, supervisor.children["b"].pid
 
+    deadline = time.monotonic() + 20
+    while supervisor.children["crash"].pid == first and time.monotonic() < deadline:
+        time.sleep(0.05)
+    restarted = supervisor.children["crash"].pid
+    status = json.loads(status_file.read_text())
+
+    assert restarted != first and thread.is_alive() and _alive(survivor)
+    assert status["crash"]["restarts"] >= 1 and status["crash"]["last_exit_code"] == 3
+    assert status["b"] == {"running": True, "restarts": 0, "last_exit_code": None, "pid": survivor}
+    supervisor._on_signal(signal.SIGTERM, None)
     thread.join(timeout=20)
+    assert result == [0] and not _alive(survivor)
 
-    assert result == [3]
-    assert not _alive(survivor)
+
+def test_a_crash_loop_backs_off_instead_of_spinning():
+    crash = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    supervisor = Supervisor([ProcessSpec("crash", crash)])
+    thread, _ = _run_in_thread(supervisor)
+    _wait_started(supervisor, 1)
+    time.sleep(4)
+    restarts = supervisor.states["crash"].restarts
+    supervisor._on_signal(signal.SIGTERM, None)
+    thread.join(timeout=20)
+    # 1 s, then 2 s, then 4 s between starts: at most 3 restarts in 4 s (20 without backoff)
+    assert 1 <= restarts <= 3
+
+
+def test_restart_delays_double_up_to_thirty_seconds():
+    assert [restart_delay(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
 
 
 def test_a_child_ignoring_sigterm_is_killed_after_the_grace_period():
@@ -95,7 +124,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path):
     pid_file = tmp_path / "child.pid"
     script = f"""
 import sys
-from config.supervisor import ProcessSpec, Supervisor
+from config.supervisor import ProcessSpec, Supervisor, restart_delay
 code = "import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
 child = [sys.executable, "-c", code]
 Supervisor([ProcessSpec("child", child)]).run()

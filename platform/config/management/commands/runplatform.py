@@ -70,7 +70,8 @@ class Command(BaseCommand):
                 )
             )
         processes += [replace(spec, cpus=placement.web_cpus) for spec in web]
-        exit_code = Supervisor(processes).run()
+        status_file = Path(settings.VAR_DIR) / "supervisor.json"
+        exit_code = Supervisor(processes, status_file=status_file).run()
         if exit_code:
             raise CommandError(f"The platform stopped (exit code {exit_code}).")
 
