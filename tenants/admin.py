@@ -28,11 +28,14 @@ class PlanAdmin(admin.ModelAdmin):
         "max_concurrent_requests",
         "monthly_token_budget",
         "is_prefix_cache_isolated",
+        "service_tier",
+        "share",
     )
     prepopulated_fields = {"slug": ("name",)}
     fieldsets = (
         (None, {"fields": ("name", "slug", "allowed_models", "is_prefix_cache_isolated")}),
         LIMIT_FIELDSET,
+        ("Scheduling in the engine", {"fields": ("service_tier", "share")}),
     )
 
 

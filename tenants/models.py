@@ -5,6 +5,7 @@ A limit left empty (NULL) means "no limit" everywhere.
 """
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -26,6 +27,24 @@ class Plan(models.Model):
     is_prefix_cache_isolated = models.BooleanField(
         default=False,
         help_text="Give each tenant on this plan its own prefix cache (a per-tenant cache salt).",
+    )
+
+    class ServiceTier(models.TextChoices):
+        INTERACTIVE = "interactive", "Interactive"
+        STANDARD = "standard", "Standard"
+        BATCH = "batch", "Batch"
+
+    service_tier = models.CharField(
+        max_length=16,
+        choices=ServiceTier.choices,
+        default=ServiceTier.STANDARD,
+        help_text="The engine serves interactive before standard before batch requests.",
+    )
+    share = models.FloatField(
+        default=1.0,
+        validators=[MinValueValidator(0.01), MaxValueValidator(1000.0)],
+        help_text="Each tenant's weight under fair scheduling: 2 is served twice as much as 1 "
+        "when both wait.",
     )
 
     def __str__(self) -> str:

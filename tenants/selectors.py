@@ -47,6 +47,24 @@ def tenant_allows_model(*, tenant: Tenant, model: str) -> bool:
     return not allowed or model in allowed
 
 
+# engine priorities: lower values are served first
+SERVICE_TIER_PRIORITY = {
+    Plan.ServiceTier.INTERACTIVE: 0,
+    Plan.ServiceTier.STANDARD: 1,
+    Plan.ServiceTier.BATCH: 2,
+}
+
+
+def tenant_priority(*, tenant: Tenant) -> int:
+    """The engine priority of the tenant's requests, from its plan's service tier."""
+    return SERVICE_TIER_PRIORITY.get(tenant.plan.service_tier, 1)
+
+
+def tenant_share(*, tenant: Tenant) -> float:
+    """The tenant's weight under the engine's fair scheduling, from its plan."""
+    return tenant.plan.share
+
+
 def tenant_cache_salt(*, tenant: Tenant) -> str | None:
     """The prefix-cache salt sent to the engine, or None to share the cache."""
     return f"tenant-{tenant.pk}" if tenant.plan.is_prefix_cache_isolated else None

@@ -27,7 +27,7 @@ from serving.selectors import deployment_for_tenant
 from tenants.metering import Meter, metered
 from tenants.models import UsageRecord
 from tenants.quotas import QuotaExceeded
-from tenants.selectors import tenant_cache_salt
+from tenants.selectors import tenant_cache_salt, tenant_priority, tenant_share
 
 ENGINE_RETRY_AFTER_SECONDS = 5
 UNKNOWN_ENGINE_ERROR = (500, "engine_error", UsageRecord.Status.ERROR)
@@ -87,7 +87,9 @@ def _prepare(conversation: Conversation, reply: Message) -> tuple:
             "Choose another model in the settings.",
         )
     messages = engine_messages(conversation=conversation, before_id=reply.pk)
-    return deployment, tenant_cache_salt(tenant=conversation.tenant), messages
+    tenant = conversation.tenant
+    scheduling = (tenant_priority(tenant=tenant), tenant_share(tenant=tenant))
+    return deployment, tenant_cache_salt(tenant=tenant), messages, scheduling
 
 
 async def _route(deployment: ModelDeployment) -> tuple[str, int]:
@@ -110,7 +112,7 @@ async def generate_reply(
     on_text: Callable[[str], Awaitable[None]],
 ) -> None:
     """See the module docstring."""
-    deployment, cache_salt, messages = await _prepare(conversation, reply)
+    deployment, cache_salt, messages, (priority, weight) = await _prepare(conversation, reply)
     if not messages:
         raise ChatError("invalid_request", "There is nothing to answer yet.")
     endpoint, max_context = await _route(deployment)
@@ -124,6 +126,8 @@ async def generate_reply(
         request_id=reply.request_id,
         tenant_id=str(conversation.tenant_id),
         cache_salt=cache_salt,
+        priority=priority,  # the replies ride at the end user's tenant's tier
+        tenant_weight=weight,
     )
     pool = get_pool()
     try:

@@ -39,7 +39,7 @@ from gateway.errors import ApiError
 from serving.models import ModelDeployment
 from serving.selectors import deployment_for_tenant
 from tenants.models import ApiKey, Plan, Tenant
-from tenants.selectors import tenant_cache_salt
+from tenants.selectors import tenant_cache_salt, tenant_priority, tenant_share
 
 GENERATION_KEY = "gateway:auth-generation"
 HEALTH_FIELDS = frozenset({"replicas", "health", "checked_at"})
@@ -57,6 +57,8 @@ class Authorization:
     cache_salt: str | None
     generation: str | None
     fetched_at: float
+    priority: int = 1  # the engine priority of the tenant's plan tier (lower goes first)
+    tenant_weight: float = 1.0  # the plan's share under fair scheduling
 
     def ensure_current(self) -> None:
         """Raise ``StaleAuthorization`` if anything it was read from changed since. Sync: it
@@ -133,6 +135,8 @@ def _fetch(raw_key: str, model: str) -> Authorization:
         cache_salt=tenant_cache_salt(tenant=api_key.tenant),
         generation=generation,
         fetched_at=time.monotonic(),
+        priority=tenant_priority(tenant=api_key.tenant),
+        tenant_weight=tenant_share(tenant=api_key.tenant),
     )
 
 

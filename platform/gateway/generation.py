@@ -100,8 +100,18 @@ def _completion_logprobs(entries: list[TokenLogprobs], offset: int) -> schemas.C
     )
 
 
-def fan_out(plan: GenerationPlan, response_id: str, cache_salt: str | None, tenant: str) -> list:
-    """One engine request per choice; a choice's seed is offset so the n samples differ."""
+def fan_out(
+    plan: GenerationPlan,
+    response_id: str,
+    cache_salt: str | None,
+    tenant: str,
+    *,
+    tier_priority: int = 1,
+    tenant_weight: float = 1.0,
+) -> list:
+    """One engine request per choice; a choice's seed is offset so the n samples differ.
+    The request's ``priority`` may lower its plan tier's (a larger value), never raise it."""
+    priority = max(tier_priority, plan.priority if plan.priority is not None else tier_priority)
     requests = []
     for prompt_index, prompt in enumerate(plan.prompts):
         for sample in range(plan.n):
@@ -115,6 +125,8 @@ def fan_out(plan: GenerationPlan, response_id: str, cache_salt: str | None, tena
                     request_id=f"{response_id}-{prompt_index * plan.n + sample}",
                     tenant_id=tenant,
                     cache_salt=cache_salt,
+                    priority=priority,
+                    tenant_weight=tenant_weight,
                 )
             )
     return requests

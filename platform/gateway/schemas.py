@@ -50,6 +50,8 @@ class _GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # vLLM's: lower values are served first; a caller may only lower its plan's priority
+    priority: int | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):

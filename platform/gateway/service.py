@@ -92,7 +92,14 @@ async def _serve(
     endpoint, max_context = await _route(deployment)
     reserved = finalize_max_tokens(plan, max_context)
     response_id = RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
-    requests = fan_out(plan, response_id, auth.cache_salt, str(api_key.tenant_id))
+    requests = fan_out(
+        plan,
+        response_id,
+        auth.cache_salt,
+        str(api_key.tenant_id),
+        tier_priority=auth.priority,
+        tenant_weight=auth.tenant_weight,
+    )
     stack = contextlib.AsyncExitStack()
     meter = await stack.enter_async_context(
         metered(

@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20
 MAX_MESSAGES = 1024
 MAX_USER_CHARS = 256
 SEED_RANGE = range(-(2**63), 2**63)
+PRIORITY_RANGE = range(-(2**31), 2**31)
 # max_tokens until the context length is known (see finalize_max_tokens)
 UNBOUNDED = 2**31 - 1
 # OpenAI's rule of thumb, used only to reserve tokens per minute before the engine counts.
@@ -39,6 +40,7 @@ class GenerationPlan:
     logprobs: int | None
     estimated_prompt_tokens: int
     max_tokens: int | None  # None: up to the context length
+    priority: int | None = None  # as asked; the plan's tier is the floor (see fan_out)
 
 
 def decode(body: bytes, request_type: type) -> msgspec.Struct:
@@ -75,6 +77,8 @@ def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
         raise invalid("stream_options is only allowed when stream is true.", "stream_options")
     if request.seed is not None and request.seed not in SEED_RANGE:
         raise invalid("seed must fit in a signed 64-bit integer.", "seed")
+    if request.priority is not None and request.priority not in PRIORITY_RANGE:
+        raise invalid("priority must fit in a signed 32-bit integer.", "priority")
     if request.user is not None and len(request.user) > MAX_USER_CHARS:
         raise invalid(f"user must be at most {MAX_USER_CHARS} characters.", "user")
 
@@ -140,6 +144,7 @@ def plan_chat(body: bytes) -> GenerationPlan:
         logprobs=logprobs,
         estimated_prompt_tokens=estimate,
         max_tokens=max_tokens,
+        priority=request.priority,
     )
 
 
@@ -166,6 +171,7 @@ def plan_completion(body: bytes) -> GenerationPlan:
         logprobs=request.logprobs,
         estimated_prompt_tokens=estimate,
         max_tokens=request.max_tokens,
+        priority=request.priority,
     )
 
 

@@ -95,7 +95,7 @@ async def test_send_streams_a_reply_that_is_saved_and_metered(chat_world, async_
         lambda: (
             type(tenant.plan)
             .objects.filter(pk=tenant.plan_id)
-            .update(is_prefix_cache_isolated=True)
+            .update(is_prefix_cache_isolated=True, service_tier="interactive", share=2.0)
         )
     )()
     sent = []
@@ -138,6 +138,7 @@ async def test_send_streams_a_reply_that_is_saved_and_metered(chat_world, async_
     ]
     assert request.cache_salt == f"tenant-{tenant.pk}"
     assert request.tenant_id == str(tenant.pk)
+    assert (request.priority, request.tenant_weight) == (0, 2.0)  # the tenant's tier and share
     assert request.params.temperature == 0.0
 
     [record] = await _records(tenant)
