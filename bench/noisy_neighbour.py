@@ -1,0 +1,155 @@
+"""A noisy neighbour against a quiet tenant, under `--scheduling-policy fcfs` and `fair`, in
+one run, on the engine process over ZeroMQ (the real engine and client, no web tier).
+
+Tenant A keeps ``--flood`` long requests in flight (a finished one is replaced at once);
+tenant B sends one short request a second. The engine's KV cache holds only a share of A's
+flood, so A's requests queue. Printed: B's TTFT p50/p99 under each policy, beside B's TTFT on
+an idle engine, and A's throughput under each policy.
+
+    .venv/bin/python bench/noisy_neighbour.py [--flood 200] [--seconds 20] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
+
+from inference_engine.client import AsyncEngineClient  # noqa: E402
+from inference_engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
+
+LONG_PROMPT = " ".join(f"word{i}" for i in range(120))
+SHORT_PROMPT = "How do I open a file?"
+LONG = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def engine(model: str, policy: str, kv_bytes: int, threads: int):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    log = tempfile.NamedTemporaryFile("w", suffix=f"-{policy}.log", delete=False)  # noqa: SIM115
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "inference_engine",
+            "--model",
+            model,
+            "--endpoint",
+            endpoint,
+            "--scheduling-policy",
+            policy,
+            "--kv-cache-memory",
+            str(kv_bytes),
+            "--max-queued-requests",
+            "4096",
+            "--tenant-queue-share",
+            "1",
+            "--threads",
+            str(threads),
+        ],  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'platform'}"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield endpoint
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+
+
+async def ttft(client: AsyncEngineClient, tenant: str) -> float:
+    began = time.perf_counter()
+    first = None
+    request = GenerateRequest(prompt=SHORT_PROMPT, params=SHORT, tenant_id=tenant)
+    async for delta in client.generate(request):
+        if first is None and delta.token_ids:
+            first = time.perf_counter() - began
+    return first if first is not None else float("nan")
+
+
+async def flood(client: AsyncEngineClient, tokens: list[int], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        request = GenerateRequest(prompt=LONG_PROMPT, params=LONG, tenant_id="a")
+        async for delta in client.generate(request):
+            tokens[0] += len(delta.token_ids)
+
+
+async def measure(endpoint: str, flood_size: int, seconds: float) -> dict:
+    client = AsyncEngineClient(endpoint)
+    try:
+        await client.wait_ready(timeout=180)
+        idle = [await ttft(client, "b") for _ in range(5)]
+        stop, tokens = asyncio.Event(), [0]
+        flooders = [asyncio.create_task(flood(client, tokens, stop)) for _ in range(flood_size)]
+        await asyncio.sleep(min(10.0, seconds / 2))  # the flood fills the engine
+        start_tokens, began = tokens[0], time.perf_counter()
+        quiet = []
+        for _ in range(int(seconds)):
+            tick = time.perf_counter()
+            quiet.append(await ttft(client, "b"))
+            await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - tick)))
+        a_rate = (tokens[0] - start_tokens) / (time.perf_counter() - began)
+        stop.set()
+        for task in flooders:
+            task.cancel()
+        await asyncio.gather(*flooders, return_exceptions=True)
+        return {
+            "idle_p50": statistics.median(idle),
+            "b_p50": statistics.median(quiet),
+            "b_p99": sorted(quiet)[max(0, int(len(quiet) * 0.99) - 1)],
+            "a_tok_s": a_rate,
+        }
+    finally:
+        client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "demo-chat"))
+    parser.add_argument("--flood", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=48 << 20, help="bytes: a share of A's flood"
+    )
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    results = {}
+    for policy in ("fcfs", "fair"):
+        with engine(args.model, policy, args.kv_cache_memory, args.threads) as endpoint:
+            results[policy] = asyncio.run(measure(endpoint, args.flood, args.seconds))
+        print(policy, {k: round(v, 4) for k, v in results[policy].items()}, flush=True)
+    idle = statistics.median(r["idle_p50"] for r in results.values())
+    print()
+    print(f"B's TTFT alone on an idle engine: p50 {idle * 1e3:.0f} ms")
+    print(f"{'policy':8} {'B TTFT p50':>11} {'B TTFT p99':>11} {'x idle':>7} {'A tok/s':>8}")
+    for policy, r in results.items():
+        print(
+            f"{policy:8} {r['b_p50'] * 1e3:9.0f} ms {r['b_p99'] * 1e3:9.0f} ms "
+            f"{r['b_p50'] / idle:7.1f} {r['a_tok_s']:8.0f}"
+        )
+    print(f"A keeps {results['fair']['a_tok_s'] / results['fcfs']['a_tok_s']:.0%} of its fcfs rate")
+
+
+if __name__ == "__main__":
+    main()
