@@ -1,9 +1,15 @@
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.auth import admin as auth_admin
+from django.contrib.auth import get_user_model
+from django.contrib.auth.forms import UserChangeForm
+from django.core.exceptions import ValidationError
+from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest
 
 from tenants import services
 from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
+from tenants.services import MembershipChange
 
 LIMIT_FIELDSET = (
     "Limits (empty means the plan's value, or no limit on a plan)",
@@ -39,10 +45,47 @@ class PlanAdmin(admin.ModelAdmin):
     )
 
 
+# Memberships change through tenants.services here too, so the owner rules hold in the admin:
+# forms run ``memberships_check`` (an error redisplays the form), saves ``memberships_apply``.
+
+
+class MembershipFormSet(BaseInlineFormSet):
+    actor = None  # the admin user, set by MembershipInline.get_formset
+
+    def clean(self) -> None:
+        super().clean()
+        if any(self.errors):
+            return
+        self.changes: list[MembershipChange] = []
+        for form in self.forms:
+            self.changes += self._changes(form)
+        # a tenant being added has no owner to lose, and nothing to query yet
+        if self.instance.pk is not None:
+            services.memberships_check(tenant=self.instance, changes=self.changes, actor=self.actor)
+
+    def _changes(self, form: forms.ModelForm) -> list[MembershipChange]:
+        if not form.cleaned_data or not (form.has_changed() or self._should_delete_form(form)):
+            return []
+        previous = None
+        if form.instance.pk is not None:
+            previous = get_user_model().objects.get(pk=form.initial["user"])
+        if self._should_delete_form(form):
+            return [MembershipChange(previous, None)] if previous else []
+        user, role = form.cleaned_data["user"], form.cleaned_data["role"]
+        moved = [MembershipChange(previous, None)] if previous and previous != user else []
+        return [*moved, MembershipChange(user, role)]
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
+    formset = MembershipFormSet
+    fields = ("user", "role")
     extra = 0
     autocomplete_fields = ("user",)
+
+    def get_formset(self, request: HttpRequest, obj=None, **kwargs):
+        formset = super().get_formset(request, obj, **kwargs)
+        return type(formset.__name__, (formset,), {"actor": request.user})
 
 
 @admin.register(Tenant)
@@ -54,13 +97,79 @@ class TenantAdmin(admin.ModelAdmin):
     fieldsets = ((None, {"fields": ("name", "slug", "plan", "is_active")}), LIMIT_FIELDSET)
     inlines = (MembershipInline,)
 
+    def save_formset(self, request: HttpRequest, form, formset, change: bool) -> None:
+        if not isinstance(formset, MembershipFormSet):
+            super().save_formset(request, form, formset, change)
+            return
+        formset.save(commit=False)  # writes nothing; lists the changes for the admin's log
+        services.memberships_apply(
+            tenant=form.instance, changes=formset.changes, actor=request.user
+        )
+
+
+class MembershipAdminForm(forms.ModelForm):
+    actor = None  # the admin user, set by MembershipAdmin.get_form
+
+    class Meta:
+        model = Membership
+        fields = ("user", "tenant", "role")
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        tenant = cleaned.get("tenant") or getattr(self.instance, "tenant", None)
+        user = cleaned.get("user") or getattr(self.instance, "user", None)
+        if tenant is not None and user is not None and cleaned.get("role"):
+            services.memberships_check(
+                tenant=tenant, changes=[MembershipChange(user, cleaned["role"])], actor=self.actor
+            )
+        return cleaned
+
 
 @admin.register(Membership)
 class MembershipAdmin(admin.ModelAdmin):
+    form = MembershipAdminForm
     list_display = ("user", "tenant", "role", "created_at")
     list_filter = ("role",)
     search_fields = ("user__username", "tenant__slug")
     autocomplete_fields = ("user", "tenant")
+
+    def get_form(self, request: HttpRequest, obj=None, change=False, **kwargs):
+        form = super().get_form(request, obj, change=change, **kwargs)
+        return type(form.__name__, (form,), {"actor": request.user})
+
+    def get_readonly_fields(self, request: HttpRequest, obj=None):
+        # moving a membership to another user or tenant would be a removal in disguise
+        return () if obj is None else ("user", "tenant")
+
+    def save_model(self, request: HttpRequest, obj: Membership, form, change: bool) -> None:
+        membership = services.membership_set(
+            tenant=obj.tenant, user=obj.user, role=obj.role, actor=request.user
+        )
+        obj.pk = membership.pk
+
+    def delete_model(self, request: HttpRequest, obj: Membership) -> None:
+        services.membership_remove(membership=obj, actor=request.user)
+
+    def delete_queryset(self, request: HttpRequest, queryset) -> None:
+        for tenant, removals in _removals_by_tenant(queryset).items():
+            services.memberships_apply(tenant=tenant, changes=removals, actor=request.user)
+
+    def get_deleted_objects(self, objs, request: HttpRequest):
+        # The admin's own way to refuse a deletion: "protected" objects block the confirm page.
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        for tenant, removals in _removals_by_tenant(objs).items():
+            try:
+                services.memberships_check(tenant=tenant, changes=removals, actor=request.user)
+            except ValidationError as exc:
+                protected = [*protected, f"{tenant.slug}: {' '.join(exc.messages)}"]
+        return deleted, counts, perms_needed, protected
+
+
+def _removals_by_tenant(memberships) -> dict[Tenant, list[MembershipChange]]:
+    removals: dict[Tenant, list[MembershipChange]] = {}
+    for membership in memberships:
+        removals.setdefault(membership.tenant, []).append(MembershipChange(membership.user, None))
+    return removals
 
 
 class ApiKeyCreationForm(forms.ModelForm):
@@ -164,3 +273,32 @@ class UsageRecordAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
         return False
+
+
+class OwnerKeepingUserChangeForm(UserChangeForm):
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        if self.instance.is_active and cleaned.get("is_active") is False:
+            services.users_removal_check(users=[self.instance])
+        return cleaned
+
+
+User = get_user_model()
+if admin.site.is_registered(User):
+    admin.site.unregister(User)
+
+
+@admin.register(User)
+class UserAdmin(auth_admin.UserAdmin):
+    """Django's user admin, except that a tenant's last owner is neither deactivated nor
+    deleted."""
+
+    form = OwnerKeepingUserChangeForm
+
+    def get_deleted_objects(self, objs, request: HttpRequest):
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        try:
+            services.users_removal_check(users=list(objs))
+        except ValidationError as exc:
+            protected = [*protected, " ".join(exc.messages)]
+        return deleted, counts, perms_needed, protected

@@ -1,10 +1,11 @@
 """Reads. Every selector of tenant-owned data takes the tenant and filters by it."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from datetime import datetime
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import QuerySet, Sum
+from django.db.models import Exists, OuterRef, QuerySet, Sum
 
 from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
 
@@ -81,6 +82,15 @@ def user_tenants(*, user: AbstractBaseUser) -> QuerySet[Tenant]:
 def user_role(*, user: AbstractBaseUser, tenant: Tenant) -> str | None:
     membership = Membership.objects.filter(user=user, tenant=tenant).only("role").first()
     return membership.role if membership else None
+
+
+def tenants_owned_alone(*, users: Iterable[AbstractBaseUser]) -> list[Tenant]:
+    """The tenants whose active owners are all among ``users``: without them, none is left."""
+    user_ids = [user.pk for user in users]
+    active_owners = Membership.objects.filter(role=Membership.Role.OWNER, user__is_active=True)
+    owned = active_owners.filter(user__in=user_ids).values("tenant")
+    others = active_owners.filter(tenant=OuterRef("pk")).exclude(user__in=user_ids)
+    return list(Tenant.objects.filter(pk__in=owned).exclude(Exists(others)).order_by("slug"))
 
 
 def tenant_usage_records(

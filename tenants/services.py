@@ -4,6 +4,7 @@ Every function takes keyword-only arguments, validates before writing and runs i
 transaction. Async callers (the gateway, the chat consumer) use the ``a``-prefixed twins.
 """
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from asgiref.sync import sync_to_async
@@ -14,7 +15,7 @@ from django.utils import timezone
 
 from tenants import api_keys
 from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
-from tenants.selectors import DEFAULT_PLAN_SLUG, LIMIT_FIELDS, plan_default
+from tenants.selectors import DEFAULT_PLAN_SLUG, LIMIT_FIELDS, plan_default, tenants_owned_alone
 
 # Writing last_used_at on every request would put a database write on the hot path;
 # once a minute is as precise as a dashboard needs.
@@ -73,19 +74,8 @@ def tenant_create(
     tenant.full_clean()
     tenant.save()
     if owner is not None:
-        membership_set(tenant=tenant, user=owner, role=Membership.Role.OWNER)
+        membership_set(tenant=tenant, user=owner, role=Membership.Role.OWNER, actor=None)
     return tenant
-
-
-@transaction.atomic
-def membership_set(*, tenant: Tenant, user: AbstractBaseUser, role: str) -> Membership:
-    """Give ``user`` the ``role`` in ``tenant``, creating the membership if needed."""
-    if role not in Membership.Role.values:
-        raise ValidationError({"role": f"Unknown role {role!r}."})
-    membership, _ = Membership.objects.update_or_create(
-        tenant=tenant, user=user, defaults={"role": role}
-    )
-    return membership
 
 
 def api_key_create(
@@ -217,32 +207,141 @@ def usage_records_save(records: list[UsageRecord]) -> None:
     UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
 
 
+# --- memberships ---------------------------------------------------------------------------
+#
+# Two rules hold for every caller (the console, the admin, commands): only a tenant's owners
+# (or platform staff) touch an owner's membership or make owners, and no change leaves a
+# tenant that has an owner without one. ``actor`` is the person making the change, or None
+# for the platform itself (a management command, the demo bootstrap); it is keyword-only
+# and has no default so that no caller skips the first rule by forgetting it.
+
+
 class LastOwnerError(ValidationError):
     pass
 
 
-@transaction.atomic
-def membership_remove(*, membership: Membership) -> None:
-    """Remove a member; a tenant always keeps at least one owner."""
-    _keep_an_owner(membership, new_role=None)
-    membership.delete()
+class OwnerRequiredError(ValidationError):
+    pass
 
 
-@transaction.atomic
-def membership_change_role(*, membership: Membership, role: str) -> Membership:
-    if role not in Membership.Role.values:
-        raise ValidationError({"role": f"Unknown role {role!r}."})
-    _keep_an_owner(membership, new_role=role)
-    membership.role = role
-    membership.save(update_fields=["role"])
-    return membership
+class MembershipNotAllowed(ValidationError):
+    pass
 
 
-def _keep_an_owner(membership: Membership, new_role: str | None) -> None:
-    if membership.role != Membership.Role.OWNER or new_role == Membership.Role.OWNER:
-        return
-    owners = Membership.objects.select_for_update().filter(
-        tenant_id=membership.tenant_id, role=Membership.Role.OWNER
+@dataclass(frozen=True)
+class MembershipChange:
+    user: AbstractBaseUser
+    role: str | None  # None removes the user's membership
+
+
+def memberships_check(
+    *, tenant: Tenant, changes: list[MembershipChange], actor: AbstractBaseUser | None
+) -> None:
+    """Raise unless ``actor`` may make all of ``changes`` and the tenant keeps an owner."""
+    for change in changes:
+        if change.role is not None and change.role not in Membership.Role.values:
+            raise ValidationError({"role": f"Unknown role {change.role!r}."})
+    current = dict(
+        Membership.objects.filter(tenant=tenant, user__in=[c.user for c in changes]).values_list(
+            "user_id", "role"
+        )
     )
-    if owners.count() <= 1:
+    real = [c for c in changes if current.get(c.user.pk) != c.role]
+    if actor is not None:
+        _check_actor(tenant=tenant, actor=actor, current=current, changes=real)
+    # An inactive owner cannot sign in to act as one, so only active ones count.
+    owners = set(
+        Membership.objects.filter(
+            tenant=tenant, role=Membership.Role.OWNER, user__is_active=True
+        ).values_list("user_id", flat=True)
+    )
+    had_owner = bool(owners)
+    for change in real:
+        if change.role == Membership.Role.OWNER and change.user.is_active:
+            owners.add(change.user.pk)
+        else:
+            owners.discard(change.user.pk)
+    if had_owner and not owners:
         raise LastOwnerError("A tenant must keep at least one owner.")
+
+
+def _check_actor(
+    *,
+    tenant: Tenant,
+    actor: AbstractBaseUser,
+    current: dict[int, str],
+    changes: list[MembershipChange],
+) -> None:
+    if actor.is_staff:
+        return
+    role = (
+        Membership.objects.filter(tenant=tenant, user=actor).values_list("role", flat=True).first()
+    )
+    if role == Membership.Role.OWNER:
+        return
+    if role != Membership.Role.ADMIN:
+        raise MembershipNotAllowed("Only a tenant's owners and admins manage its members.")
+    for change in changes:
+        if Membership.Role.OWNER in (current.get(change.user.pk), change.role):
+            raise OwnerRequiredError("Only an owner can change an owner or make owners.")
+
+
+@transaction.atomic
+def memberships_apply(
+    *, tenant: Tenant, changes: list[MembershipChange], actor: AbstractBaseUser | None
+) -> None:
+    """Make ``changes`` together (the admin's tenant page saves several rows at once), after
+    ``memberships_check``."""
+    # One membership change per tenant at a time: two admins each removing one of two owners
+    # would otherwise both see an owner left.
+    Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
+    memberships_check(tenant=tenant, changes=changes, actor=actor)
+    for change in changes:
+        if change.role is None:
+            Membership.objects.filter(tenant=tenant, user=change.user).delete()
+        else:
+            Membership.objects.update_or_create(
+                tenant=tenant, user=change.user, defaults={"role": change.role}
+            )
+
+
+def membership_set(
+    *, tenant: Tenant, user: AbstractBaseUser, role: str, actor: AbstractBaseUser | None
+) -> Membership:
+    """Give ``user`` the ``role`` in ``tenant``, creating the membership if needed."""
+    memberships_apply(tenant=tenant, changes=[MembershipChange(user, role)], actor=actor)
+    return Membership.objects.get(tenant=tenant, user=user)
+
+
+def membership_change_role(
+    *, membership: Membership, role: str, actor: AbstractBaseUser | None
+) -> Membership:
+    return membership_set(tenant=membership.tenant, user=membership.user, role=role, actor=actor)
+
+
+def membership_remove(*, membership: Membership, actor: AbstractBaseUser | None) -> None:
+    memberships_apply(
+        tenant=membership.tenant, changes=[MembershipChange(membership.user, None)], actor=actor
+    )
+
+
+def users_removal_check(*, users: list[AbstractBaseUser]) -> None:
+    """Raise ``LastOwnerError`` when deactivating or deleting ``users`` together would leave a
+    tenant without an active owner."""
+    alone = tenants_owned_alone(users=users)
+    if alone:
+        slugs = ", ".join(tenant.slug for tenant in alone)
+        names = ", ".join(user.get_username() for user in users)
+        raise LastOwnerError(
+            f"{names}: the last owner of {slugs}. Make someone else an owner first."
+        )
+
+
+@transaction.atomic
+def user_deactivate(*, user: AbstractBaseUser) -> None:
+    """Deactivate a user, unless that leaves a tenant without an owner."""
+    tenant_ids = Membership.objects.filter(user=user, role=Membership.Role.OWNER).values("tenant")
+    list(Tenant.objects.select_for_update().filter(pk__in=tenant_ids))
+    users_removal_check(users=[user])
+    user.is_active = False
+    user.save(update_fields=["is_active"])

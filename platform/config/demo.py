@@ -67,7 +67,7 @@ def demo_bootstrap() -> DemoCredentials:
     if tenant is None:
         tenant = services.tenant_create(slug=DEMO_TENANT_SLUG, name="Demo", owner=user)
     else:
-        services.membership_set(tenant=tenant, user=user, role=Membership.Role.OWNER)
+        services.membership_set(tenant=tenant, user=user, role=Membership.Role.OWNER, actor=None)
 
     raw_key = saved.get("api_key")
     if not raw_key or not _key_works(raw_key, tenant):

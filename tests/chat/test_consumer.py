@@ -59,7 +59,7 @@ async def test_only_the_owner_may_connect(chat_world, async_db, django_user_mode
     @sync_to_async
     def make_users():
         bob = django_user_model.objects.create_user("bob", password="x-password-1")
-        tenant_services.membership_set(tenant=acme, user=bob, role="admin")
+        tenant_services.membership_set(tenant=acme, user=bob, role="admin", actor=None)
         carol = django_user_model.objects.create_user("carol", password="x-password-2")
         globex = tenant_services.tenant_create(slug="globex", plan=chat_world["plan"], owner=carol)
         return bob, carol, globex

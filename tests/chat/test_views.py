@@ -178,7 +178,7 @@ def test_a_reply_nobody_is_writing_shows_as_interrupted(alice, acme):
 def test_nobody_sees_another_users_or_tenants_conversations(alice, acme, plan, django_user_model):
     mine = services.conversation_create(user=alice, tenant=acme, title="Mine")
     bob = django_user_model.objects.create_user("bob", password=PASSWORD)
-    tenant_services.membership_set(tenant=acme, user=bob, role="owner")
+    tenant_services.membership_set(tenant=acme, user=bob, role="owner", actor=None)
     bobs = services.conversation_create(user=bob, tenant=acme, title="Bob's")
     globex = tenant_services.tenant_create(slug="globex", plan=plan, owner=alice)
     elsewhere = services.conversation_create(user=alice, tenant=globex, title="Elsewhere")

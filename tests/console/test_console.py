@@ -21,9 +21,9 @@ def people(django_user_model, tenant, other_tenant):
         "staff": make("staffer", password="pw-staff-123", is_staff=True),
         "nobody": make("nobody", password="pw-nobody-123"),
     }
-    services.membership_set(tenant=tenant, user=people["member"], role="member")
-    services.membership_set(tenant=tenant, user=people["admin_a"], role="admin")
-    services.membership_set(tenant=tenant, user=people["owner_a"], role="owner")
+    services.membership_set(tenant=tenant, user=people["member"], role="member", actor=None)
+    services.membership_set(tenant=tenant, user=people["admin_a"], role="admin", actor=None)
+    services.membership_set(tenant=tenant, user=people["owner_a"], role="owner", actor=None)
     return people
 
 
@@ -145,6 +145,28 @@ def test_members_and_roles(client, people, tenant):
     assert Membership.objects.get(pk=owner.pk).role == "owner"  # the last owner stays
     page = client.get(url).content.decode()
     assert "nobody" in page and "owner_a" in page
+
+
+def test_an_admin_cannot_demote_the_owner_by_adding_them_again(client, people, tenant):
+    client.force_login(people["admin_a"])
+    url = reverse("console:members", args=[tenant.slug])
+    response = client.post(
+        url, {"action": "add", "username": "owner_a", "role": "member"}, follow=True
+    )
+    assert response.status_code == 200
+    assert Membership.objects.get(user=people["owner_a"], tenant=tenant).role == "owner"
+    assert "Only an owner" in response.content.decode()
+
+
+def test_the_last_owner_cannot_demote_themselves_by_adding_themselves(client, people, tenant):
+    client.force_login(people["owner_a"])
+    url = reverse("console:members", args=[tenant.slug])
+    response = client.post(
+        url, {"action": "add", "username": "owner_a", "role": "admin"}, follow=True
+    )
+    assert response.status_code == 200
+    assert Membership.objects.get(user=people["owner_a"], tenant=tenant).role == "owner"
+    assert "at least one owner" in response.content.decode()
 
 
 def test_platform_console_lists_tenants_models_and_manages_deployments(client, people, tenant):

@@ -45,7 +45,7 @@ def test_dashboards_in_chromium(chromium, django_user_model, tenant, other_tenan
     sync_api, executable = chromium
     owner = django_user_model.objects.create_user("owner", password=PASSWORD)
     django_user_model.objects.create_user("root", password=PASSWORD, is_staff=True)
-    services.membership_set(tenant=tenant, user=owner, role="owner")
+    services.membership_set(tenant=tenant, user=owner, role="owner", actor=None)
     _fill_usage(tenant)
     ModelDeployment.objects.create(
         name="demo-chat",

@@ -4,7 +4,7 @@ import pytest
 from django.urls import reverse
 
 from tenants import api_keys, services
-from tenants.models import ApiKey
+from tenants.models import ApiKey, Membership
 
 pytestmark = pytest.mark.django_db
 
@@ -71,3 +71,100 @@ def test_revoke_action(staff_client, tenant):
     )
     with pytest.raises(services.ApiKeyInvalid):
         services.api_key_authenticate(raw_key=raw_key)
+
+
+# --- the owner rule holds in the admin too ----------------------------------------------
+
+
+@pytest.fixture
+def owned(tenant, django_user_model):
+    """Acme with its one owner, and that owner's membership."""
+    owner = django_user_model.objects.create_user("owner", password="pw-owner-123")
+    return services.membership_set(tenant=tenant, user=owner, role="owner", actor=None)
+
+
+def test_the_admin_cannot_demote_the_last_owner(staff_client, owned):
+    response = staff_client.post(
+        reverse("admin:tenants_membership_change", args=[owned.pk]), {"role": "member"}
+    )
+    assert response.status_code == 200  # the form again, with the error
+    assert "at least one owner" in response.content.decode()
+    assert Membership.objects.get(pk=owned.pk).role == "owner"
+
+
+def test_the_admin_cannot_delete_the_last_owner(staff_client, owned):
+    url = reverse("admin:tenants_membership_delete", args=[owned.pk])
+    staff_client.post(url, {"post": "yes"})
+    staff_client.post(
+        reverse("admin:tenants_membership_changelist"),
+        {"action": "delete_selected", "_selected_action": [owned.pk], "post": "yes"},
+    )
+    assert Membership.objects.filter(pk=owned.pk).exists()
+
+
+def _inline_form(tenant, membership, **row) -> dict:
+    data = {
+        "name": tenant.name,
+        "slug": tenant.slug,
+        "plan": tenant.plan_id,
+        "is_active": "on",
+        "memberships-TOTAL_FORMS": "1",
+        "memberships-INITIAL_FORMS": "1",
+        "memberships-MIN_NUM_FORMS": "0",
+        "memberships-MAX_NUM_FORMS": "1000",
+        "memberships-0-id": membership.pk,
+        "memberships-0-tenant": tenant.pk,
+        "memberships-0-user": membership.user_id,
+        "memberships-0-role": "owner",
+    }
+    data.update({f"memberships-0-{name}": value for name, value in row.items()})
+    return data
+
+
+@pytest.mark.parametrize("row", [{"role": "admin"}, {"DELETE": "on"}])
+def test_the_tenant_page_cannot_drop_the_last_owner(staff_client, tenant, owned, row):
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    response = staff_client.post(url, _inline_form(tenant, owned, **row))
+    assert response.status_code == 200
+    assert "at least one owner" in response.content.decode()
+    assert Membership.objects.get(pk=owned.pk).role == "owner"
+
+
+def test_the_tenant_page_changes_roles_through_the_rule(staff_client, tenant, owned, user):
+    services.membership_set(tenant=tenant, user=user, role="owner", actor=None)
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    response = staff_client.post(url, _inline_form(tenant, owned, role="member"))
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    assert Membership.objects.get(pk=owned.pk).role == "member"
+
+
+def test_the_admin_cannot_deactivate_or_delete_a_tenants_last_owner(staff_client, owned):
+    user = owned.user
+    page = staff_client.get(reverse("admin:auth_user_change", args=[user.pk]))
+    form = {
+        "username": user.username,
+        "date_joined_0": "2024-01-01",
+        "date_joined_1": "00:00:00",
+        "initial-date_joined_0": "2024-01-01",
+        "initial-date_joined_1": "00:00:00",
+    }  # is_active left out: unticked
+    assert page.status_code == 200
+    response = staff_client.post(reverse("admin:auth_user_change", args=[user.pk]), form)
+    assert response.status_code == 200
+    assert "last owner" in response.content.decode()
+    user.refresh_from_db()
+    assert user.is_active
+
+    staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"})
+    assert type(user).objects.filter(pk=user.pk).exists()
+
+
+def test_the_admin_still_deletes_and_deactivates_others(staff_client, tenant, owned, user):
+    member = services.membership_set(tenant=tenant, user=user, role="member", actor=None)
+    staff_client.post(
+        reverse("admin:tenants_membership_changelist"),
+        {"action": "delete_selected", "_selected_action": [member.pk], "post": "yes"},
+    )
+    assert not Membership.objects.filter(pk=member.pk).exists()
+    staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"})
+    assert not type(user).objects.filter(pk=user.pk).exists()

@@ -55,8 +55,8 @@ def test_allowed_models_and_cache_isolation():
 
 
 def test_user_tenants_lists_only_active_memberships(user, tenant, other_tenant):
-    services.membership_set(tenant=tenant, user=user, role="member")
-    services.membership_set(tenant=other_tenant, user=user, role="admin")
+    services.membership_set(tenant=tenant, user=user, role="member", actor=None)
+    services.membership_set(tenant=other_tenant, user=user, role="admin", actor=None)
     other_tenant.is_active = False
     other_tenant.save()
     services.tenant_create(slug="unrelated")

@@ -40,9 +40,9 @@ def test_unknown_limit_is_refused():
 
 
 def test_user_may_belong_to_several_tenants_with_different_roles(user, tenant, other_tenant):
-    services.membership_set(tenant=tenant, user=user, role="admin")
-    services.membership_set(tenant=other_tenant, user=user, role="member")
-    services.membership_set(tenant=other_tenant, user=user, role="owner")
+    services.membership_set(tenant=tenant, user=user, role="admin", actor=None)
+    services.membership_set(tenant=other_tenant, user=user, role="member", actor=None)
+    services.membership_set(tenant=other_tenant, user=user, role="owner", actor=None)
 
     roles = dict(Membership.objects.filter(user=user).values_list("tenant__slug", "role"))
     assert roles == {"acme": "admin", "globex": "owner"}
@@ -50,7 +50,7 @@ def test_user_may_belong_to_several_tenants_with_different_roles(user, tenant, o
 
 def test_unknown_role_is_refused(user, tenant):
     with pytest.raises(ValidationError):
-        services.membership_set(tenant=tenant, user=user, role="emperor")
+        services.membership_set(tenant=tenant, user=user, role="emperor", actor=None)
 
 
 def test_custom_plan_is_used():
@@ -111,3 +111,121 @@ def test_usage_with_invalid_status_is_refused(tenant):
     api_key, _ = services.api_key_create(tenant=tenant, name="ci")
     with pytest.raises(ValidationError):
         _usage(tenant, api_key, status="great")
+
+
+# --- memberships: who may touch an owner, and a tenant never loses its last owner ----------
+
+
+@pytest.fixture
+def crew(django_user_model, tenant):
+    """Acme with an owner, an admin and a member."""
+    make = django_user_model.objects.create_user
+    crew = {name: make(name, password=f"pw-{name}-123") for name in ("owner", "admin", "member")}
+    for name, user in crew.items():
+        services.membership_set(tenant=tenant, user=user, role=name, actor=None)
+    return crew
+
+
+def _role(tenant, user) -> str | None:
+    membership = Membership.objects.filter(tenant=tenant, user=user).first()
+    return membership.role if membership else None
+
+
+def test_an_admin_cannot_demote_an_owner_by_setting_their_role(crew, tenant):
+    with pytest.raises(services.OwnerRequiredError):
+        services.membership_set(
+            tenant=tenant, user=crew["owner"], role="member", actor=crew["admin"]
+        )
+    assert _role(tenant, crew["owner"]) == "owner"
+
+
+def test_an_admin_cannot_change_or_remove_an_owner_even_when_others_remain(
+    crew, tenant, django_user_model
+):
+    second = django_user_model.objects.create_user("second-owner")
+    services.membership_set(tenant=tenant, user=second, role="owner", actor=crew["owner"])
+    owner = Membership.objects.get(tenant=tenant, user=crew["owner"])
+    with pytest.raises(services.OwnerRequiredError):
+        services.membership_change_role(membership=owner, role="admin", actor=crew["admin"])
+    with pytest.raises(services.OwnerRequiredError):
+        services.membership_remove(membership=owner, actor=crew["admin"])
+    assert _role(tenant, crew["owner"]) == "owner"
+
+
+def test_only_owners_and_staff_grant_owner(crew, tenant, django_user_model):
+    newcomer = django_user_model.objects.create_user("newcomer")
+    with pytest.raises(services.OwnerRequiredError):
+        services.membership_set(tenant=tenant, user=newcomer, role="owner", actor=crew["admin"])
+    member = Membership.objects.get(tenant=tenant, user=crew["member"])
+    with pytest.raises(services.OwnerRequiredError):
+        services.membership_change_role(membership=member, role="owner", actor=crew["admin"])
+    assert _role(tenant, newcomer) is None and _role(tenant, crew["member"]) == "member"
+
+    staff = django_user_model.objects.create_user("staffer", is_staff=True)
+    services.membership_set(tenant=tenant, user=newcomer, role="owner", actor=staff)
+    services.membership_change_role(membership=member, role="owner", actor=crew["owner"])
+    assert _role(tenant, newcomer) == _role(tenant, crew["member"]) == "owner"
+
+
+def test_an_admin_still_manages_admins_and_members(crew, tenant, django_user_model):
+    newcomer = django_user_model.objects.create_user("newcomer")
+    services.membership_set(tenant=tenant, user=newcomer, role="admin", actor=crew["admin"])
+    member = Membership.objects.get(tenant=tenant, user=crew["member"])
+    services.membership_change_role(membership=member, role="admin", actor=crew["admin"])
+    services.membership_remove(membership=member, actor=crew["admin"])
+    assert _role(tenant, newcomer) == "admin" and _role(tenant, crew["member"]) is None
+
+
+@pytest.mark.parametrize("who", ["member", "outsider"])
+def test_members_and_outsiders_manage_nobody(crew, tenant, django_user_model, who):
+    actor = crew.get(who) or django_user_model.objects.create_user(who)
+    newcomer = django_user_model.objects.create_user("newcomer")
+    with pytest.raises(services.MembershipNotAllowed):
+        services.membership_set(tenant=tenant, user=newcomer, role="member", actor=actor)
+    admin = Membership.objects.get(tenant=tenant, user=crew["admin"])
+    with pytest.raises(services.MembershipNotAllowed):
+        services.membership_remove(membership=admin, actor=actor)
+    assert _role(tenant, newcomer) is None and _role(tenant, crew["admin"]) == "admin"
+
+
+@pytest.mark.parametrize("actor", ["owner", "staff", None])
+def test_no_change_leaves_a_tenant_without_an_owner(crew, tenant, django_user_model, actor):
+    if actor == "staff":
+        actor = django_user_model.objects.create_user("staffer", is_staff=True)
+    elif actor == "owner":
+        actor = crew["owner"]
+    owner = Membership.objects.get(tenant=tenant, user=crew["owner"])
+    with pytest.raises(services.LastOwnerError):
+        services.membership_set(tenant=tenant, user=crew["owner"], role="admin", actor=actor)
+    with pytest.raises(services.LastOwnerError):
+        services.membership_change_role(membership=owner, role="member", actor=actor)
+    with pytest.raises(services.LastOwnerError):
+        services.membership_remove(membership=owner, actor=actor)
+    with pytest.raises(services.LastOwnerError):
+        services.user_deactivate(user=crew["owner"])
+    crew["owner"].refresh_from_db()
+    assert _role(tenant, crew["owner"]) == "owner" and crew["owner"].is_active
+
+
+def test_an_inactive_owner_does_not_count(crew, tenant, django_user_model):
+    gone = django_user_model.objects.create_user("gone", is_active=False)
+    services.membership_set(tenant=tenant, user=gone, role="owner", actor=crew["owner"])
+    owner = Membership.objects.get(tenant=tenant, user=crew["owner"])
+    with pytest.raises(services.LastOwnerError):
+        services.membership_change_role(membership=owner, role="admin", actor=crew["owner"])
+
+
+def test_owners_can_hand_over_and_deactivate_once_another_owner_exists(crew, tenant):
+    admin = Membership.objects.get(tenant=tenant, user=crew["admin"])
+    services.membership_change_role(membership=admin, role="owner", actor=crew["owner"])
+    owner = Membership.objects.get(tenant=tenant, user=crew["owner"])
+    services.membership_change_role(membership=owner, role="member", actor=crew["owner"])
+    assert _role(tenant, crew["owner"]) == "member" and _role(tenant, crew["admin"]) == "owner"
+    services.user_deactivate(user=crew["member"])
+    crew["member"].refresh_from_db()
+    assert not crew["member"].is_active
+
+
+def test_a_tenant_created_without_an_owner_can_still_get_members(tenant, user):
+    services.membership_set(tenant=tenant, user=user, role="member", actor=None)
+    assert _role(tenant, user) == "member"
