@@ -9,13 +9,16 @@
 
 One DEALER socket carries every stream of one event loop; a reader task routes the engine's
 frames to the streams by ``request_id``. Leaving a stream early (``break``, ``aclose()``,
-cancelling its task) sends ABORT; ``contextlib.aclosing`` makes that happen at once rather
-than when the generator is collected. Errors the engine reports arrive as the stream's last
-delta (``finish_reason`` "error", ``error`` a code). When the engine stays silent past
-``heartbeat_timeout`` (the client sends STATS every ``heartbeat_interval`` and any frame counts
-as an answer), every open stream raises ``EngineUnavailable``; ZeroMQ reconnects on its own
-when the engine comes back, and new requests work again. A STATS answer from a new engine
-process (another ``engine_id``) fails the open streams too: their requests died with the old one.
+cancelling its task) sends ABORT; ``contextlib.aclosing`` makes that happen at once rather than
+when the generator is collected. The engine answers an abort with the request's last delta,
+whose ``usage`` is what it computed for the request; ``final_delta`` waits for it, so a caller
+that left a stream early can still meter it exactly. Errors the engine reports arrive as the
+stream's last delta (``finish_reason`` "error", ``error`` a code). When the engine stays silent
+past ``heartbeat_timeout`` (the client sends STATS every ``heartbeat_interval`` and any frame
+counts as an answer), every open stream raises ``EngineUnavailable``; ZeroMQ reconnects on its
+own when the engine comes back, and new requests work again. A STATS answer from a new engine
+process (another ``engine_id``) fails the open streams too: their requests died with the old
+one.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from inference_engine.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# how long the last delta of a stream left early is kept for ``final_delta``
+ABANDONED_TTL_SECONDS = 60.0
+
 
 class EngineUnavailable(ConnectionError):
     """The engine cannot be reached, stopped answering, or the client was closed."""
@@ -66,6 +72,9 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task] = []
         # request_id -> (queue of deltas or an exception, when the stream started)
         self._streams: dict[str, tuple[asyncio.Queue, float]] = {}
+        # request_id -> (its last delta, or None once it cannot come; when it was left), for
+        # streams left before they finished
+        self._abandoned: dict[str, tuple[asyncio.Future, float]] = {}
         self._stats_waiters: list[asyncio.Future] = []
         self._latest_stats: StatsResponse | None = None
         self._latest_stats_at = 0.0
@@ -94,6 +103,7 @@ class AsyncEngineClient:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (stream, time.monotonic())
         finished = False
+        failure: BaseException | None = None
         try:
             if not await self._send_soon(RequestType.GENERATE, request):
                 raise EngineUnavailable(f"no engine connected at {self.endpoint}")
@@ -101,6 +111,7 @@ class AsyncEngineClient:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     # still sends ABORT: a stalled engine that resumes drops the request
+                    failure = item
                     raise item
                 if item.finish_reason is not None:
                     finished = True
@@ -110,7 +121,39 @@ class AsyncEngineClient:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
+                self._abandon(request_id, stream, is_lost=failure is not None)
                 self._send(RequestType.ABORT, AbortRequest([request_id]))
+
+    async def final_delta(self, request_id: str, timeout: float) -> GenerateDelta | None:
+        """The last delta of a stream left before it finished (the engine's answer to its
+        abort: ``usage`` holds the prompt tokens it computed and every token it generated).
+        None when the request is unknown here or the engine does not answer in ``timeout``
+        seconds (it died: the stream's own reads are then all there is to go by)."""
+        entry = self._abandoned.get(request_id)
+        if entry is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(entry[0]), timeout)
+        except TimeoutError:
+            return None
+        finally:
+            self._abandoned.pop(request_id, None)
+
+    def _abandon(self, request_id: str, stream: asyncio.Queue, *, is_lost: bool) -> None:
+        """Remember a stream left early; its last delta may already be in its queue, or
+        never come (``is_lost``: the stream failed, the engine is gone or restarted)."""
+        last = asyncio.get_running_loop().create_future()
+        if is_lost:
+            last.set_result(None)
+        while not last.done() and not stream.empty():
+            item = stream.get_nowait()
+            if isinstance(item, BaseException):
+                last.set_result(None)
+                break
+            if item.finish_reason is not None:
+                last.set_result(item)
+                break
+        self._abandoned[request_id] = (last, time.monotonic())
 
     def latest_stats(self) -> tuple[StatsResponse | None, float]:
         """The newest STATS the engine sent (every heartbeat refreshes it) and its age in
@@ -262,6 +305,10 @@ class AsyncEngineClient:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
                     stream[0].put_nowait(delta)
+                elif delta.finish_reason is not None:
+                    abandoned = self._abandoned.get(delta.request_id)
+                    if abandoned is not None and not abandoned[0].done():
+                        abandoned[0].set_result(delta)
         elif kind == ResponseType.STATS.value:
             stats = self._stats_decoder.decode(payload)
             if stats.engine_id != self._engine_id:
@@ -278,8 +325,12 @@ class AsyncEngineClient:
             await asyncio.sleep(self.heartbeat_interval)
             self._send(RequestType.STATS, None)
             now = time.monotonic()
+            for request_id, (_, left_at) in list(self._abandoned.items()):
+                if now - left_at > ABANDONED_TTL_SECONDS:
+                    del self._abandoned[request_id]
             if now - self._last_heard <= self.heartbeat_timeout:
                 continue
+            self._forget_abandoned()
             # a stream gets a full timeout from its own start, so a request made while the
             # engine restarts can still be served
             for request_id, (stream, started) in list(self._streams.items()):
@@ -295,6 +346,13 @@ class AsyncEngineClient:
         for stream, _ in self._streams.values():
             stream.put_nowait(exc)
         self._streams.clear()
+        self._forget_abandoned()
+
+    def _forget_abandoned(self) -> None:
+        """The engine is gone or silent: no last delta is coming for a stream left early."""
+        for last, _ in self._abandoned.values():
+            if not last.done():
+                last.set_result(None)
 
 
 def _resolve(waiters: list[asyncio.Future], result: object) -> None:

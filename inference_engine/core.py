@@ -67,7 +67,7 @@ class EngineCore:
             tenant_id=tenant_id,
             weight=tenant_weight,
         )
-        error = self.validate_prompt(prompt_token_ids)
+        error = self.validate_prompt(prompt_token_ids) or self.validate_params(sampling_params)
         if error is None:
             try:
                 self.scheduler.add_request(request)
@@ -78,6 +78,17 @@ class EngineCore:
         if error is not None:
             request.timings.finished = time.time()
             self._pending.append(self._output(request, FinishReason.ERROR, *error))
+
+    def validate_params(self, params: SamplingParams) -> tuple[ErrorCode, str] | None:
+        """The bounds that depend on the model: ``top_k`` and stop token ids within its
+        vocabulary."""
+        if params.top_k > self.vocab_size:
+            return ErrorCode.INVALID_REQUEST, (
+                f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}"
+            )
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            return ErrorCode.INVALID_REQUEST, f"stop_token_ids must be in [0, {self.vocab_size})"
+        return None
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> tuple[ErrorCode, str] | None:
         if not prompt_token_ids:
@@ -151,12 +162,15 @@ class EngineCore:
         error_code: ErrorCode | None = None,
         error_message: str | None = None,
     ) -> EngineOutput:
+        # an aborted request's usage is what the engine computed for it (metered exactly)
+        is_abort = finish_reason == FinishReason.ABORT
+        num_prompt = request.num_prefilled_prompt_tokens if is_abort else request.num_prompt_tokens
         return EngineOutput(
             req_id=request.req_id,
             finish_reason=finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=num_prompt,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=min(max(request.num_cached_tokens, 0), num_prompt),
             timings=request.timings if finish_reason is not None else None,
             error_code=error_code,
             error_message=error_message,

@@ -67,6 +67,14 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_prefilled_prompt_tokens(self) -> int:
+        """Prompt tokens the engine has computed or found in the prefix cache so far: what the
+        prompt of a request aborted before its first token cost."""
+        if self.output_token_ids:
+            return self.num_prompt_tokens
+        return min(self.num_computed_tokens, self.num_prompt_tokens)
+
+    @property
     def max_num_tokens(self) -> int:
         """The most tokens this request can ever hold (prompt plus outputs)."""
         limit = self.num_prompt_tokens + self.sampling_params.max_tokens

@@ -15,22 +15,91 @@ reads ``args``: it hands the raw body to the ASGI application, which parses what
 Twisted's ``parsePOSTFormSubmission`` switch turns it off. Daphne builds its requests itself,
 from the ``WebRequest`` of its ``http_protocol`` module, so this module points that name at a
 subclass that passes the switch, then runs Daphne's command line.
+
+Twisted also spools every body whole (to a temporary file past 100 kB) before Daphne hands the
+request on, so an application's size limit would come after the bytes were stored. The same
+subclass enforces ``GATEWAY_MAX_BODY_BYTES`` as the body arrives: a ``Content-Length`` over
+it, or a chunked body that grows past it, is read to its end and thrown away, never stored,
+and answered with a 413 in OpenAI's error format.
 """
 
 from __future__ import annotations
 
+import io
+import json
+import os
 import sys
 
 from daphne import http_protocol
 from daphne.cli import CommandLineInterface
 
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def max_body_bytes() -> int:
+    """The settings' ``GATEWAY_MAX_BODY_BYTES`` once Django is set up, else the environment."""
+    try:
+        from django.conf import settings
+
+        return settings.GATEWAY_MAX_BODY_BYTES
+    except Exception:  # noqa: BLE001 - settings not configured (yet)
+        return int(os.environ.get("GATEWAY_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
+
 
 class RawBodyRequest(http_protocol.WebRequest):
-    """Daphne's request with Twisted's form parsing off: the body reaches the application
-    exactly as the client sent it."""
+    """Daphne's request with Twisted's form parsing off (the body reaches the application
+    exactly as the client sent it) and the body size limit enforced before anything is
+    stored."""
 
     def __init__(self, channel, *args, **kwargs) -> None:
         super().__init__(channel, *args, parsePOSTFormSubmission=False, **kwargs)
+        self.body_limit = max_body_bytes()
+        self.num_body_bytes = 0
+        self.is_too_large = False
+
+    def gotLength(self, length: int | None) -> None:  # noqa: N802 - Twisted's name
+        if length is not None and length > self.body_limit:
+            self._discard_body()
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
+        if self.is_too_large:
+            return
+        self.num_body_bytes += len(data)
+        if self.num_body_bytes > self.body_limit:
+            self._discard_body()
+            return
+        super().handleContentChunk(data)
+
+    def process(self) -> None:
+        if not self.is_too_large:
+            super().process()
+            return
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"The request body exceeds {self.body_limit} bytes.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            }
+        ).encode()
+        self.handle_reply(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"Content-Type", b"application/json"), (b"Connection", b"close")],
+            }
+        )
+        self.handle_reply({"type": "http.response.body", "body": body})
+
+    def _discard_body(self) -> None:
+        self.is_too_large = True
+        if self.content is not None:
+            self.content.close()
+        self.content = io.BytesIO()
 
 
 def use_raw_body_requests() -> None:

@@ -37,5 +37,8 @@ def api_key_for(raw_key: str) -> ApiKey:
     return api_key
 
 
+aapi_key_for = database_worker(api_key_for)
+
+
 async def authenticate(request: HttpRequest) -> ApiKey:
-    return await database_worker(api_key_for)(bearer_key(request))
+    return await aapi_key_for(bearer_key(request))

@@ -39,6 +39,8 @@ ENGINE_ERRORS = {
     ErrorCode.MODEL_NOT_LOADED: (503, "model_not_loaded", "rejected"),
 }
 RETRY_AFTER_SECONDS = {503: "1"}
+# how long a request left early waits for the engine's count of what it computed
+FINAL_USAGE_TIMEOUT_SECONDS = 2.0
 
 
 def engine_error(code: ErrorCode | str | None, message: str | None) -> ApiError:
@@ -64,6 +66,7 @@ class _Choice:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_chars: int = 0  # characters streamed so far: completions' text_offset
+    num_tokens: int = 0  # tokens generated for this choice, as metered
     # a plain text event's bytes around its JSON-encoded text (see Generation._text_template)
     text_template: tuple[bytes, bytes] | None = None
 
@@ -174,6 +177,12 @@ class Generation:
             await self.close()
             self.meter.fail("engine_error")
             raise engine_error(ErrorCode.ENGINE_ERROR, "The engine closed the stream.") from exc
+        except BaseException:
+            # cancelled (the client left): the engine still says what it computed
+            await self.close()
+            raise
+        for choice, delta in zip(self.choices, self._first, strict=True):
+            self._account(choice, delta)
         for delta in self._first:
             if delta.error is not None:
                 await self.close()
@@ -182,13 +191,29 @@ class Generation:
                 raise engine_error(delta.error, delta.error_message)
 
     async def close(self) -> None:
-        """Close every engine stream (an unfinished one is aborted in the engine)."""
+        """Close every engine stream (an unfinished one is aborted in the engine) and meter
+        each unfinished choice by the engine's answer to its abort: the prompt tokens it
+        computed and every token it generated, also those the client never read."""
         await asyncio.gather(*(s.aclose() for s in self._streams), return_exceptions=True)
+        unfinished = [c for c in self.choices[: len(self._streams)] if c.finish_reason is None]
+        if not unfinished:
+            return
+        finals = await asyncio.gather(
+            *(
+                self.client.final_delta(
+                    self.requests[c.index].request_id, FINAL_USAGE_TIMEOUT_SECONDS
+                )
+                for c in unfinished
+            )
+        )
+        for choice, final in zip(unfinished, finals, strict=True):
+            if final is not None and final.usage is not None:
+                self._settle_tokens(choice, final.usage)
 
     async def deltas(self) -> AsyncIterator[tuple[_Choice, GenerateDelta]]:
-        """Every delta of every choice, as they arrive, starting with the prefetched ones."""
+        """Every delta of every choice, as they arrive, starting with the prefetched ones
+        (which ``start`` has accounted for already)."""
         for choice, delta in zip(self.choices, self._first, strict=True):
-            self._account(choice, delta)
             yield choice, delta
         open_streams = [
             (choice, stream)
@@ -209,6 +234,7 @@ class Generation:
         if delta.token_ids:
             self.meter.mark_first_token()
             self.meter.completion_tokens += len(delta.token_ids)
+            choice.num_tokens += len(delta.token_ids)
         if delta.text:
             choice.text.append(delta.text)
         if delta.logprobs:
@@ -220,6 +246,14 @@ class Generation:
             self.meter.fail(str(delta.error), usage_status)
         if delta.usage is not None and choice.is_first_of_prompt:
             self._count_prompt(choice, delta.usage)
+
+    def _settle_tokens(self, choice: _Choice, usage: Usage) -> None:
+        """A choice's tokens as the engine counted them at its end."""
+        choice.finish_reason = choice.finish_reason or str(FinishReason.ABORT)
+        self.meter.completion_tokens += usage.completion_tokens - choice.num_tokens
+        choice.num_tokens = usage.completion_tokens
+        if choice.is_first_of_prompt:
+            self._count_prompt(choice, usage)
 
     def _count_prompt(self, choice: _Choice, usage: Usage) -> None:
         """The prompt is billed once per prompt, not once per choice."""

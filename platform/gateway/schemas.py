@@ -5,9 +5,26 @@ the OpenAPI document is generated from the same structs, so it cannot drift from
 API accepts. Checks that types cannot express live in ``gateway.validation``.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+
+# Integer and number bounds as the engine and OpenAI's API take them. A value outside one is
+# a 400 naming its field, before anything is encoded for the engine (msgpack cannot carry
+# an integer past 64 bits). Bounds that depend on the model (token ids below the vocabulary,
+# top_k up to it, max_tokens up to the context) are checked once the model is known.
+INT32_MAX = 2**31 - 1
+MAX_CHOICES = 16
+MAX_LOGPROBS = 20
+TokenCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Priority = Annotated[int, msgspec.Meta(ge=-(2**31), le=INT32_MAX)]
+Choices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
+Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -33,38 +50,38 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 class _GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Optional fields also accept null, as OpenAI's API does; null means the default.
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    n: Choices | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     user: str | None = None
     # The engine's extras, as vLLM accepts them.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Probability | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=INT32_MAX)] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None
     ignore_eos: bool | None = None
     # vLLM's: lower values are served first; a caller may only lower its plan's priority
-    priority: int | None = None
+    priority: Priority | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     # A string, a list of strings (one choice set each) or a list of token ids.
-    prompt: str | list[str | int]
-    logprobs: int | None = None
+    prompt: str | list[str | TokenId]
+    logprobs: Logprobs | None = None
     echo: bool | None = None
 
 

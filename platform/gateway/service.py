@@ -13,7 +13,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 
 from gateway import authorization, metrics
-from gateway.auth import bearer_key
+from gateway.auth import aapi_key_for, bearer_key
 from gateway.errors import ApiError
 from gateway.generation import Generation, fan_out
 from gateway.validation import GenerationPlan, finalize_max_tokens
@@ -65,7 +65,11 @@ async def serve_generation(
     model, tenant = "unknown", "unknown"
     try:
         raw_key = bearer_key(request)
-        plan = plan_of(read_body(request))
+        try:
+            plan = plan_of(read_body(request))
+        except ApiError:
+            await aapi_key_for(raw_key)  # a wrong key is a 401 whatever the body
+            raise
         auth = await authorization.authorize(raw_key, plan.model)
         tenant, model = auth.api_key.tenant.slug, auth.deployment.name
         try:
@@ -101,7 +105,7 @@ async def _serve(
         tenant_weight=auth.tenant_weight,
     )
     stack = contextlib.AsyncExitStack()
-    meter = await stack.enter_async_context(
+    admission = stack.enter_async_context(
         metered(
             request_id=response_id,
             tenant=api_key.tenant,
@@ -113,6 +117,12 @@ async def _serve(
             precondition=auth.ensure_current if is_checked else None,
         )
     )
+    try:
+        meter = await admission
+    except QuotaExceeded as exc:
+        if exc.kind == "request_too_large":
+            raise _too_large(exc, deployment.name, reserved) from exc
+        raise
     pool = get_pool()
     stack.enter_context(pool.track(endpoint))
     generation = Generation(
@@ -129,8 +139,9 @@ async def _serve(
         await generation.start()
         if not plan.stream:
             body = await generation.complete()
-    except BaseException:
-        await stack.aclose()
+    except BaseException as exc:
+        # the exception goes in, so that metering sees a cancellation as one
+        await stack.__aexit__(type(exc), exc, exc.__traceback__)
         raise
     if not plan.stream:
         await stack.aclose()
@@ -140,6 +151,17 @@ async def _serve(
     for name, value in headers.items():
         response[name] = value
     return response
+
+
+def _too_large(exc: QuotaExceeded, model: str, requested: int) -> ApiError:
+    """A request that no wait would admit: a 400 in OpenAI's words, never a 429."""
+    return ApiError(
+        400,
+        f"Request too large for {model} on tokens per min (TPM): Limit {exc.limit}, "
+        f"Requested {requested}. The input or output tokens must be reduced in order to run "
+        "successfully.",
+        code="request_too_large",
+    )
 
 
 class GenerationStreamResponse(StreamingHttpResponse):

@@ -5,17 +5,13 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gateway.errors import invalid
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.errors import ApiError, invalid
+from gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from inference_engine.protocol import GenerateRequest, Message, SamplingParams
 
-MAX_N = 16
 MAX_STOP = 4
-MAX_LOGPROBS = 20
 MAX_MESSAGES = 1024
 MAX_USER_CHARS = 256
-SEED_RANGE = range(-(2**63), 2**63)
-PRIORITY_RANGE = range(-(2**31), 2**31)
 # max_tokens until the context length is known (see finalize_max_tokens)
 UNBOUNDED = 2**31 - 1
 # OpenAI's rule of thumb, used only to reserve tokens per minute before the engine counts.
@@ -40,6 +36,7 @@ class GenerationPlan:
     logprobs: int | None
     estimated_prompt_tokens: int
     max_tokens: int | None  # None: up to the context length
+    max_tokens_param: str = "max_tokens"  # what the request called it
     priority: int | None = None  # as asked; the plan's tier is the floor (see fan_out)
 
 
@@ -52,6 +49,10 @@ def decode(body: bytes, request_type: type) -> msgspec.Struct:
         raise invalid(str(exc), param=_param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise invalid(f"The request body is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise invalid(
+            f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}."
+        ) from exc
 
 
 def _param_of(message: str) -> str | None:
@@ -66,19 +67,12 @@ def _param_of(message: str) -> str | None:
 def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
     if not request.model:
         raise invalid("model must be a non-empty string.", "model")
-    n = 1 if request.n is None else request.n
-    if not 1 <= n <= MAX_N:
-        raise invalid(f"n must be between 1 and {MAX_N}.", "n")
     if request.stop is not None:
         stops = [request.stop] if isinstance(request.stop, str) else request.stop
         if len(stops) > MAX_STOP or not all(stops):
             raise invalid(f"stop must be a non-empty string or up to {MAX_STOP} of them.", "stop")
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed when stream is true.", "stream_options")
-    if request.seed is not None and request.seed not in SEED_RANGE:
-        raise invalid("seed must fit in a signed 64-bit integer.", "seed")
-    if request.priority is not None and request.priority not in PRIORITY_RANGE:
-        raise invalid("priority must fit in a signed 32-bit integer.", "priority")
     if request.user is not None and len(request.user) > MAX_USER_CHARS:
         raise invalid(f"user must be at most {MAX_USER_CHARS} characters.", "user")
 
@@ -144,6 +138,7 @@ def plan_chat(body: bytes) -> GenerationPlan:
         logprobs=logprobs,
         estimated_prompt_tokens=estimate,
         max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
         priority=request.priority,
     )
 
@@ -153,8 +148,6 @@ def plan_completion(body: bytes) -> GenerationPlan:
     _check_common(request)
     if request.echo:
         raise invalid("echo is not supported.", "echo")
-    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
-        raise invalid(f"logprobs must be between 0 and {MAX_LOGPROBS}.", "logprobs")
     params = _sampling_params(
         request,
         max_tokens=request.max_tokens if request.max_tokens is not None else UNBOUNDED,
@@ -181,8 +174,6 @@ def _completion_prompts(
     if isinstance(prompt, str):
         texts: list[str] = [prompt]
     elif prompt and all(isinstance(item, int) for item in prompt):
-        if any(item < 0 for item in prompt):
-            raise invalid("prompt token ids must be non-negative.", "prompt")
         return [GenerateRequest(prompt_token_ids=list(prompt), params=params)], len(prompt)
     elif prompt and all(isinstance(item, str) for item in prompt):
         texts = list(prompt)
@@ -191,8 +182,8 @@ def _completion_prompts(
             "prompt must be a string, a non-empty list of strings or a list of token ids.",
             "prompt",
         )
-    if len(texts) > MAX_N:
-        raise invalid(f"prompt may hold at most {MAX_N} strings.", "prompt")
+    if len(texts) > MAX_CHOICES:
+        raise invalid(f"prompt may hold at most {MAX_CHOICES} strings.", "prompt")
     if not all(texts):
         raise invalid("prompt must not be empty.", "prompt")
     requests = [GenerateRequest(prompt=text, params=params) for text in texts]
@@ -201,7 +192,17 @@ def _completion_prompts(
 
 def finalize_max_tokens(plan: GenerationPlan, max_context: int) -> int:
     """Give every request its max_tokens (as asked, else the whole context: the engine stops
-    at its context length) and return the tokens to reserve for the whole plan."""
+    at its context length) and return the tokens to reserve for the whole plan. A max_tokens
+    above the context can never be served: a 400, as OpenAI and vLLM answer it."""
+    if plan.max_tokens is not None and plan.max_tokens > max_context:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_context} tokens. However, you "
+            f"requested {plan.max_tokens} tokens for the completion. Please reduce "
+            f"{plan.max_tokens_param}.",
+            code="context_length_exceeded",
+            param=plan.max_tokens_param,
+        )
     max_tokens = plan.max_tokens or max_context
     for request in plan.prompts:
         request.params.max_tokens = max_tokens

@@ -173,3 +173,39 @@ def daphne_server(django_db_setup, django_db_blocker, engine, tmp_path_factory):
     server = Daphne(tmp_path_factory.mktemp("daphne"))
     yield server.base
     server.stop()
+
+
+class Platform:
+    """A live Daphne and engine, and one tenant with a key on an open plan."""
+
+    def __init__(self, base: str, engine, key: str, tenant) -> None:
+        self.base, self.engine, self.key, self.tenant = base, engine, key, tenant
+
+    def client(self, key: str | None = None, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key or self.key, **kwargs)
+
+    def async_client(self, key: str | None = None):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key=key or self.key)
+
+    def records(self) -> list:
+        from tenants.models import UsageRecord
+
+        return list(UsageRecord.objects.filter(tenant=self.tenant).order_by("started_at"))
+
+
+@pytest.fixture
+def platform(daphne_server, engine):
+    from serving.services import deployment_register
+    from tenants import services
+    from tenants.models import Plan
+
+    engine.wait_ready()
+    plan = Plan.objects.create(slug="open", name="Open")
+    tenant = services.tenant_create(slug="acme", plan=plan)
+    _, key = services.api_key_create(tenant=tenant, name="sdk")
+    deployment_register(name=MODEL_NAME, endpoints=[engine.endpoint])
+    return Platform(daphne_server, engine, key, tenant)

@@ -22,30 +22,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 
 
-class Platform:
-    def __init__(self, base: str, engine, key: str, tenant) -> None:
-        self.base, self.engine, self.key, self.tenant = base, engine, key, tenant
-
-    def client(self, key: str | None = None, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key or self.key, **kwargs)
-
-    def async_client(self, key: str | None = None) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key=key or self.key)
-
-    def records(self) -> list[UsageRecord]:
-        return list(UsageRecord.objects.filter(tenant=self.tenant).order_by("started_at"))
-
-
-@pytest.fixture
-def platform(daphne_server, engine):
-    engine.wait_ready()
-    plan = Plan.objects.create(slug="open", name="Open")
-    tenant = services.tenant_create(slug="acme", plan=plan)
-    _, key = services.api_key_create(tenant=tenant, name="sdk")
-    deployment_register(name=MODEL_NAME, endpoints=[engine.endpoint])
-    return Platform(daphne_server, engine, key, tenant)
-
-
 def _greedy_chat(client: openai.OpenAI, **kwargs):
     return client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, temperature=0, **kwargs

@@ -47,6 +47,17 @@ def _error(plan, body: bytes) -> ApiError:
         ({"min_p": 2}, "min_p"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        # out of any engine's range: refused here, never encoded for the engine
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_k": 10**30}, "top_k"),
+        ({"n": 10**30}, "n"),
+        ({"max_tokens": 10**30}, "max_tokens"),
+        ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+        ({"min_tokens": 10**30}, "min_tokens"),
+        ({"priority": 10**30}, "priority"),
+        ({"seed": -(2**64)}, "seed"),
+        ({"logprobs": True, "top_logprobs": 10**30}, "top_logprobs"),
+        ({"repetition_penalty": 10**30}, "repetition_penalty"),
     ],
 )
 def test_invalid_chat_fields_name_their_param(fields, param):
@@ -59,6 +70,15 @@ def test_invalid_chat_fields_name_their_param(fields, param):
 def test_malformed_bodies_are_refused(body):
     error = _error(plan_chat, body)
     assert error.message
+
+
+def test_invalid_utf8_inside_a_string_is_a_400():
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "a\xffb"}]}'
+    assert "UTF-8" in _error(plan_chat, body).message
+
+
+def test_an_infinite_number_is_a_400():
+    assert _error(plan_chat, _chat()[:-1] + b', "temperature": 1e400}').param == "temperature"
 
 
 def test_a_valid_chat_request_becomes_one_engine_request():
@@ -100,6 +120,17 @@ def test_nulls_mean_defaults():
     assert plan.prompts[0].params.max_tokens == 64
 
 
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_above_the_context_is_a_400_not_a_wait(param):
+    plan = plan_chat(_chat(**{param: 10**9}))
+    with pytest.raises(ApiError) as excinfo:
+        finalize_max_tokens(plan, max_context=2048)
+    error = excinfo.value
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", param)
+    assert "Retry-After" not in error.headers
+    assert finalize_max_tokens(plan_chat(_chat(**{param: 2048})), max_context=2048)
+
+
 @pytest.mark.parametrize(
     ("prompt", "count"),
     [("hello", 1), (["a", "b", "c"], 3), ([1, 2, 3], 1)],
@@ -114,11 +145,13 @@ def test_completion_prompts(prompt, count):
     [
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),
-        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [-1]}, "prompt[0]"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "logprobs": 99}, "logprobs"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": [10**23]}, "prompt[0]"),
+        ({"prompt": "x", "logprobs": 10**30}, "logprobs"),
     ],
 )
 def test_invalid_completion_fields(fields, param):

@@ -20,6 +20,7 @@ from inference_engine.protocol import (
     RequestType,
     ResponseType,
     StatsResponse,
+    Usage,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,6 +128,44 @@ async def test_leaving_a_stream_early_sends_abort(fake, client):
     task.cancel()
     await _eventually(lambda: fake.aborted() == ["mine", request.request_id])
     assert client.num_open_streams == 0
+
+
+async def test_a_stream_left_early_still_gets_its_last_delta(fake, client):
+    """The engine answers an abort with the request's usage: final_delta hands it over."""
+    request = GenerateRequest(prompt="hi", request_id="left")
+    async with contextlib.aclosing(client.generate(request)) as stream:
+        task = asyncio.create_task(anext(stream))
+        identity, _ = await fake.generates.get()
+        await fake.send(identity, ResponseType.OUTPUTS, [GenerateDelta("left", token_ids=[7])])
+        await task
+    await _eventually(lambda: fake.aborted() == ["left"])
+    usage = Usage(prompt_tokens=5, completion_tokens=3)
+    last = GenerateDelta("left", finish_reason=FinishReason.ABORT, usage=usage)
+    await fake.send(identity, ResponseType.OUTPUTS, [last])
+    assert (await client.final_delta("left", timeout=5)).usage == usage
+    assert await client.final_delta("left", timeout=5) is None  # handed over once
+
+    # a last delta that arrived before the stream was left is not lost either
+    request = GenerateRequest(prompt="hi", request_id="queued")
+    async with contextlib.aclosing(client.generate(request)) as stream:
+        task = asyncio.create_task(anext(stream))
+        identity, _ = await fake.generates.get()
+        first = GenerateDelta("queued", token_ids=[1])
+        done = GenerateDelta("queued", token_ids=[2], finish_reason=FinishReason.LENGTH)
+        await fake.send(identity, ResponseType.OUTPUTS, [first, done])
+        await task
+        await _eventually(lambda: client.num_buffered("queued") == 1)
+    assert (await client.final_delta("queued", timeout=5)).finish_reason == FinishReason.LENGTH
+
+    # unknown, or never answered: None, without waiting past the timeout
+    assert await client.final_delta("never-sent", timeout=5) is None
+    request = GenerateRequest(prompt="hi", request_id="silent")
+    async with contextlib.aclosing(client.generate(request)) as stream:
+        task = asyncio.create_task(anext(stream))
+        identity, _ = await fake.generates.get()
+        await fake.send(identity, ResponseType.OUTPUTS, [GenerateDelta("silent", text="a")])
+        await task
+    assert await client.final_delta("silent", timeout=0.05) is None
 
 
 async def test_a_finished_stream_sends_no_abort(fake, client):

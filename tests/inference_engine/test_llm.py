@@ -113,6 +113,8 @@ def test_core_reports_errors_per_request_and_keeps_serving(llm_cache):
     core.add_request("long", [5] * 65, GREEDY)
     core.add_request("huge", [5] * 40, SamplingParams(max_tokens=20))  # needs 4 blocks
     core.add_request("vocab", [10_000], GREEDY)
+    core.add_request("top_k", [5], SamplingParams(top_k=10**6))
+    core.add_request("stop_id", [5], SamplingParams(stop_token_ids=[10**6]))
     core.add_request("ok", [5, 6, 7], GREEDY)
     core.add_request("ok", [5, 6, 7], GREEDY)
     outputs = run_core(core)
@@ -126,6 +128,7 @@ def test_core_reports_errors_per_request_and_keeps_serving(llm_cache):
     assert errors.pop("long") == ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert errors.pop("huge") == ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert errors.pop("vocab") == ErrorCode.INVALID_REQUEST
+    assert errors.pop("top_k") == errors.pop("stop_id") == ErrorCode.INVALID_REQUEST
     assert errors.pop("ok") == ErrorCode.INVALID_REQUEST  # the duplicate id
     finished = outputs["ok"][-1]
     assert finished.finish_reason == FinishReason.LENGTH
@@ -133,6 +136,32 @@ def test_core_reports_errors_per_request_and_keeps_serving(llm_cache):
     assert finished.num_prompt_tokens == 3
     timings = finished.timings
     assert timings.arrival <= timings.first_scheduled <= timings.first_token <= timings.finished
+
+
+def test_an_aborted_requests_usage_is_what_the_engine_computed(llm_cache):
+    """Metering bills an abort by its last output: prompt tokens once prefilled (none while
+    waiting, the computed part of a chunked prefill), every token generated."""
+    core = llm_cache("llama", max_num_batched_tokens=32, max_model_len=256).core
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    core.add_request("waiting", list(range(5, 25)), params)
+    core.abort_requests(["waiting"])
+    [aborted] = run_core(core)["waiting"]
+    assert (aborted.num_prompt_tokens, aborted.num_output_tokens) == (0, 0)
+
+    budget = 32
+    prompt = [5 + i % 50 for i in range(budget + 10)]
+    core.add_request("chunked", prompt, params)
+    core.step()  # prefills one budget's worth of the prompt, samples nothing
+    core.abort_requests(["chunked"])
+    [aborted] = run_core(core)["chunked"]
+    assert (aborted.num_prompt_tokens, aborted.num_output_tokens) == (budget, 0)
+
+    core.add_request("decoding", [5, 6, 7], params)
+    core.step()
+    core.step()
+    core.abort_requests(["decoding"])
+    last = run_core(core)["decoding"][-1]
+    assert (last.num_prompt_tokens, last.num_output_tokens) == (3, 2)
 
 
 def test_core_abort_reports_and_frees(llm_cache):

@@ -1,0 +1,116 @@
+"""Hostile input against a live Daphne and engine: every answer a precise 4xx in OpenAI's
+error format, the key checked before the body, hopeless requests a 400 (never a 429 to
+retry), and the server serving on afterwards."""
+
+import httpx
+import pytest
+
+from tenants.models import UsageRecord
+from tests.gateway.conftest import MAX_MODEL_LEN, MODEL_NAME
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+WRONG_KEY = "sk-" + "x" * 48
+
+
+def _post(platform, path, body: bytes | dict, key: str | None = None, **headers) -> httpx.Response:
+    headers = {
+        "Authorization": f"Bearer {key or platform.key}",
+        "Content-Type": "application/json",
+        **headers,
+    }
+    content = body if isinstance(body, bytes) else httpx.Request("POST", "/", json=body).content
+    with httpx.Client(base_url=platform.base, timeout=60) as http:
+        return http.post(path, content=content, headers=headers)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def _serves(platform) -> None:
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}
+    assert _post(platform, CHAT, body).status_code == 200
+
+
+INVALID_UTF8 = (
+    b'{"model": "' + MODEL_NAME.encode() + b'", "messages": [{"role": "user", '
+    b'"content": "caf\xe9 \xff"}], "max_tokens": 2}'
+)
+
+
+def test_invalid_utf8_is_a_400_and_a_wrong_key_a_401_whatever_the_body(platform):
+    assert "UTF-8" in _error(_post(platform, CHAT, INVALID_UTF8), 400)["message"]
+    assert _error(_post(platform, CHAT, INVALID_UTF8, WRONG_KEY), 401)["code"] == "invalid_api_key"
+    for body in (b"{not json", b"", b"[]"):
+        _error(_post(platform, CHAT, body, WRONG_KEY), 401)
+    _serves(platform)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        (COMPLETIONS, {"prompt": [10**23]}, "prompt[0]"),
+        (COMPLETIONS, {"prompt": "hi", "top_k": 10**30}, "top_k"),
+        (CHAT, {"seed": 2**64}, "seed"),
+        (CHAT, {"temperature": 2.5}, "temperature"),
+        (CHAT, {"n": 10**30}, "n"),
+        (CHAT, {"max_tokens": 10**9}, "max_tokens"),
+        (CHAT, {"max_completion_tokens": MAX_MODEL_LEN + 1}, "max_completion_tokens"),
+    ],
+)
+def test_integers_and_numbers_past_their_bounds_are_400s(platform, path, fields, param):
+    body = {"model": MODEL_NAME, **({"messages": MESSAGES} if path == CHAT else {}), **fields}
+    response = _post(platform, path, body)
+    error = _error(response, 400)
+    assert error["param"] == param
+    assert "retry-after" not in response.headers
+    assert not UsageRecord.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": [100_000]},  # past the tiny model's vocabulary
+        {"prompt": "hi", "top_k": 100_000},
+    ],
+)
+def test_bounds_that_depend_on_the_model_are_400s(platform, fields):
+    response = _post(platform, COMPLETIONS, {"model": MODEL_NAME, "max_tokens": 2, **fields})
+    assert _error(response, 400)["code"] == "invalid_request"
+    _serves(platform)
+
+
+def test_a_request_larger_than_a_per_minute_limit_is_a_400_not_a_429(platform):
+    platform.tenant.tokens_per_minute = 100
+    platform.tenant.save()
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 200}
+    response = _post(platform, CHAT, body)
+    error = _error(response, 400)
+    assert error["code"] == "request_too_large" and "Limit 100" in error["message"]
+    assert "retry-after" not in response.headers
+    assert _post(platform, CHAT, {**body, "max_tokens": 2}).status_code == 200
+
+
+def test_a_body_over_the_limit_is_refused_as_it_arrives(platform):
+    """Declared by Content-Length or streamed in chunks, a body past the limit is a 413 (the
+    server's default limit, 8 MiB), and the server serves on."""
+    too_big = b"x" * (8 * 1024 * 1024 + 1)
+    headers = {"Authorization": f"Bearer {platform.key}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=platform.base, timeout=60) as http:
+        declared = http.post(CHAT, content=too_big, headers=headers)
+        chunked = http.post(
+            CHAT,
+            content=(too_big[i : i + 65536] for i in range(0, len(too_big), 65536)),
+            headers=headers,
+        )
+    for response in (declared, chunked):
+        assert _error(response, 413)["code"] == "request_too_large"
+    _serves(platform)
