@@ -33,13 +33,12 @@ class PlanAdmin(admin.ModelAdmin):
         "tokens_per_minute",
         "max_concurrent_requests",
         "monthly_token_budget",
-        "is_prefix_cache_isolated",
         "service_tier",
         "share",
     )
     prepopulated_fields = {"slug": ("name",)}
     fieldsets = (
-        (None, {"fields": ("name", "slug", "allowed_models", "is_prefix_cache_isolated")}),
+        (None, {"fields": ("name", "slug", "allowed_models")}),
         LIMIT_FIELDSET,
         ("Scheduling in the engine", {"fields": ("service_tier", "share")}),
     )

@@ -24,10 +24,6 @@ class Plan(models.Model):
         blank=True,
         help_text="Served model names this plan may use; an empty list allows every model.",
     )
-    is_prefix_cache_isolated = models.BooleanField(
-        default=False,
-        help_text="Give each tenant on this plan its own prefix cache (a per-tenant cache salt).",
-    )
 
     class ServiceTier(models.TextChoices):
         INTERACTIVE = "interactive", "Interactive"

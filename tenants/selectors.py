@@ -66,11 +66,6 @@ def tenant_share(*, tenant: Tenant) -> float:
     return tenant.plan.share
 
 
-def tenant_cache_salt(*, tenant: Tenant) -> str | None:
-    """The prefix-cache salt sent to the engine, or None to share the cache."""
-    return f"tenant-{tenant.pk}" if tenant.plan.is_prefix_cache_isolated else None
-
-
 def tenant_api_keys(*, tenant: Tenant) -> QuerySet[ApiKey]:
     return ApiKey.objects.filter(tenant=tenant).order_by("-created_at")
 

@@ -17,17 +17,17 @@ from django.contrib.auth.models import AbstractBaseUser
 
 from chat.models import Conversation, Message
 from chat.selectors import engine_messages
-from gateway.generation import ENGINE_ERRORS
+from gateway.generation import ENGINE_ERRORS, FINAL_USAGE_TIMEOUT_SECONDS
 from gateway.validation import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE
 from inference_engine.client import AsyncEngineClient, EngineUnavailable
 from inference_engine.protocol import ErrorCode, GenerateRequest, SamplingParams
 from serving.models import ModelDeployment
 from serving.pool import NoReadyReplica, get_pool
-from serving.selectors import deployment_for_tenant
+from serving.selectors import deployment_for_tenant, prefix_cache_salt
 from tenants.metering import Meter, metered
 from tenants.models import UsageRecord
 from tenants.quotas import QuotaExceeded
-from tenants.selectors import tenant_cache_salt, tenant_priority, tenant_share
+from tenants.selectors import tenant_priority, tenant_share
 
 ENGINE_RETRY_AFTER_SECONDS = 5
 UNKNOWN_ENGINE_ERROR = (500, "engine_error", UsageRecord.Status.ERROR)
@@ -89,7 +89,7 @@ def _prepare(conversation: Conversation, reply: Message) -> tuple:
     messages = engine_messages(conversation=conversation, before_id=reply.pk)
     tenant = conversation.tenant
     scheduling = (tenant_priority(tenant=tenant), tenant_share(tenant=tenant))
-    return deployment, tenant_cache_salt(tenant=tenant), messages, scheduling
+    return deployment, prefix_cache_salt(tenant=tenant, deployment=deployment), messages, scheduling
 
 
 async def _route(deployment: ModelDeployment) -> tuple[str, int]:
@@ -182,3 +182,11 @@ async def _stream(
             "The model's engine is unavailable right now.",
             ENGINE_RETRY_AFTER_SECONDS,
         ) from exc
+    finally:
+        if outcome.finish_reason is None:
+            # stopped: meter what the engine computed, also tokens never streamed
+            final = await client.final_delta(request.request_id, FINAL_USAGE_TIMEOUT_SECONDS)
+            if final is not None and final.usage is not None:
+                meter.completion_tokens = final.usage.completion_tokens
+                meter.prompt_tokens = final.usage.prompt_tokens
+                meter.cached_tokens = final.usage.cached_tokens

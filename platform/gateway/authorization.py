@@ -37,9 +37,9 @@ from config.workers import database_worker
 from gateway.auth import api_key_for
 from gateway.errors import ApiError
 from serving.models import ModelDeployment
-from serving.selectors import deployment_for_tenant
+from serving.selectors import deployment_for_tenant, prefix_cache_salt
 from tenants.models import ApiKey, Plan, Tenant
-from tenants.selectors import tenant_cache_salt, tenant_priority, tenant_share
+from tenants.selectors import tenant_priority, tenant_share
 
 GENERATION_KEY = "gateway:auth-generation"
 HEALTH_FIELDS = frozenset({"replicas", "health", "checked_at"})
@@ -132,7 +132,7 @@ def _fetch(raw_key: str, model: str) -> Authorization:
     return Authorization(
         api_key=api_key,
         deployment=deployment,
-        cache_salt=tenant_cache_salt(tenant=api_key.tenant),
+        cache_salt=prefix_cache_salt(tenant=api_key.tenant, deployment=deployment),
         generation=generation,
         fetched_at=time.monotonic(),
         priority=tenant_priority(tenant=api_key.tenant),

@@ -5,8 +5,15 @@ from serving.models import ModelDeployment
 
 @admin.register(ModelDeployment)
 class ModelDeploymentAdmin(admin.ModelAdmin):
-    list_display = ("name", "is_enabled", "max_context", "endpoint_list", "created_at")
-    list_filter = ("is_enabled",)
+    list_display = (
+        "name",
+        "is_enabled",
+        "max_context",
+        "shares_prefix_cache",
+        "endpoint_list",
+        "created_at",
+    )
+    list_filter = ("is_enabled", "shares_prefix_cache")
     search_fields = ("name", "description")
     filter_horizontal = ("plans",)
 

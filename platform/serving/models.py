@@ -51,6 +51,14 @@ class ModelDeployment(models.Model):
         help_text="Plans that may use this model; none selected means every plan.",
     )
     owned_by = models.CharField(max_length=100, default="platform")
+    shares_prefix_cache = models.BooleanField(
+        default=False,
+        help_text=(
+            "Let every tenant's requests reuse each other's cached prompt prefixes. Only for a "
+            "model whose prompts are public (e.g. one shared system prompt): a tenant can tell "
+            "from the cached token count whether another tenant sent a text."
+        ),
+    )
     created_at = models.DateTimeField(default=timezone.now)
     health = models.CharField(max_length=16, choices=Health.choices, default=Health.UNKNOWN)
     # endpoint -> the engine's last STATS (or {"error": ...}), as the console shows them

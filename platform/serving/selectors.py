@@ -18,5 +18,12 @@ def deployments_for_tenant(*, tenant: Tenant) -> QuerySet[ModelDeployment]:
     return deployments.distinct().order_by("name")
 
 
+def prefix_cache_salt(*, tenant: Tenant, deployment: ModelDeployment) -> str | None:
+    """The engine's cache salt for the tenant's requests: each tenant its own prefix cache
+    (another tenant's cached tokens would reveal what it sent), unless the deployment shares
+    its cache (None)."""
+    return None if deployment.shares_prefix_cache else f"tenant-{tenant.pk}"
+
+
 def deployment_for_tenant(*, tenant: Tenant, name: str) -> ModelDeployment | None:
     return deployments_for_tenant(tenant=tenant).filter(name=name).first()

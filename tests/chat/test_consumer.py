@@ -95,7 +95,7 @@ async def test_send_streams_a_reply_that_is_saved_and_metered(chat_world, async_
         lambda: (
             type(tenant.plan)
             .objects.filter(pk=tenant.plan_id)
-            .update(is_prefix_cache_isolated=True, service_tier="interactive", share=2.0)
+            .update(service_tier="interactive", share=2.0)
         )
     )()
     sent = []

@@ -114,3 +114,31 @@ def test_a_body_over_the_limit_is_refused_as_it_arrives(platform):
     for response in (declared, chunked):
         assert _error(response, 413)["code"] == "request_too_large"
     _serves(platform)
+
+
+def test_one_tenant_cannot_probe_anothers_prompts_through_the_prefix_cache(platform):
+    """B sends a unique prompt; A sending the same one finds nothing cached (each tenant has
+    its own cache salt), B itself does; a deployment that shares its cache shares it."""
+    from serving.models import ModelDeployment
+    from tenants import services
+
+    other = services.tenant_create(slug="globex", plan=platform.tenant.plan)
+    _, other_key = services.api_key_create(tenant=other, name="b")
+    prompt = " ".join(f"s{i}" for i in range(20))  # several 16-token blocks
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}
+
+    def cached(key: str) -> int:
+        response = _post(platform, COMPLETIONS, body, key)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(other_key)
+    assert cached(platform.key) == 0
+    assert cached(other_key) > 0
+
+    deployment = ModelDeployment.objects.get(name=MODEL_NAME)
+    deployment.shares_prefix_cache = True
+    deployment.save()  # its signal reaches the server's cached authorizations
+    body["prompt"] = prompt + " shared"
+    cached(other_key)
+    assert cached(platform.key) > 0

@@ -4,7 +4,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from serving.models import ModelDeployment
-from serving.selectors import deployment_for_tenant, deployments_for_tenant
+from serving.selectors import deployment_for_tenant, deployments_for_tenant, prefix_cache_salt
 from tenants import services
 from tenants.models import Plan
 
@@ -50,3 +50,13 @@ def test_plans_and_allowed_models_both_gate_access():
     assert deployment_for_tenant(tenant=narrow_tenant, name="pro-only") is None
     assert deployment_for_tenant(tenant=pro_tenant, name="off") is None
     assert deployment_for_tenant(tenant=pro_tenant, name="open") == open_model
+
+
+def test_each_tenant_has_its_own_prefix_cache_unless_the_deployment_shares_it():
+    first, second = services.tenant_create(slug="acme"), services.tenant_create(slug="globex")
+    deployment = ModelDeployment.objects.create(name="m", endpoints=["ipc:///tmp/m.sock"])
+    salts = {prefix_cache_salt(tenant=t, deployment=deployment) for t in (first, second)}
+    assert len(salts) == 2 and None not in salts
+
+    deployment.shares_prefix_cache = True
+    assert prefix_cache_salt(tenant=first, deployment=deployment) is None

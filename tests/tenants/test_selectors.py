@@ -40,18 +40,14 @@ def test_api_key_limits_are_its_own(tenant):
     assert selectors.api_key_limits(api_key=api_key) == selectors.Limits(requests_per_minute=5)
 
 
-def test_allowed_models_and_cache_isolation():
-    plan = Plan.objects.create(
-        slug="narrow", name="Narrow", allowed_models=["demo-chat"], is_prefix_cache_isolated=True
-    )
+def test_allowed_models():
+    plan = Plan.objects.create(slug="narrow", name="Narrow", allowed_models=["demo-chat"])
     tenant = services.tenant_create(slug="acme", plan=plan)
     open_tenant = services.tenant_create(slug="globex")
 
     assert selectors.tenant_allows_model(tenant=tenant, model="demo-chat")
     assert not selectors.tenant_allows_model(tenant=tenant, model="llama-70b")
     assert selectors.tenant_allows_model(tenant=open_tenant, model="llama-70b")
-    assert selectors.tenant_cache_salt(tenant=tenant) == f"tenant-{tenant.pk}"
-    assert selectors.tenant_cache_salt(tenant=open_tenant) is None
 
 
 def test_user_tenants_lists_only_active_memberships(user, tenant, other_tenant):
