@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 
 from django.conf import settings
+from django.core.exceptions import DisallowedHost
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404, HttpRequest, HttpResponse
@@ -50,7 +51,10 @@ class ApiASGIHandler(ASGIHandler):
     async def _api_response(self, request: HttpRequest) -> HttpResponse:
         request.urlconf = settings.API_URLCONF  # the API's few routes, not the whole site's
         try:
+            request.get_host()  # ALLOWED_HOSTS, as CommonMiddleware checks it for the pages
             response = await self._get_response_async(request)
+        except DisallowedHost:
+            response = ApiError(400, "Invalid Host header.", code="invalid_host").response()
         except Http404:
             response = ApiError(
                 404, f"Unknown route: {request.method} {request.path}", code="unknown_route"

@@ -117,5 +117,26 @@ def supervisor_status() -> dict[str, dict]:
 registry.register(SupervisedProcesses())
 
 
-def exposition() -> bytes:
-    return generate_latest(registry)
+class _WithoutTenants:
+    """The registry's metrics with the ``tenant`` label summed away: what an unauthenticated
+    scrape of a production server sees (tenant names are the operator's to read)."""
+
+    def collect(self):
+        for family in registry.collect():
+            if "tenant" not in {name for sample in family.samples for name in sample.labels}:
+                yield family
+                continue
+            totals: dict[tuple, float] = {}
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "tenant"))
+                key = (sample.name, labels)
+                totals[key] = totals.get(key, 0.0) + sample.value
+            family.samples = [
+                type(family.samples[0])(name, dict(labels), value, None, None)
+                for (name, labels), value in totals.items()
+            ]
+            yield family
+
+
+def exposition(*, with_tenants: bool = True) -> bytes:
+    return generate_latest(registry if with_tenants else _WithoutTenants())

@@ -1,5 +1,7 @@
 """Thin async views: each one hands the request to a service and returns its response."""
 
+import hmac
+
 import msgspec
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
@@ -88,10 +90,17 @@ async def ready(request: HttpRequest) -> HttpResponse:
 
 
 async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
+    """With ``METRICS_BEARER_TOKEN`` set, only its bearer may scrape. Without one, the
+    embedded mode shows everything, and a production server shows no tenant names."""
     token = settings.METRICS_BEARER_TOKEN
-    if token and request.headers.get("Authorization") != f"Bearer {token}":
+    if token and not hmac.compare_digest(
+        request.headers.get("Authorization", ""), f"Bearer {token}"
+    ):
         return ApiError(401, "Metrics need the metrics bearer token.").response()
-    return HttpResponse(metrics.exposition(), content_type="text/plain; version=0.0.4")
+    with_tenants = bool(token) or settings.IS_EMBEDDED
+    return HttpResponse(
+        metrics.exposition(with_tenants=with_tenants), content_type="text/plain; version=0.0.4"
+    )
 
 
 async def openapi_document(request: HttpRequest) -> HttpResponse:

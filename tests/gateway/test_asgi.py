@@ -7,7 +7,12 @@ import json
 from config.asgi import application
 
 
-async def _call(path: str, method: str = "GET", headers: dict[str, str] | None = None):
+async def _call(
+    path: str,
+    method: str = "GET",
+    headers: dict[str, str] | None = None,
+    host: str = "testserver",
+):
     """One HTTP request through the ASGI app: (status, headers, body)."""
     scope = {
         "type": "http",
@@ -19,7 +24,7 @@ async def _call(path: str, method: str = "GET", headers: dict[str, str] | None =
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"host", b"testserver")]
+        "headers": [(b"host", host.encode())]
         + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
         "client": ("127.0.0.1", 1),
         "server": ("testserver", 80),
@@ -81,3 +86,49 @@ async def test_an_api_view_that_fails_answers_with_openais_error_object(async_db
         "code": "server_error",
     }
     assert "boom" in caplog.text
+
+
+async def test_api_paths_answer_only_the_allowed_hosts(async_db):
+    for path in ("/metrics", "/v1/models", "/health/ready"):
+        status, _, body = await _call(path, host="evil.example")
+        assert status == 400 and json.loads(body)["error"]["code"] == "invalid_host"
+
+
+async def test_metrics_need_the_token_when_one_is_set(async_db, settings):
+    from gateway import metrics
+
+    metrics.requests_total.labels("acme-secret-co", "m", "ok").inc()
+    settings.METRICS_BEARER_TOKEN = "s3cret"
+    status, _, _ = await _call("/metrics")
+    assert status == 401
+    status, _, body = await _call("/metrics", headers={"Authorization": "Bearer s3cret"})
+    assert status == 200 and b'tenant="acme-secret-co"' in body
+
+
+async def test_production_metrics_without_a_token_name_no_tenant(async_db, settings):
+    from gateway import metrics
+
+    metrics.requests_total.labels("acme-secret-co", "m", "ok").inc()
+    settings.METRICS_BEARER_TOKEN = ""
+    settings.IS_EMBEDDED = False
+    status, _, body = await _call("/metrics")
+    assert status == 200
+    assert b"acme-secret-co" not in body and b"tenant=" not in body
+    assert b'llm_gateway_requests_total{model="m",status="ok"}' in body  # summed, still there
+
+    settings.IS_EMBEDDED = True  # the local, embedded platform shows everything
+    assert b'tenant="acme-secret-co"' in (await _call("/metrics"))[2]
+
+
+async def test_readiness_does_not_tell_why_a_check_failed(async_db, monkeypatch):
+    from gateway import health
+
+    async def fails():
+        raise RuntimeError("password authentication failed for user db-admin at 10.1.2.3")
+
+    monkeypatch.setattr(health, "_check_cache", fails)
+    status, _, body = await _call("/health/ready")
+    assert status == 503
+    report = json.loads(body)
+    assert report["checks"]["cache"] == "error: unavailable"
+    assert b"10.1.2.3" not in body and b"db-admin" not in body
