@@ -78,6 +78,22 @@ def tenant_create(
     return tenant
 
 
+# Ten years: a longer life is as good as "never" (leave it empty), and a day count without a
+# bound overflows datetime arithmetic.
+MAX_KEY_LIFETIME_DAYS = 3650
+
+
+def api_key_expires_at(*, days: int | None) -> datetime | None:
+    """When a key created now to live ``days`` days expires; None (never) for None."""
+    if days is None:
+        return None
+    if not 1 <= days <= MAX_KEY_LIFETIME_DAYS:
+        raise ValidationError(
+            {"expires_in_days": f"A key expires in from 1 to {MAX_KEY_LIFETIME_DAYS} days."}
+        )
+    return timezone.now() + timedelta(days=days)
+
+
 def api_key_create(
     *,
     tenant: Tenant,

@@ -121,9 +121,10 @@ def conversation_delete(request: HttpRequest, tenant: Tenant, conversation_id: i
 @login_required
 def tenant_choose(request: HttpRequest) -> HttpResponse:
     tenant_id = request.POST.get("tenant", "")
+    # isascii too: str.isdigit accepts "²", which the id lookup's int() refuses
     tenant = (
-        user_tenants(user=request.user).filter(pk=tenant_id).first()
-        if tenant_id.isdigit()
+        user_tenants(user=request.user).filter(pk=int(tenant_id)).first()
+        if tenant_id.isascii() and tenant_id.isdigit()
         else None
     )
     if tenant is None:

@@ -2,7 +2,6 @@
 services (writes). Tenant pages need owner/admin (or staff); the platform page needs staff."""
 
 import csv
-from datetime import date, timedelta
 from functools import wraps
 
 from django.contrib import messages
@@ -10,12 +9,12 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth import get_user_model
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from console import charts, permissions, selectors
+from console import charts, forms, permissions, selectors
 from serving.models import ModelDeployment
 from serving.services import deployment_register
 from serving.tasks import control_engine
@@ -23,26 +22,16 @@ from tenants import quotas, services
 from tenants.models import ApiKey, Membership, Tenant
 from tenants.selectors import tenant_api_keys, tenant_limits
 
-MAX_RANGE_DAYS = 366
-DEFAULT_RANGE_DAYS = 14
+
+def _range_form(request: HttpRequest) -> forms.DateRangeForm:
+    return forms.DateRangeForm(request.GET, today=timezone.now().date())
 
 
-def _date_range(request: HttpRequest) -> selectors.DateRange:
-    today = timezone.now().date()
-    try:
-        end = date.fromisoformat(request.GET.get("end", "")) if request.GET.get("end") else today
-        start_text = request.GET.get("start")
-        start = (
-            date.fromisoformat(start_text)
-            if start_text
-            else end - timedelta(days=DEFAULT_RANGE_DAYS - 1)
-        )
-    except ValueError:
-        end, start = today, today - timedelta(days=DEFAULT_RANGE_DAYS - 1)
-    if start > end:
-        start, end = end, start
-    start = max(start, end - timedelta(days=MAX_RANGE_DAYS - 1))
-    return selectors.DateRange(start=start, end=end)
+def _refuse_range(request: HttpRequest, form: forms.DateRangeForm) -> int:
+    """Show why the range was refused (the page shows the default range); the status."""
+    for message in form.error_messages():
+        messages.error(request, message)
+    return 400
 
 
 def tenant_page(view):
@@ -76,7 +65,9 @@ def _context(request: HttpRequest, tenant: Tenant | None, **extra) -> dict:
 
 @tenant_page
 def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
-    date_range = _date_range(request)
+    range_form = _range_form(request)
+    status = _refuse_range(request, range_form) if range_form.errors else 200
+    date_range = range_form.date_range()
     group_by = request.GET.get("group", "model")
     if group_by not in ("model", "key"):
         group_by = "model"
@@ -105,6 +96,7 @@ def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
                 for name, used, limit in quota_rows
             ],
         ),
+        status=status,
     )
 
 
@@ -116,7 +108,12 @@ def _share(used: float | None, limit: int | None) -> int | None:
 
 @tenant_page
 def usage_csv(request: HttpRequest, tenant: Tenant) -> HttpResponse:
-    date_range = _date_range(request)
+    range_form = _range_form(request)
+    if range_form.errors:
+        return HttpResponseBadRequest(
+            "\n".join(range_form.error_messages()), content_type="text/plain"
+        )
+    date_range = range_form.date_range()
     response = HttpResponse(content_type="text/csv")
     filename = f"usage-{tenant.slug}-{date_range.start}-{date_range.end}.csv"
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
@@ -131,27 +128,33 @@ def usage_csv(request: HttpRequest, tenant: Tenant) -> HttpResponse:
 
 @tenant_page
 def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
-    new_key = None
+    new_key, form, status = None, forms.ApiKeyCreateForm(), 200
     if request.method == "POST":
         action = request.POST.get("action")
         if action == "create":
-            name = request.POST.get("name", "").strip()[:200] or "unnamed"
-            days = request.POST.get("expires_in_days", "").strip()
-            expires_at = None
-            if days.isdigit() and int(days) > 0:
-                expires_at = timezone.now() + timedelta(days=int(days))
-            _, new_key = services.api_key_create(
-                tenant=tenant, name=name, created_by=request.user, expires_at=expires_at
-            )
+            form = forms.ApiKeyCreateForm(request.POST)
+            if form.is_valid():
+                expires_at = services.api_key_expires_at(days=form.cleaned_data["expires_in_days"])
+                _, new_key = services.api_key_create(
+                    tenant=tenant,
+                    name=form.cleaned_data["name"] or "unnamed",
+                    created_by=request.user,
+                    expires_at=expires_at,
+                )
+                form = forms.ApiKeyCreateForm()
+            else:
+                status = 400
         elif action == "revoke":
-            api_key = get_object_or_404(ApiKey, pk=request.POST.get("key_id"), tenant=tenant)
+            key_id = forms.object_id(request.POST.get("key_id"))
+            api_key = get_object_or_404(ApiKey, pk=key_id, tenant=tenant)
             services.api_key_revoke(api_key=api_key)
             messages.success(request, f"Revoked {api_key.display_prefix}.")
             return redirect("console:keys", slug=tenant.slug)
     return render(
         request,
         "console/keys.html",
-        _context(request, tenant, keys=tenant_api_keys(tenant=tenant), new_key=new_key),
+        _context(request, tenant, keys=tenant_api_keys(tenant=tenant), new_key=new_key, form=form),
+        status=status,
     )
 
 
@@ -188,7 +191,8 @@ def _change_members(request: HttpRequest, tenant: Tenant) -> None:
         services.membership_set(tenant=tenant, user=user, role=role, actor=request.user)
         messages.success(request, f"{username} is now {role}.")
         return
-    membership = get_object_or_404(Membership, pk=request.POST.get("membership_id"), tenant=tenant)
+    membership_id = forms.object_id(request.POST.get("membership_id"))
+    membership = get_object_or_404(Membership, pk=membership_id, tenant=tenant)
     if action == "role":
         services.membership_change_role(membership=membership, role=role, actor=request.user)
     elif action == "remove":
@@ -197,7 +201,9 @@ def _change_members(request: HttpRequest, tenant: Tenant) -> None:
 
 @staff_member_required
 def platform(request: HttpRequest) -> HttpResponse:
-    date_range = _date_range(request)
+    range_form = _range_form(request)
+    status = _refuse_range(request, range_form) if range_form.errors else 200
+    date_range = range_form.date_range()
     summary = selectors.usage_summary(date_range=date_range, group_by="tenant")
     deployments = list(ModelDeployment.objects.order_by("name"))
     return render(
@@ -215,6 +221,7 @@ def platform(request: HttpRequest) -> HttpResponse:
             # follow a load or unload as it goes: the page refreshes until it is done
             refresh_seconds=3 if any(_is_changing(d) for d in deployments) else None,
         ),
+        status=status,
     )
 
 
@@ -234,7 +241,9 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
             endpoints = request.POST.get("endpoints", "").split()
             deployment_register(name=request.POST.get("name", "").strip(), endpoints=endpoints)
         elif action in ("load", "unload"):
-            deployment = get_object_or_404(ModelDeployment, pk=request.POST.get("deployment_id"))
+            deployment = get_object_or_404(
+                ModelDeployment, pk=forms.object_id(request.POST.get("deployment_id"))
+            )
             endpoint = request.POST.get("endpoint", "")
             if endpoint not in deployment.endpoints:
                 raise ValidationError(f"{endpoint!r} is not a replica of {deployment.name}.")
@@ -244,7 +253,9 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
             control_engine.delay(deployment.pk, endpoint, action, model)
             messages.success(request, f"{action.title()} requested on {endpoint}.")
         elif action in ("enable", "disable"):
-            deployment = get_object_or_404(ModelDeployment, pk=request.POST.get("deployment_id"))
+            deployment = get_object_or_404(
+                ModelDeployment, pk=forms.object_id(request.POST.get("deployment_id"))
+            )
             deployment.is_enabled = action == "enable"
             deployment.save(update_fields=["is_enabled"])
     except ValidationError as exc:

@@ -6,7 +6,7 @@ from django.urls import reverse
 
 from serving.models import ModelDeployment
 from tenants import rollups, services
-from tenants.models import Membership, UsageRecord
+from tenants.models import ApiKey, Membership, UsageRecord
 
 pytestmark = pytest.mark.django_db
 
@@ -167,6 +167,78 @@ def test_the_last_owner_cannot_demote_themselves_by_adding_themselves(client, pe
     assert response.status_code == 200
     assert Membership.objects.get(user=people["owner_a"], tenant=tenant).role == "owner"
     assert "at least one owner" in response.content.decode()
+
+
+BAD_RANGES = [
+    {"end": "0001-01-01"},
+    {"start": "0001-01-01", "end": "0001-01-02"},
+    {"start": "9999-12-31"},
+    {"end": "9999-12-31"},
+    {"start": "garbage"},
+    {"end": "2024-02-30"},
+    {"start": "2024-01-01T00:00"},
+    {"end": "+99999-01-01"},
+]
+RANGE_PAGES = ["console:dashboard", "console:usage-csv", "console:platform"]
+
+
+@pytest.mark.parametrize("query", BAD_RANGES)
+@pytest.mark.parametrize("page", RANGE_PAGES)
+def test_out_of_range_or_garbage_dates_are_a_400(client, people, tenant, page, query):
+    client.force_login(people["staff"])
+    args = [] if page == "console:platform" else [tenant.slug]
+    response = client.get(reverse(page, args=args), query)
+    assert response.status_code == 400
+    body = response.content.decode()
+    assert "Enter a valid date" in body or "Pick a date from 2000-01-01" in body
+
+
+@pytest.mark.parametrize("page", RANGE_PAGES)
+def test_a_range_in_bounds_is_shown(client, people, tenant, page):
+    _usage(tenant)
+    client.force_login(people["staff"])
+    args = [] if page == "console:platform" else [tenant.slug]
+    today = datetime.now(UTC).date()
+    query = {"start": (today - timedelta(days=400)).isoformat(), "end": today.isoformat()}
+    response = client.get(reverse(page, args=args), query)
+    assert response.status_code == 200
+    if page == "console:usage-csv":  # a range too long is cut to its last 366 days
+        assert f"-{today - timedelta(days=365)}-{today}.csv" in response["Content-Disposition"]
+
+
+@pytest.mark.parametrize("days", ["99999999999", "0", "-1", "3651", "abc", "²", "1.5"])
+def test_a_key_lifetime_out_of_bounds_redisplays_the_form(client, people, tenant, days):
+    client.force_login(people["admin_a"])
+    url = reverse("console:keys", args=[tenant.slug])
+    response = client.post(url, {"action": "create", "name": "ci", "expires_in_days": days})
+    assert response.status_code == 400
+    assert 'msg error">Expires in days: ' in response.content.decode()
+    assert not re.findall(r"sk-[A-Za-z0-9]{48}", response.content.decode())
+    assert not ApiKey.objects.filter(tenant=tenant).exists()
+
+
+def test_a_key_lives_at_most_ten_years(client, people, tenant):
+    client.force_login(people["admin_a"])
+    url = reverse("console:keys", args=[tenant.slug])
+    response = client.post(url, {"action": "create", "name": "ci", "expires_in_days": "3650"})
+    assert response.status_code == 200
+    [api_key] = ApiKey.objects.filter(tenant=tenant)
+    assert api_key.expires_at.date() == (datetime.now(UTC) + timedelta(days=3650)).date()
+
+
+@pytest.mark.parametrize("value", ["abc", "²", "", "-1", str(10**30)])
+def test_malformed_object_ids_are_a_404(client, people, tenant, value):
+    client.force_login(people["staff"])
+    posts = [
+        (reverse("console:keys", args=[tenant.slug]), {"action": "revoke", "key_id": value}),
+        (
+            reverse("console:members", args=[tenant.slug]),
+            {"action": "remove", "membership_id": value},
+        ),
+        (reverse("console:deployment-action"), {"action": "enable", "deployment_id": value}),
+    ]
+    for url, data in posts:
+        assert client.post(url, data).status_code == 404, (url, data)
 
 
 def test_platform_console_lists_tenants_models_and_manages_deployments(client, people, tenant):

@@ -57,7 +57,8 @@ def test_create_api_key_prints_a_working_key_alone_on_its_last_line(tenant):
         (("create_tenant", "bad slug"), "slug"),
         (("create_tenant", "acme", "--rpm", "-1"), "zero or more"),
         (("create_api_key", "nope"), "No tenant"),
-        (("create_api_key", "acme", "--expires-in-days", "0"), "positive"),
+        (("create_api_key", "acme", "--expires-in-days", "0"), "from 1 to 3650"),
+        (("create_api_key", "acme", "--expires-in-days", "99999999999"), "from 1 to 3650"),
     ],
 )
 def test_commands_refuse_bad_input_clearly(tenant, args, message):

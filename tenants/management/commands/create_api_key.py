@@ -1,8 +1,5 @@
-from datetime import timedelta
-
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
-from django.utils import timezone
 
 from tenants import services
 from tenants.management.errors import describe_validation_error
@@ -21,12 +18,8 @@ class Command(BaseCommand):
         tenant = Tenant.objects.filter(slug=options["slug"]).first()
         if tenant is None:
             raise CommandError(f"No tenant with slug {options['slug']!r}.")
-        expires_at = None
-        if options["expires_in_days"] is not None:
-            if options["expires_in_days"] <= 0:
-                raise CommandError("--expires-in-days must be positive.")
-            expires_at = timezone.now() + timedelta(days=options["expires_in_days"])
         try:
+            expires_at = services.api_key_expires_at(days=options["expires_in_days"])
             api_key, raw_key = services.api_key_create(
                 tenant=tenant, name=options["name"], expires_at=expires_at
             )

@@ -1,0 +1,77 @@
+"""The console's inputs. Each form bounds what it accepts, so that no value reaches date
+arithmetic or the database out of range: a bad value redisplays the page with an error and a
+400, never a 500."""
+
+from datetime import date, timedelta
+
+from django import forms
+
+from console.selectors import DateRange
+from tenants.services import MAX_KEY_LIFETIME_DAYS
+
+# Usage older than this cannot exist; the bound keeps every date the range derives (its
+# default start, its days) far from date.min and date.max.
+EARLIEST_DATE = date(2000, 1, 1)
+MAX_RANGE_DAYS = 366
+DEFAULT_RANGE_DAYS = 14
+
+
+class DateRangeForm(forms.Form):
+    """``start`` and ``end`` (inclusive, ISO dates, both optional) of a usage page."""
+
+    start = forms.DateField(required=False, input_formats=["%Y-%m-%d"])
+    end = forms.DateField(required=False, input_formats=["%Y-%m-%d"])
+
+    def __init__(self, data: object, *, today: date) -> None:
+        super().__init__(data)
+        self.today = today
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        latest = self.today + timedelta(days=MAX_RANGE_DAYS)
+        for name in ("start", "end"):
+            value = cleaned.get(name)
+            if value is not None and not EARLIEST_DATE <= value <= latest:
+                self.add_error(name, f"Pick a date from {EARLIEST_DATE} to {latest}.")
+        return cleaned
+
+    def date_range(self) -> DateRange:
+        """The range asked for (swapped if backwards, cut to its last ``MAX_RANGE_DAYS``
+        days), or the last ``DEFAULT_RANGE_DAYS`` days when nothing or something invalid
+        was asked for."""
+        cleaned = self.cleaned_data if self.is_valid() else {}
+        end = cleaned.get("end") or self.today
+        start = cleaned.get("start") or end - timedelta(days=DEFAULT_RANGE_DAYS - 1)
+        if start > end:
+            start, end = end, start
+        start = max(start, end - timedelta(days=MAX_RANGE_DAYS - 1))
+        return DateRange(start=start, end=end)
+
+    def error_messages(self) -> list[str]:
+        return [
+            f"{name.title()} date: {message}"
+            for name, messages in self.errors.items()
+            for message in messages
+        ]
+
+
+class ApiKeyCreateForm(forms.Form):
+    name = forms.CharField(max_length=200, required=False)
+    expires_in_days = forms.IntegerField(
+        required=False, min_value=1, max_value=MAX_KEY_LIFETIME_DAYS, label="Expires in days"
+    )
+
+    def error_messages(self) -> list[str]:
+        return [
+            f"{self.fields[name].label or name.title()}: {message}"
+            for name, messages in self.errors.items()
+            for message in messages
+        ]
+
+
+def object_id(value: str | None) -> int | None:
+    """A posted object id as an int, or None (which matches no object) when it is not one:
+    ``str.isdigit`` accepts "²", which ``int`` refuses."""
+    if value is None or not value.isascii() or not value.isdigit():
+        return None
+    return int(value)
