@@ -1,0 +1,971 @@
+"""Hostile clients for the reliability suite (bench/reliability.py) and its fast tests
+(tests/gateway/test_fuzz.py): a raw HTTP/1.1 client and a raw WebSocket client on asyncio
+streams, so a probe can send what a well-behaved library refuses to (invalid UTF-8, a 50 MB
+chunked body, binary and oversized frames, a cut at any byte), and the hostile inputs
+themselves, generated from the API's own OpenAPI document with a fixed seed.
+
+No Django, no torch: the probes see the platform only from the outside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+import json
+import os
+import random
+import struct
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+REQUEST_SCHEMAS = {CHAT_PATH: "ChatCompletionRequest", COMPLETIONS_PATH: "CompletionRequest"}
+
+
+# --- HTTP ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """What came back for one request; ``status`` None when no response head arrived."""
+
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    # why the exchange ended without a whole response: "reset", "eof", "timeout", ...
+    dropped: str = ""
+
+    def json(self) -> object:
+        return json.loads(self.body)
+
+    @property
+    def is_openai_error(self) -> bool:
+        """A JSON body that is exactly OpenAI's error object."""
+        try:
+            error = json.loads(self.body)["error"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        return (
+            isinstance(error, dict)
+            and set(error) == OPENAI_ERROR_KEYS
+            and isinstance(error["message"], str)
+            and bool(error["message"])
+            and isinstance(error["type"], str)
+        )
+
+
+def request_head(
+    method: str, path: str, host: str, headers: dict[str, str | bytes] | None = None
+) -> bytes:
+    """An HTTP/1.1 request head; header values may be raw bytes (invalid UTF-8 on purpose)."""
+    lines = [f"{method} {path} HTTP/1.1".encode(), f"Host: {host}".encode()]
+    for name, value in (headers or {}).items():
+        raw = value if isinstance(value, bytes) else value.encode("latin-1")
+        lines.append(name.encode() + b": " + raw)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def chunked(body: bytes, size: int = 1 << 20) -> Iterable[bytes]:
+    for start in range(0, len(body), size):
+        piece = body[start : start + size]
+        yield f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+    yield b"0\r\n\r\n"
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            headers[name.strip().lower()] = value.strip()
+    return int(status_line.split(" ", 2)[1]), headers
+
+
+async def iter_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The body's pieces as they arrive (chunked, sized, or up to the connection's end)."""
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16):
+            yield (await reader.readexactly(size + 2))[:-2]
+        await reader.readline()
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while piece := await reader.read(65536):
+            yield piece
+
+
+async def exchange(
+    host: str,
+    port: int,
+    head: bytes,
+    body: bytes | Iterable[bytes] = b"",
+    *,
+    timeout: float = 30,
+) -> Answer:
+    """Send one request on a new connection and read the whole answer. The body is sent
+    while the answer is read, so a server that answers early (a 413 after 8 MB of 50) is
+    heard, and sending stops."""
+    answer = Answer()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, TimeoutError) as exc:
+        answer.dropped = f"connect: {exc!r}"
+        return answer
+    pieces = [body] if isinstance(body, bytes) else body
+
+    async def send() -> None:
+        writer.write(head)
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+
+    async def receive() -> None:
+        answer.status, answer.headers = await read_head(reader)
+        parts = [piece async for piece in iter_body(reader, answer.headers)]
+        answer.body = b"".join(parts)
+
+    sender = asyncio.ensure_future(send())
+    try:
+        await asyncio.wait_for(receive(), timeout)
+    except TimeoutError:
+        answer.dropped = "timeout"
+    except asyncio.IncompleteReadError:
+        answer.dropped = "eof"
+    except ConnectionError as exc:
+        answer.dropped = type(exc).__name__
+    finally:
+        sender.cancel()
+        with contextlib.suppress(BaseException):
+            await sender
+        writer.transport.abort()
+    return answer
+
+
+async def post_json(
+    base: str,
+    path: str,
+    key: str | None,
+    body: bytes,
+    *,
+    content_type: str | None = "application/json",
+    headers: dict[str, str | bytes] | None = None,
+    timeout: float = 30,
+) -> Answer:
+    host, port = split_base(base)
+    all_headers: dict[str, str | bytes] = {"Connection": "close"}
+    if key is not None:
+        all_headers["Authorization"] = f"Bearer {key}"
+    if content_type is not None:
+        all_headers["Content-Type"] = content_type
+    all_headers["Content-Length"] = str(len(body))
+    all_headers.update(headers or {})
+    head = request_head("POST", path, f"{host}:{port}", all_headers)
+    return await exchange(host, port, head, body, timeout=timeout)
+
+
+def split_base(base: str) -> tuple[str, int]:
+    host, port = base.removeprefix("http://").rstrip("/").rsplit(":", 1)
+    return host, int(port)
+
+
+# --- hostile HTTP inputs ---------------------------------------------------------------------
+
+
+@dataclass
+class Probe:
+    """One hostile request. ``must_refuse``: the answer must be a 4xx with OpenAI's error
+    object; otherwise any answer but a 5xx or a dropped connection will do (an input the
+    schema allows may be served)."""
+
+    name: str
+    path: str
+    body: bytes | Iterable[bytes]
+    content_type: str | None = "application/json"
+    headers: dict[str, str | bytes] = field(default_factory=dict)
+    method: str = "POST"
+    must_refuse: bool = True
+    category: str = ""
+
+
+HUGE_INTEGERS = ("1e400", str(10**30), str(-(10**30)))
+HUGE_NUMBERS = ("1e400", "-1e400")
+# one of each JSON type; a field gets each one its schema refuses
+WRONG_TYPES: tuple[object, ...] = ("x", 7, 1.5, True, None, [], {}, [1, "a"], {"a": [None]})
+RAW = "\ue001raw\ue001"  # stands for a JSON token json.dumps cannot write (1e400, bad UTF-8)
+
+
+def valid_body(path: str, model: str) -> dict:
+    if path == CHAT_PATH:
+        return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return {"model": model, "prompt": "hi", "max_tokens": 2}
+
+
+def _encode(body: dict, raw: bytes | None = None) -> bytes:
+    encoded = json.dumps(body).encode()
+    if raw is not None:
+        encoded = encoded.replace(json.dumps(RAW).encode(), raw)
+    return encoded
+
+
+def _properties(document: dict, schema_name: str) -> dict[str, dict]:
+    return document["components"]["schemas"][schema_name]["properties"]
+
+
+def _kinds(schema: dict) -> set[str]:
+    """The JSON types a property's schema admits at its top (``anyOf`` branches included)."""
+    kinds = set()
+    for branch in schema.get("anyOf", [schema]):
+        kind = branch.get("type")
+        kinds.update(kind if isinstance(kind, list) else [kind] if kind else [])
+        if "$ref" in branch:
+            kinds.add("object")
+    return kinds
+
+
+class SchemaCheck:
+    """Whether a body is valid for an operation's request schema (the API's own document)."""
+
+    def __init__(self, document: dict) -> None:
+        import jsonschema_rs
+
+        self._validators = {
+            path: jsonschema_rs.validator_for(
+                {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
+            )
+            for path, name in REQUEST_SCHEMAS.items()
+        }
+
+    def is_valid(self, path: str, body: object) -> bool:
+        return self._validators[path].is_valid(body)
+
+
+def hostile_bodies(document: dict, model: str) -> list[Probe]:
+    """Every request field of both generation endpoints with huge numbers and with every JSON
+    type its schema refuses, invalid UTF-8 and lone surrogates in its strings, deep nesting,
+    empty and non-object bodies."""
+    check = SchemaCheck(document)
+    probes = []
+    for path, schema_name in REQUEST_SCHEMAS.items():
+        base = valid_body(path, model)
+        for name, schema in _properties(document, schema_name).items():
+            kinds = _kinds(schema)
+            if kinds & {"integer", "number"}:
+                numbers = HUGE_INTEGERS if "integer" in kinds else HUGE_NUMBERS
+                for number in numbers:
+                    probes.append(
+                        Probe(
+                            f"{name}={number}",
+                            path,
+                            _encode({**base, name: RAW}, number.encode()),
+                            category="huge_number",
+                        )
+                    )
+            for value in WRONG_TYPES:
+                body = {**base, name: value}
+                if not check.is_valid(path, body):
+                    probes.append(
+                        Probe(f"{name}={value!r}", path, _encode(body), category="wrong_type")
+                    )
+        text_fields = ["model", "user", "stop"]
+        text_fields.append("messages[0].content" if path == CHAT_PATH else "prompt")
+        for name in text_fields:
+            for label, raw in (
+                ("bytes ff fe", b'"a\xff\xfeb"'),
+                ("truncated c3", b'"a\xc3"'),
+                ("overlong c0 af", b'"\xc0\xaf"'),
+                ("encoded surrogate", b'"\xed\xa0\x80"'),
+            ):
+                probes.append(
+                    Probe(
+                        f"{name}: {label}",
+                        path,
+                        _encode(_with_text(base, name, RAW), raw),
+                        category="invalid_utf8",
+                    )
+                )
+            # valid JSON, but no Unicode string: served or refused, never a 500
+            probes.append(
+                Probe(
+                    f"{name}: lone surrogate escape",
+                    path,
+                    _encode(_with_text(base, name, RAW), b'"a\\ud800b"'),
+                    must_refuse=False,
+                    category="lone_surrogate",
+                )
+            )
+        depth = 100_000
+        for label, raw in (
+            ("array", b"[" * depth + b"]" * depth),
+            ("object", b'{"a":' * depth + b"1" + b"}" * depth),
+        ):
+            probes.append(Probe(f"body: {label} x{depth}", path, raw, category="deep_nesting"))
+            nested = _encode({**base, "messages" if path == CHAT_PATH else "prompt": RAW}, raw)
+            probes.append(Probe(f"field: {label} x{depth}", path, nested, category="deep_nesting"))
+        for label, raw in (
+            ("empty", b""),
+            ("whitespace", b" \r\n\t"),
+            ("null", b"null"),
+            ("array", b"[]"),
+            ("number", b"0"),
+            ("string", b'"hi"'),
+            ("truncated", _encode(base)[:-3]),
+            ("trailing garbage", _encode(base) + b"}{"),
+            ("NaN", _encode({**base, "temperature": RAW}, b"NaN")),
+            ("BOM", b"\xef\xbb\xbf" + _encode(base)),
+            ("NUL", b"\x00" + _encode(base)),
+        ):
+            probes.append(Probe(f"body: {label}", path, raw, category="malformed_body"))
+        for content_type in (
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "application/xml",
+            "application/json-patch+json",
+            "application/json; charset=utf-16",
+            "\u00e9/\u00e9",
+        ):
+            body = _encode(base)
+            if content_type.endswith("utf-16"):
+                body = json.dumps(base).encode("utf-16")
+            probes.append(
+                Probe(
+                    f"content type {content_type!r}",
+                    path,
+                    body,
+                    content_type=content_type,
+                    category="content_type",
+                )
+            )
+        probes.append(
+            Probe(
+                "no content type, not JSON",
+                path,
+                b"model=x",
+                content_type=None,
+                category="content_type",
+            )
+        )
+    return probes
+
+
+def _with_text(base: dict, name: str, value: str) -> dict:
+    if name == "messages[0].content":
+        return {**base, "messages": [{"role": "user", "content": value}]}
+    return {**base, name: value}
+
+
+def random_bodies(seed: int, count: int) -> list[Probe]:
+    """Random bytes, random JSON-looking text and random JSON values, to both endpoints."""
+    rng = random.Random(seed)
+    alphabet = b'{}[]":,0123456789.eE-+ truefalsnul\\u\xff\x00'
+    probes = []
+    for i in range(count):
+        path = (CHAT_PATH, COMPLETIONS_PATH)[i % 2]
+        size = rng.choice((1, 7, 64, 512, 4096))
+        kind = i % 3
+        if kind == 0:
+            body = rng.randbytes(size)
+        elif kind == 1:
+            body = bytes(rng.choice(alphabet) for _ in range(size))
+        else:
+            body = json.dumps(_random_json(rng, 4)).encode()
+        probes.append(Probe(f"random #{i}", path, body, category="random"))
+    return probes
+
+
+def _random_json(rng: random.Random, depth: int) -> object:
+    choice = rng.randrange(8 if depth else 5)
+    if choice == 0:
+        return rng.choice([None, True, False])
+    if choice == 1:
+        return rng.choice([0, -1, 2**63, -(2**64), 10**30, rng.randrange(-1000, 1000)])
+    if choice == 2:
+        return rng.choice([0.5, -1e308, 1e-320, rng.random()])
+    if choice in (3, 4):
+        return "".join(chr(rng.randrange(1, 0x3000)) for _ in range(rng.randrange(12)))
+    if choice == 5:
+        return [_random_json(rng, depth - 1) for _ in range(rng.randrange(4))]
+    keys = ["model", "messages", "prompt", "max_tokens", "n", "stream", "x", ""]
+    return {rng.choice(keys): _random_json(rng, depth - 1) for _ in range(rng.randrange(5))}
+
+
+def big_bodies(model: str, size: int = 50 * 1024 * 1024) -> list[Probe]:
+    """A body of ``size`` bytes, once with its Content-Length declared and once chunked."""
+    base = valid_body(CHAT_PATH, model)
+    filler = b"x" * size
+    body = _encode({**base, "messages": [{"role": "user", "content": RAW}]}, b'"' + filler + b'"')
+    return [
+        Probe(f"{size >> 20} MB, Content-Length", CHAT_PATH, body, category="big_body"),
+        Probe(
+            f"{size >> 20} MB, chunked",
+            CHAT_PATH,
+            chunked(body),
+            headers={"Transfer-Encoding": "chunked"},
+            category="big_body",
+        ),
+    ]
+
+
+def odd_requests(model: str) -> list[Probe]:
+    """Methods, routes, model ids and Authorization headers that the API does not expect."""
+    body = _encode(valid_body(CHAT_PATH, model))
+    probes = [
+        Probe(f"{method} chat", CHAT_PATH, b"", method=method, content_type=None)
+        for method in ("GET", "PUT", "DELETE", "PATCH")
+    ]
+    for model_id in ("%ff%fe", "%00", "a" * 10_000, "..%2F..%2Fetc%2Fpasswd", "%ED%A0%80", "%"):
+        probes.append(
+            Probe(
+                f"GET /v1/models/{model_id[:20]}",
+                f"/v1/models/{model_id}",
+                b"",
+                method="GET",
+                content_type=None,
+            )
+        )
+    for route in ("/v1/%ff", "/v1/embeddings", "/v1/chat/completions/x"):
+        probes.append(Probe(f"POST {route}", route, body))
+    for label, value in (
+        ("bytes ff", b"Bearer sk-\xff\xfe"),
+        ("10k chars", ("Bearer sk-" + "a" * 10_000).encode()),
+        ("no scheme", b"sk-abc"),
+        ("basic", b"Basic " + base64.b64encode(b"a:b")),
+    ):
+        probes.append(
+            Probe(f"Authorization {label}", CHAT_PATH, body, headers={"Authorization": value})
+        )
+    return probes
+
+
+async def send_probe(base: str, key: str | None, probe: Probe, timeout: float = 60) -> Answer:
+    host, port = split_base(base)
+    headers: dict[str, str | bytes] = {"Connection": "close"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    if probe.content_type is not None:
+        headers["Content-Type"] = probe.content_type
+    if isinstance(probe.body, bytes) and (probe.body or probe.method == "POST"):
+        headers["Content-Length"] = str(len(probe.body))
+    headers.update(probe.headers)
+    head = request_head(probe.method, probe.path, f"{host}:{port}", headers)
+    return await exchange(host, port, head, probe.body, timeout=timeout)
+
+
+def judge(probe: Probe, answer: Answer) -> str:
+    """'' when the answer is acceptable for the probe, else what was wrong with it."""
+    if answer.dropped:
+        return f"dropped ({answer.dropped})"
+    if answer.status is None or answer.status >= 500:
+        return f"status {answer.status}"
+    if probe.must_refuse and not 400 <= answer.status < 500:
+        return f"status {answer.status}, expected a 4xx"
+    if 400 <= answer.status < 500 and not answer.is_openai_error:
+        return f"status {answer.status} without OpenAI's error object: {answer.body[:80]!r}"
+    return ""
+
+
+# --- schema fuzzing ------------------------------------------------------------------------
+
+
+@dataclass
+class FuzzReport:
+    cases: int = 0
+    statuses: collections.Counter = field(default_factory=collections.Counter)
+    server_errors: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    no_error_object: list[str] = field(default_factory=list)  # a 4xx without OpenAI's object
+
+
+def schema_fuzz(base: str, key: str, num_cases: int) -> FuzzReport:
+    """Schemathesis' cases for every operation of the API's own OpenAPI document, half in
+    positive and half in negative mode, derandomized (the same cases every run). A request
+    with no or a large max_tokens is given a small one, so valid cases stay short (huge
+    values are ``hostile_bodies``' job)."""
+    import requests
+    import schemathesis
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{base}/v1/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    report = FuzzReport()
+    session = requests.Session()
+    per_run = -(-num_cases // (2 * len(operations)))
+    for operation in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            _fuzz_operation(operation, mode, per_run, base, key, session, report)
+    return report
+
+
+def _fuzz_operation(operation, mode, num_cases: int, base, key, session, report) -> None:
+    import requests
+    from hypothesis import HealthCheck, given, settings
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=num_cases,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    def run(case) -> None:
+        _shorten(case)
+        report.cases += 1
+        try:
+            label = f"{operation.label} [{mode.value}] {case.as_curl_command()[:2000]}"
+        except Exception as exc:  # noqa: BLE001 - a label only
+            label = f"{operation.label} [{mode.value}] ({exc!r})"
+        try:
+            response = case.call(
+                base_url=f"{base}/v1",
+                session=session,
+                timeout=60,
+                headers={"Authorization": f"Bearer {key}"},
+            )
+        except requests.RequestException as exc:
+            report.dropped.append(f"{label}: {exc!r}")
+            return
+        report.statuses[response.status_code] += 1
+        if response.status_code >= 500:
+            report.server_errors.append(f"{response.status_code} {label}: {response.text[:200]}")
+        elif not 400 <= response.status_code < 500:
+            return
+        elif not Answer(status=response.status_code, body=response.content).is_openai_error:
+            report.no_error_object.append(f"{label}: {response.text[:200]}")
+
+    run()
+
+
+def _shorten(case) -> None:
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    limits = [name for name in ("max_tokens", "max_completion_tokens") if name in body]
+    for name in limits:
+        value = body[name]
+        if isinstance(value, int) and not isinstance(value, bool) and value > 16:
+            body[name] = 1 + value % 16
+    if not limits:
+        body["max_tokens"] = 8
+
+
+# --- WebSocket ---------------------------------------------------------------------------
+
+OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0, 1, 2, 8, 9, 10
+
+
+@dataclass
+class Received:
+    """A server frame: kind "text", "binary" or "close" (``code`` set), or "eof" (the TCP
+    connection ended without a close frame), or "timeout"."""
+
+    kind: str
+    data: bytes = b""
+    code: int | None = None
+
+    def frame(self) -> dict | None:
+        """A text frame as JSON, None if it is not a JSON object."""
+        try:
+            value = json.loads(self.data)
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+
+class WebSocket:
+    """A bare RFC 6455 client: masks what it sends (unless told not to), answers pings, and
+    lets a caller send any frame at all."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.closed_code: int | None = None
+
+    @classmethod
+    async def connect(
+        cls, base: str, path: str, headers: dict[str, str], timeout: float = 30
+    ) -> tuple[int, WebSocket | None]:
+        """(HTTP status of the handshake, the socket when it was upgraded)."""
+        host, port = split_base(base)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        key = base64.b64encode(os.urandom(16)).decode()
+        head = request_head(
+            "GET",
+            path,
+            f"{host}:{port}",
+            {
+                "Upgrade": "websocket",
+                "Connection": "Upgrade",
+                "Sec-WebSocket-Key": key,
+                "Sec-WebSocket-Version": "13",
+                **headers,
+            },
+        )
+        writer.write(head)
+        try:
+            status, _ = await asyncio.wait_for(read_head(reader), timeout)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            writer.transport.abort()
+            return 0, None
+        if status != 101:
+            writer.transport.abort()
+            return status, None
+        return status, cls(reader, writer)
+
+    async def send_frame(
+        self, opcode: int, payload: bytes, *, fin: bool = True, mask: bool = True, rsv: int = 0
+    ) -> None:
+        first = (0x80 if fin else 0) | (rsv << 4) | opcode
+        length = len(payload)
+        mask_bit = 0x80 if mask else 0
+        if length < 126:
+            header = struct.pack("!BB", first, mask_bit | length)
+        elif length < 1 << 16:
+            header = struct.pack("!BBH", first, mask_bit | 126, length)
+        else:
+            header = struct.pack("!BBQ", first, mask_bit | 127, length)
+        if mask:
+            key = os.urandom(4)
+            payload = _masked(payload, key)
+            header += key
+        self.writer.write(header + payload)
+        await self.writer.drain()
+
+    async def send_text(self, text: str | bytes) -> None:
+        await self.send_frame(OP_TEXT, text if isinstance(text, bytes) else text.encode())
+
+    async def receive(self, timeout: float = 30) -> Received:
+        """The next data or close frame (pings are answered on the way)."""
+        try:
+            return await asyncio.wait_for(self._receive(), timeout)
+        except TimeoutError:
+            return Received("timeout")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return Received("eof")
+
+    async def _receive(self) -> Received:
+        data, kind = b"", None
+        while True:
+            first, second = await self.reader.readexactly(2)
+            opcode, length = first & 0x0F, second & 0x7F
+            if length == 126:
+                (length,) = struct.unpack("!H", await self.reader.readexactly(2))
+            elif length == 127:
+                (length,) = struct.unpack("!Q", await self.reader.readexactly(8))
+            if second & 0x80:
+                key = await self.reader.readexactly(4)
+                payload = _masked(await self.reader.readexactly(length), key)
+            else:
+                payload = await self.reader.readexactly(length)
+            if opcode == OP_PING:
+                await self.send_frame(OP_PONG, payload)
+                continue
+            if opcode == OP_PONG:
+                continue
+            if opcode == OP_CLOSE:
+                code = struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else None
+                self.closed_code = code
+                with contextlib.suppress(ConnectionError):
+                    await self.send_frame(OP_CLOSE, payload[:2])
+                return Received("close", payload[2:], code)
+            if opcode != OP_CONTINUATION:
+                kind = "text" if opcode == OP_TEXT else "binary"
+            data += payload
+            if first & 0x80:
+                return Received(kind or "binary", data)
+
+    async def close(self, code: int = 1000) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self.send_frame(OP_CLOSE, struct.pack("!H", code))
+        self.writer.transport.abort()
+
+
+def _masked(payload: bytes, key: bytes) -> bytes:
+    if not payload:
+        return payload
+    repeated = (key * (len(payload) // 4 + 1))[: len(payload)]
+    return (int.from_bytes(payload, "big") ^ int.from_bytes(repeated, "big")).to_bytes(
+        len(payload), "big"
+    )
+
+
+# a frame that breaks RFC 6455 itself: the server may fail the connection without a close
+# frame (section 7.1.7), which is no crash
+PROTOCOL = "protocol"
+# the chat consumer's refusals of a socket (not of a frame): anonymous, or not allowed
+REFUSED_SOCKET = (4401, 4403)
+
+
+@dataclass
+class WsProbe:
+    """One hostile frame for the chat socket: ``opcode`` and raw payload."""
+
+    name: str
+    payload: bytes
+    opcode: int = OP_TEXT
+    category: str = ""
+    mask: bool = True  # RFC 6455: a client must mask every frame
+    rsv: int = 0  # reserved bits, which no extension was negotiated for
+
+
+def hostile_frames(seed: int, count: int, *, foreign_message_id: int) -> list[WsProbe]:
+    """``count`` frames the chat socket must refuse, each with an error frame or a close with
+    a code: binary frames, invalid JSON, non-objects, wrong and unknown types, every known
+    type with fields of the wrong type, frames over the size limit, another tenant's message
+    id. Valid frames that would start a reply, and ``stop`` (which is ignored, by design,
+    when nothing runs), are not among them."""
+    rng = random.Random(seed)
+    text = OP_TEXT
+
+    def frame(name: str, value: object, category: str) -> WsProbe:
+        return WsProbe(name, json.dumps(value).encode(), text, category)
+
+    fixed = [
+        WsProbe(
+            "binary JSON",
+            json.dumps({"type": "send", "content": "hi"}).encode(),
+            OP_BINARY,
+            "binary",
+        ),
+        WsProbe("binary empty", b"", OP_BINARY, "binary"),
+        WsProbe("text empty", b"", text, "invalid_json"),
+        WsProbe(
+            "text 100 KB", b'{"type":"send","content":"' + b"x" * 100_000 + b'"}', text, "huge"
+        ),
+        WsProbe("text 1 MB", b"[" + b"1," * 500_000 + b"1]", text, "huge"),
+        WsProbe("deep nesting", b"[" * 50_000 + b"]" * 50_000, text, "invalid_json"),
+        frame(
+            "edit foreign message",
+            {"type": "edit", "message_id": foreign_message_id, "content": "mine now"},
+            "foreign",
+        ),
+        frame(
+            "edit foreign message, string id",
+            {"type": "edit", "message_id": str(foreign_message_id), "content": "x"},
+            "foreign",
+        ),
+        frame("edit huge id", {"type": "edit", "message_id": 10**30, "content": "x"}, "foreign"),
+        frame("edit negative id", {"type": "edit", "message_id": -1, "content": "x"}, "foreign"),
+        frame("regenerate with nothing to regenerate", {"type": "regenerate"}, "state"),
+    ]
+    for kind, name in (
+        ("send", "content"),
+        ("edit", "message_id"),
+        ("settings", "model"),
+        ("settings", "system_prompt"),
+        ("settings", "temperature"),
+        ("settings", "max_tokens"),
+    ):
+        for value in WRONG_FRAME_VALUES[name]:
+            fixed.append(
+                frame(f"{kind}.{name}={value!r}", {"type": kind, name: value}, "wrong_type")
+            )
+    for value in ("", "x" * 70_000, "\ud800"):
+        category = "lone_surrogate" if value == "\ud800" else "wrong_value"
+        fixed.append(
+            frame(f"send.content={value[:8]!r}…", {"type": "send", "content": value}, category)
+        )
+    for value in (-1, 0, 10**9, float("inf")):
+        probe = {"type": "settings", "max_tokens": value}
+        raw = json.dumps(probe).replace("Infinity", "1e400").encode()
+        fixed.append(WsProbe(f"settings.max_tokens={value}", raw, text, "wrong_value"))
+    for value in (-0.5, 3, "hot"):
+        fixed.append(
+            frame(
+                f"settings.temperature={value!r}",
+                {"type": "settings", "temperature": value},
+                "wrong_value",
+            )
+        )
+    fixed.append(
+        frame("settings.model unknown", {"type": "settings", "model": "nope"}, "wrong_value")
+    )
+    fixed.append(
+        frame(
+            "settings.system_prompt 100k",
+            {"type": "settings", "system_prompt": "x" * 60_000},
+            "wrong_value",
+        )
+    )
+    for value in (None, 1, [], {}, "", "on_send", "__init__", "send ", "sënd", "x" * 5000, "STOP"):
+        fixed.append(frame(f"type={str(value)[:12]!r}", {"type": value}, "unknown_type"))
+    for value in (None, 1, "x", [], [{"type": "send"}], 1.5, True):
+        fixed.append(frame(f"frame {value!r}", value, "not_object"))
+    fixed.append(
+        WsProbe("invalid UTF-8 in text", b'{"type":"send","content":"\xff"}', text, PROTOCOL)
+    )
+    valid = json.dumps({"type": "settings"}).encode()
+    fixed += [
+        WsProbe("unmasked frame", valid, text, PROTOCOL, mask=False),
+        WsProbe("reserved opcode 3", valid, 3, PROTOCOL),
+        WsProbe("RSV1 set", valid, text, PROTOCOL, rsv=4),
+        WsProbe("ping of 200 bytes", b"p" * 200, OP_PING, PROTOCOL),
+    ]
+    probes = list(fixed)
+    generators = [
+        lambda: WsProbe("random bytes", rng.randbytes(rng.randrange(1, 300)), OP_BINARY, "binary"),
+        lambda: WsProbe(
+            "random text",
+            "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(1, 80))).encode(),
+            text,
+            "invalid_json",
+        ),
+        lambda: frame("random type", {"type": _random_word(rng)}, "unknown_type"),
+        lambda: _random_field_frame(rng, "settings", rng.choice(SETTINGS_FIELDS)),
+        lambda: _random_field_frame(rng, "send", "content"),
+        lambda: _random_field_frame(rng, "edit", "message_id"),
+        lambda: WsProbe("truncated JSON", b'{"type": "se', text, "invalid_json"),
+    ]
+    while len(probes) < count:
+        probes.append(rng.choice(generators)())
+    return probes[:count]
+
+
+def _random_word(rng: random.Random) -> str:
+    letters = "abcdefghijklmnopqrstuvwxyz_0123456789"
+    word = "".join(rng.choice(letters) for _ in range(rng.randrange(1, 12)))
+    return word if word not in ("send", "stop", "edit", "settings", "regenerate") else word + "x"
+
+
+SETTINGS_FIELDS = ("model", "system_prompt", "temperature", "max_tokens")
+# values each chat frame field refuses (None leaves a setting as it is, so it is not here)
+_NOT_TEXT: tuple[object, ...] = (7, 1.5, True, [], {}, ["x"], {"a": 1}, 10**30)
+WRONG_FRAME_VALUES: dict[str, tuple[object, ...]] = {
+    "content": (None, *_NOT_TEXT, -(10**30)),
+    "message_id": (None, 1.5, True, [], {}, ["x"], "7", 10**30, -(10**30)),
+    "model": _NOT_TEXT,
+    "system_prompt": _NOT_TEXT,
+    "temperature": (-1, 2.5, 10**30, True, "hot", [], {}, [0.5]),
+    "max_tokens": (0, -1, 1.5, 10**30, True, "8", [], {}),
+}
+
+
+def _random_field_frame(rng: random.Random, kind: str, name: str) -> WsProbe:
+    value = rng.choice(WRONG_FRAME_VALUES[name])
+    return WsProbe(
+        f"random {kind}.{name}",
+        json.dumps({"type": kind, name: value}).encode(),
+        OP_TEXT,
+        "wrong_type",
+    )
+
+
+def is_refusal(received: Received) -> bool:
+    """An error frame, or a close with a code; what a hostile frame must get."""
+    if received.kind == "close":
+        return received.code is not None
+    if received.kind == "text":
+        frame = received.frame()
+        return frame is not None and frame.get("type") == "error" and bool(frame.get("code"))
+    return False
+
+
+# --- WebSocket fuzzing ------------------------------------------------------------------------
+
+
+@dataclass
+class WsReport:
+    error_frames: int = 0
+    closes: int = 0  # closes with a code, and connections failed for a protocol violation
+    close_codes: collections.Counter = field(default_factory=collections.Counter)
+    accepted: list[str] = field(default_factory=list)  # frames that were not refused
+    crashes: list[str] = field(default_factory=list)  # 1011, a lost connection, silence
+    connects: int = 0
+    refused_connects: int = 0
+
+    @property
+    def refused(self) -> int:
+        return self.error_frames + self.closes
+
+
+async def ws_fuzz(base: str, path: str, headers: dict, frames: list[WsProbe]) -> WsReport:
+    """Send each frame on the socket at ``path`` and read the answer; reconnect after a
+    close. A reply started by a frame that was accepted is read to its end."""
+    report = WsReport()
+    socket_: WebSocket | None = None
+    for probe in frames:
+        if socket_ is None:
+            status, socket_ = await WebSocket.connect(base, path, headers)
+            report.connects += 1
+            if socket_ is None:
+                report.refused_connects += 1
+                report.crashes.append(f"handshake {status} before {probe.name}")
+                continue
+        try:
+            await socket_.send_frame(probe.opcode, probe.payload, mask=probe.mask, rsv=probe.rsv)
+        except ConnectionError as exc:
+            report.crashes.append(f"{probe.name}: send failed {exc!r}")
+            socket_ = None
+            continue
+        received = await socket_.receive(timeout=20)
+        if received.kind == "close" and received.code in REFUSED_SOCKET:
+            report.refused_connects += 1  # the socket itself was refused: the probe proves nothing
+            report.crashes.append(f"socket refused with {received.code} before {probe.name}")
+        elif received.kind == "close" and received.code not in (None, 1011):
+            report.closes += 1
+            report.close_codes[received.code] += 1
+        elif received.kind == "eof" and probe.category == PROTOCOL:
+            report.closes += 1  # failed as RFC 6455 allows for a protocol violation
+            report.close_codes["dropped (protocol violation)"] += 1
+        elif received.kind in ("close", "eof", "timeout"):
+            report.crashes.append(f"{probe.category} {probe.name[:50]}: {received.kind} "
+                                  f"{received.code or ''}".strip())  # fmt: skip
+        elif is_refusal(received):
+            report.error_frames += 1
+            continue
+        else:
+            report.accepted.append(f"{probe.category} {probe.name[:50]} -> {received.data[:120]!r}")
+            await _drain_reply(socket_)
+            continue
+        await socket_.close()
+        socket_ = None
+    if socket_ is not None:
+        await socket_.close()
+    return report
+
+
+async def _drain_reply(socket_: WebSocket) -> None:
+    """An accepted frame may have started a reply: read until it is done (or silent)."""
+    while True:
+        received = await socket_.receive(timeout=5)
+        frame = received.frame() if received.kind == "text" else None
+        if (
+            frame is None
+            or frame.get("type") == "done"
+            or (frame.get("type") == "error" and "message_id" in frame)
+        ):
+            return
+
+
+async def ws_close_code(base: str, path: str, headers: dict) -> int | str | None:
+    """The code a socket that the server refuses (accepts, then closes) is closed with."""
+    status, socket_ = await WebSocket.connect(base, path, headers)
+    if socket_ is None:
+        return f"handshake {status}"
+    received = await socket_.receive(timeout=20)
+    await socket_.close()
+    return received.code if received.kind == "close" else received.kind
+
+
+async def ws_reply(base: str, path: str, headers: dict) -> str:
+    """Send one message on a new socket: "done" when its reply completed, else what ended it."""
+    status, socket_ = await WebSocket.connect(base, path, headers)
+    if socket_ is None:
+        return f"handshake {status}"
+    try:
+        await socket_.send_text(json.dumps({"type": "send", "content": "hello"}))
+        while True:
+            received = await socket_.receive(timeout=60)
+            frame = received.frame() if received.kind == "text" else None
+            if frame is None:
+                return f"{received.kind} {received.code}"
+            if frame["type"] in ("done", "error"):
+                return frame["type"] if frame["type"] == "done" else f"error {frame.get('code')}"
+    finally:
+        await socket_.close()
