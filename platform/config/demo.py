@@ -1,5 +1,9 @@
 """The embedded mode's demo data: a tenant, a superuser and an API key that `make run`
-makes sure exist, with credentials kept in ``var/`` so every run can print them."""
+makes sure exist, with credentials kept in ``var/`` (owner-only) so every run can print them.
+
+Never in production (``DATABASE_URL`` set): a superuser with a password printed to the
+console and kept in a file is a demo's convenience, not an operator's account.
+"""
 
 import json
 import secrets
@@ -10,11 +14,17 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
+from config.private_files import private_file_write
 from tenants import services
 from tenants.models import Membership, Tenant
 
 DEMO_TENANT_SLUG = "demo"
 DEMO_USERNAME = "admin"
+CREATE_SUPERUSER_HINT = "create a superuser with `python manage.py createsuperuser`"
+
+
+class DemoRefused(RuntimeError):
+    """The demo bootstrap was asked for outside the embedded mode."""
 
 
 @dataclass
@@ -37,10 +47,7 @@ def _load_saved() -> dict:
 
 
 def _save(credentials: DemoCredentials) -> None:
-    path = _credentials_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600)
-    path.write_text(json.dumps(asdict(credentials), indent=2))
+    private_file_write(_credentials_path(), json.dumps(asdict(credentials), indent=2))
 
 
 @transaction.atomic
@@ -50,6 +57,11 @@ def demo_bootstrap() -> DemoCredentials:
     Saved credentials are reused while they still work; a password or key that no longer
     works (changed, revoked) is replaced, never silently printed stale.
     """
+    if not settings.IS_EMBEDDED:
+        raise DemoRefused(
+            f"The demo admin is for the embedded mode only (no DATABASE_URL); "
+            f"{CREATE_SUPERUSER_HINT}."
+        )
     saved = _load_saved()
     user_model = get_user_model()
     user = user_model.objects.filter(username=DEMO_USERNAME).first()

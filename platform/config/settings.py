@@ -18,6 +18,8 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from config.private_files import private_file_ensure, private_file_write
+
 BASE_DIR = Path(__file__).resolve().parents[2]
 VAR_DIR = Path(os.environ.get("VAR_DIR", BASE_DIR / "var"))
 
@@ -52,11 +54,10 @@ def _embedded_secret_key() -> str:
     """A per-installation key kept in var/, so sessions survive restarts of `make run`."""
     path = VAR_DIR / "secret_key"
     if path.exists():
+        private_file_ensure(path)
         return path.read_text().strip()
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
     key = secrets.token_urlsafe(50)
-    path.touch(mode=0o600)
-    path.write_text(key)
+    private_file_write(path, key)
     return key
 
 
@@ -120,7 +121,9 @@ TEMPLATES = [
 # --- Database -----------------------------------------------------------------------------
 
 if IS_EMBEDDED:
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    # SQLite creates the database with the umask's mode (often world-readable) and gives its
+    # -wal and -shm files the database's mode: create it owner-only before it is opened.
+    private_file_ensure(VAR_DIR / "db.sqlite3")
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",

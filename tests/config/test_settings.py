@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import PYTHON, subprocess_env
+from tests.conftest import PYTHON, ROOT, subprocess_env
 
 PROBE = """
 import json, django
@@ -102,3 +102,38 @@ def test_secret_key_is_required_when_debug_is_off(tmp_path):
 def test_malformed_boolean_is_refused(tmp_path):
     with pytest.raises(AssertionError, match="DEBUG must be a boolean"):
         _settings(tmp_path, DEBUG="maybe")
+
+
+def _mode(path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_embedded_files_holding_secrets_are_private(tmp_path):
+    var = tmp_path / "var"
+    _settings(tmp_path)
+    assert _mode(var / "secret_key") == 0o600
+    assert _mode(var / "db.sqlite3") == 0o600  # created before Django ever opens it
+
+    # files an older version left readable are tightened
+    for name in ("secret_key", "db.sqlite3"):
+        (var / name).chmod(0o644)
+    _settings(tmp_path)
+    assert _mode(var / "secret_key") == _mode(var / "db.sqlite3") == 0o600
+
+
+def test_the_migrated_embedded_database_stays_private(tmp_path):
+    result = subprocess.run(
+        [PYTHON, "manage.py", "migrate", "--verbosity", "0"],
+        cwd=ROOT,
+        env=subprocess_env(
+            VAR_DIR=str(tmp_path / "var"), DATABASE_URL=None, REDIS_URL=None, DEBUG=None
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    database = tmp_path / "var" / "db.sqlite3"
+    assert database.stat().st_size > 0
+    for path in tmp_path.joinpath("var").glob("db.sqlite3*"):  # with -wal and -shm if left
+        assert _mode(path) == 0o600, path

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from config.demo import demo_bootstrap
+from config.demo import CREATE_SUPERUSER_HINT, demo_bootstrap
 from config.placement import Placement, available_cpus, plan_placement
 from config.supervisor import ProcessSpec, Supervisor, python_path_env
 from serving.services import deployment_register
@@ -18,8 +18,9 @@ from serving.services import deployment_register
 class Command(BaseCommand):
     help = (
         "Run the whole platform in the foreground: migrate, make sure the demo tenant, admin "
-        "and API key exist, start the engine on MODEL_PATH and register it, a Celery worker "
-        "with beat, and Daphne. Ctrl-C or SIGTERM stops everything."
+        "and API key exist (the embedded mode only), start the engine on MODEL_PATH and "
+        "register it, a Celery worker with beat, and Daphne. Ctrl-C or SIGTERM stops "
+        "everything."
     )
 
     def add_arguments(self, parser) -> None:
@@ -42,7 +43,11 @@ class Command(BaseCommand):
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
             processes.append(self._engine(env, placement))
-        if not options["no_demo"]:
+        if not settings.IS_EMBEDDED:
+            self.stdout.write(
+                f"Admin:   {base_url}/admin/  (no demo user: {CREATE_SUPERUSER_HINT})"
+            )
+        elif not options["no_demo"]:
             credentials = demo_bootstrap()
             self.stdout.write(f"Admin:   {base_url}/admin/")
             self.stdout.write(f"  login: {credentials.username} / {credentials.password}")

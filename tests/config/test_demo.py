@@ -1,0 +1,83 @@
+"""The demo bootstrap: the embedded mode only, and its credentials kept private."""
+
+import io
+import stat
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import CommandError, call_command
+from django.core.management.base import OutputWrapper
+
+from config import demo
+from config.management.commands import runplatform
+from tenants.models import ApiKey, Tenant
+
+pytestmark = pytest.mark.django_db
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def var_dir(settings, tmp_path):
+    settings.VAR_DIR = tmp_path
+    return tmp_path
+
+
+@pytest.fixture
+def production(settings, var_dir):
+    settings.IS_EMBEDDED = False
+    settings.RUN_ENGINE = settings.RUN_WORKER = False
+    return settings
+
+
+def _runplatform(monkeypatch, *args: str) -> str:
+    """`manage.py runplatform` up to the point where it would start its children."""
+    monkeypatch.setattr(runplatform.Supervisor, "run", lambda self: 0)
+    out = io.StringIO()
+    call_command("runplatform", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_production_gets_no_demo_user_and_is_told_how_to_make_one(production, monkeypatch):
+    output = _runplatform(monkeypatch)
+
+    assert "Mode: production" in output
+    assert "manage.py createsuperuser" in output
+    assert "login:" not in output and "sk-" not in output
+    assert not get_user_model().objects.filter(username=demo.DEMO_USERNAME).exists()
+    assert not Tenant.objects.filter(slug=demo.DEMO_TENANT_SLUG).exists()
+    assert not ApiKey.objects.exists()
+    assert not (production.VAR_DIR / "demo-credentials.json").exists()
+
+
+def test_production_never_resets_an_existing_admin(production, monkeypatch, django_user_model):
+    admin = django_user_model.objects.create_superuser(demo.DEMO_USERNAME, "", "their-own-pw-1")
+    _runplatform(monkeypatch)
+    admin.refresh_from_db()
+    assert admin.check_password("their-own-pw-1")
+
+
+def test_the_bootstrap_refuses_to_run_in_production(production):
+    with pytest.raises(demo.DemoRefused, match="createsuperuser"):
+        demo.demo_bootstrap()
+    with pytest.raises(CommandError, match="createsuperuser"):
+        call_command("bootstrap_demo", stdout=OutputWrapper(io.StringIO()))
+    assert not get_user_model().objects.exists()
+
+
+def test_the_embedded_mode_bootstraps_and_keeps_the_credentials_private(
+    settings, var_dir, monkeypatch
+):
+    settings.RUN_ENGINE = settings.RUN_WORKER = False
+    saved = var_dir / "demo-credentials.json"
+    saved.write_text("{}")
+    saved.chmod(0o644)  # left readable by an older version
+
+    output = _runplatform(monkeypatch)
+
+    assert "Mode: embedded" in output and "login: admin / " in output
+    assert _mode(saved) == 0o600
+    assert demo.demo_bootstrap().password in saved.read_text()
+    assert _mode(saved) == 0o600
