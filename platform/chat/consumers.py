@@ -30,7 +30,9 @@ Server → client frames:
   "completion_tokens", "cached_tokens"}}``: the reply ended and is saved.
 - ``{"type": "error", "code": str, "message": str, "retry_after"?: int, "message_id"?: int}``:
   a frame was refused (``invalid_frame``, ``unknown_type``, ``invalid_request``, ``busy``;
-  ``forbidden`` when access was lost since connecting, and the socket closes with 4403), or
+  ``unauthenticated`` when the user was signed out since connecting (logged out, deactivated,
+  password changed), and the socket closes with 4401; ``forbidden`` when access to the
+  conversation was lost, and it closes with 4403; a reply being generated then stops), or
   a reply failed (``rate_limited`` with ``retry_after`` seconds, ``model_not_found``,
   ``engine_unavailable``, ``context_length_exceeded``, ...; then ``message_id`` names the
   reply, saved with the error). Otherwise the socket stays open.
@@ -139,14 +141,29 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if handler is None:
             await self._error("unknown_type", f"Unknown frame type {frame['type'][:40]!r}.")
             return
+        # Every frame, a stop too: the session may have ended since the socket opened.
+        if not await self._is_signed_in():
+            await self._lose_access(
+                CLOSE_UNAUTHENTICATED, "unauthenticated", "Your session has ended. Sign in again."
+            )
+            return
         if frame["type"] != "stop" and not await self._refresh():
-            await self._error("forbidden", "You no longer have access to this conversation.")
-            await self.close(code=CLOSE_FORBIDDEN)
+            await self._lose_access(
+                CLOSE_FORBIDDEN, "forbidden", "You no longer have access to this conversation."
+            )
             return
         try:
             await handler(frame)
         except ValidationError as exc:
             await self._error("invalid_request", " ".join(exc.messages))
+
+    async def _lose_access(self, close_code: int, error_code: str, message: str) -> None:
+        """Tell the client why, stop the reply being generated, and close."""
+        await self._error(error_code, message)
+        self.is_closed = True  # the stopped reply is saved, but no more frames go out
+        if self.run is not None:
+            await self._stop(self.run)
+        await self.close(code=close_code)
 
     # --- frames -----------------------------------------------------------------------------
 
@@ -339,6 +356,21 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if tenant is None:
             return None
         return selectors.conversation_get(user=user, tenant=tenant, conversation_id=conversation_id)
+
+    async def _is_signed_in(self) -> bool:
+        """Whether the socket's session still signs its user in (one query); the user is
+        reloaded, so the frame is handled with their current state."""
+        user = await self._session_user()
+        if user is None:
+            return False
+        self.user = user
+        return True
+
+    @database_sync_to_async
+    def _session_user(self):
+        return selectors.session_user(
+            session_key=self.scope["session"].session_key, user_id=self.user.pk
+        )
 
     async def _refresh(self) -> bool:
         """Reload the conversation with its tenant and plan, so that a changed plan, limit or

@@ -1,8 +1,14 @@
 """Reads. Every selector of conversations takes the user and the tenant and filters by both,
 so nobody ever reads another user's or another tenant's conversation."""
 
+from importlib import import_module
+
+from django.conf import settings
+from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import QuerySet
+from django.db.models import QuerySet, Subquery
+from django.utils import timezone
+from django.utils.crypto import constant_time_compare
 
 from chat.models import ChatPreference, Conversation, Message
 from inference_engine.protocol import Message as EngineMessage
@@ -72,3 +78,31 @@ def active_tenant(*, user: AbstractBaseUser, session_tenant_id: int | None) -> T
             return chosen
     first_two = list(tenants[:2])
     return first_two[0] if len(first_two) == 1 else None
+
+
+def session_user(*, session_key: str | None, user_id: int) -> AbstractBaseUser | None:
+    """The user ``user_id``, reloaded, if ``session_key`` still signs them in: the session is
+    live (logging out deletes it), still theirs, still carries their password's hash (a
+    password change signs other sessions out), and the user is active. None otherwise.
+
+    One query with a database-backed session store (the user's row with the session's data
+    beside it): cheap enough for an open socket to ask on every frame."""
+    if not session_key:
+        return None
+    store = import_module(settings.SESSION_ENGINE).SessionStore
+    users = get_user_model().objects.filter(pk=user_id, is_active=True)
+    if hasattr(store, "get_model_class"):  # the db and cached_db engines
+        live = store.get_model_class().objects.filter(
+            session_key=session_key, expire_date__gt=timezone.now()
+        )
+        user = users.annotate(session_data=Subquery(live.values("session_data")[:1])).first()
+        data = store().decode(user.session_data) if user and user.session_data else {}
+    else:
+        data, user = store(session_key=session_key).load(), users.first()
+    if user is None or data.get(SESSION_KEY) != str(user.pk):
+        return None
+    session_hash = data.get(HASH_SESSION_KEY) or ""
+    hashes = [user.get_session_auth_hash(), *user.get_session_auth_fallback_hash()]
+    if not any(constant_time_compare(session_hash, known) for known in hashes):
+        return None
+    return user

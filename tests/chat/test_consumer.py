@@ -14,7 +14,7 @@ from inference_engine.client import AsyncEngineClient
 from tenants import quotas
 from tenants import services as tenant_services
 from tenants.models import Tenant, UsageRecord
-from tests.chat.conftest import MODEL_NAME, engine_paused, open_chat
+from tests.chat.conftest import MODEL_NAME, Chat, engine_paused, open_chat, session_cookie
 
 LONG_REPLY_TOKENS = 200
 
@@ -398,6 +398,90 @@ async def test_losing_access_closes_an_open_socket(chat_world, async_db):
     closed = await chat.communicator.receive_output(timeout=30)
     assert closed == {"type": "websocket.close", "code": 4403}
     assert await _messages(chat_world["conversation"]) == []
+
+
+def _session_key(cookie: bytes) -> str:
+    return cookie.decode().split("=", 1)[1]
+
+
+@sync_to_async
+def _deactivate(user) -> None:
+    type(user).objects.filter(pk=user.pk).update(is_active=False)
+
+
+@sync_to_async
+def _log_out(cookie: bytes) -> None:
+    """What the logout view does to the session: it is gone from the store."""
+    from django.contrib.sessions.models import Session
+
+    Session.objects.filter(session_key=_session_key(cookie)).delete()
+
+
+@sync_to_async
+def _change_password(user) -> None:
+    user.set_password("a-new-password-42")
+    user.save()
+
+
+async def _signed_out(chat: Chat) -> list[dict]:
+    """The frames up to the error that signs the socket out, then its close (4401)."""
+    error, frames = await chat.receive_until("error")
+    assert (error["code"], frames[-1]) == ("unauthenticated", error)
+    closed = await chat.communicator.receive_output(timeout=30)
+    assert closed == {"type": "websocket.close", "code": 4401}
+    return frames
+
+
+@pytest.mark.parametrize("change", [_deactivate, _log_out, _change_password])
+@pytest.mark.parametrize("frame", [{"type": "send", "content": "Still there?"}, {"type": "stop"}])
+async def test_a_user_signed_out_after_connecting_is_closed_on_the_next_frame(
+    chat_world, async_db, change, frame
+):
+    alice = chat_world["user"]
+    cookie = await sync_to_async(session_cookie)(alice)
+    connected, _, chat = await open_chat(alice, chat_world["conversation"].pk, cookie=cookie)
+    assert connected
+    await change(cookie if change is _log_out else alice)
+
+    await chat.send(**frame)
+    await _signed_out(chat)
+    assert await _messages(chat_world["conversation"]) == []
+
+
+async def test_signing_out_mid_reply_stops_it(chat_world, async_db, ready_engine):
+    conversation, alice = chat_world["conversation"], chat_world["user"]
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    connected, _, chat = await open_chat(alice, conversation.pk)
+    await chat.send(type="send", content="Tell me a long story")
+    await chat.receive_until("token")
+    with engine_paused(ready_engine):
+        await _deactivate(alice)
+        await chat.send(type="settings", temperature=1.0)
+        frames = await _signed_out(chat)
+    assert "done" not in [f["type"] for f in frames]  # the reply ended after the error
+    _, reply = await _messages(conversation)
+    assert reply.status == "stopped" and reply.completion_tokens < LONG_REPLY_TOKENS
+    assert await _engine_idle(await sync_to_async(_endpoint)(chat_world))
+
+
+async def test_a_valid_session_costs_one_query_per_frame(chat_world, async_db):
+    """The sign-in check of every frame is one query (a stop frame makes no other)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from chat import selectors
+
+    alice = chat_world["user"]
+    cookie = await sync_to_async(session_cookie)(alice)
+
+    @sync_to_async
+    def check() -> tuple[object, int]:
+        with CaptureQueriesContext(connection) as queries:
+            user = selectors.session_user(session_key=_session_key(cookie), user_id=alice.pk)
+        return user, len(queries)
+
+    user, num_queries = await check()
+    assert user == alice and num_queries == 1
 
 
 async def _two_windows_one_reply_streaming(chat_world):
