@@ -11,13 +11,14 @@ faults and hostile input, with one row per check and PASS or FAIL.
    spread over 3 Daphne processes sharing Redis: exactly 20 admitted, 180 refused with 429.
 3. engine `kill -9` mid-stream: every open stream ends with an `engine_unavailable` error
    event within 2 s, slots released, records written; the restarted engine serves again.
+   (Parts 3 and 4 run last: they break what the others need.)
 4. web process `kill -9` with streams open: the engine's running requests return to 0 and
    no concurrency slot stays held after the restart (within the slot lease, 90 s).
 5. schema fuzzing: schemathesis on /v1/openapi.json (every operation, positive and
    negative cases), then hostile bodies of our own (bench/probes.py): no 5xx, no dropped
    connection, OpenAI's error object on every 4xx, and a normal request served afterwards.
-6. WebSocket fuzzing: malformed frames on the chat socket, each refused with an error frame
-   or a close with a code, no crash, and a normal reply afterwards.
+6. WebSocket fuzzing: malformed frames on the chat socket (bench/ws_probes.py), each refused
+   with an error frame or a close with a code, no crash, and a normal reply afterwards.
 7. tenant isolation: tenant A's key, owner, admin and member against tenant B's
    conversations, usage, keys, members and deployments, through the API, the console and
    the chat: every attempt denied and nothing of B's changed.
@@ -60,7 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
 
-from bench import probes  # noqa: E402
+from bench import probes, ws_probes  # noqa: E402
 
 PYTHON = sys.executable
 MODEL_NAME = "tiny"
@@ -941,6 +942,7 @@ def part_web_kill(plat: Platform, world: World, quick: bool) -> None:
             since["slots"] = time.monotonic() - killed_at
         time.sleep(1.0)
     idle = since.get("idle")
+    ran_out = generated_after >= 0.9 * budget_left
     row(
         "4",
         "engine's running requests return to 0",
@@ -948,7 +950,7 @@ def part_web_kill(plat: Platform, world: World, quick: bool) -> None:
         f"{running_before} running ({slots_before} slots held) before, 0 "
         + (f"{idle:.0f} s after the kill" if idle is not None else f"never ({limit:.0f} s)")
         + f"; {generated_after} tokens generated after the kill (the orphans had "
-        f"{budget_left} left: {'run to the end' if generated_after >= budget_left else 'cut'})",
+        f"{budget_left} left: {'run to their end' if ran_out else 'cut short'})",
         idle is not None,
     )
     restarted = (plat.status().get(victim) or {}).get("restarts", 0) > restarts_before
@@ -1069,10 +1071,12 @@ def part_ws_fuzz(plat: Platform, world: World, quick: bool) -> None:
     fresh = chat_services.conversation_create(user=user, tenant=tenant, model=MODEL_NAME)
     chat_services.conversation_configure(conversation=fresh, max_tokens=4)
     headers = {"Cookie": session_cookie("ws-user"), "Origin": plat.base}
-    frames = probes.hostile_frames(SEED, count, foreign_message_id=world.b_message_id)
-    report = asyncio.run(probes.ws_fuzz(plat.base, f"/ws/chat/{conversation.pk}/", headers, frames))
+    frames = ws_probes.hostile_frames(SEED, count, foreign_message_id=world.b_message_id)
+    report = asyncio.run(
+        ws_probes.ws_fuzz(plat.base, f"/ws/chat/{conversation.pk}/", headers, frames)
+    )
     foreign_close = asyncio.run(
-        probes.ws_close_code(plat.base, f"/ws/chat/{world.b_conversation_id}/", headers)
+        ws_probes.ws_close_code(plat.base, f"/ws/chat/{world.b_conversation_id}/", headers)
     )
     row(
         "6",
@@ -1093,7 +1097,7 @@ def part_ws_fuzz(plat: Platform, world: World, quick: bool) -> None:
     )
     for line in report.crashes[:5]:
         print(f"    crash: {line}")
-    reply = asyncio.run(probes.ws_reply(plat.base, f"/ws/chat/{fresh.pk}/", headers))
+    reply = asyncio.run(ws_probes.ws_reply(plat.base, f"/ws/chat/{fresh.pk}/", headers))
     log_errors = server_errors_in(plat.log_since(offset))
     row(
         "6",
@@ -1335,13 +1339,13 @@ def part_isolation(plat: Platform, world: World, quick: bool) -> None:
         leaks.append("A's usage CSV shows B's key")
     b_socket = f"/ws/chat/{world.b_conversation_id}/"
     ws = asyncio.run(
-        probes.ws_close_code(
+        ws_probes.ws_close_code(
             plat.base, b_socket, {"Cookie": cookies["a-owner"], "Origin": plat.base}
         )
     )
     forged = session_cookie("a-owner", chat_tenant_id=world.tenant_ids["load-2"])
     ws_forged = asyncio.run(
-        probes.ws_close_code(plat.base, b_socket, {"Cookie": forged, "Origin": plat.base})
+        ws_probes.ws_close_code(plat.base, b_socket, {"Cookie": forged, "Origin": plat.base})
     )
     for label, code in (("socket", ws), ("socket, session naming B", ws_forged)):
         if code != 4403:

@@ -3,9 +3,10 @@ whole platform): schemathesis, hostile bodies and malformed WebSocket frames aga
 Daphne and engine. Every answer is a 4xx with OpenAI's error object (or an error frame, or a
 close with a code), never a 5xx, a dropped connection or a crash.
 
-The cases are fixed: hypothesis runs derandomized, and bench/probes.py draws its random
-inputs from a seeded generator. Probes that fail today because of known bugs are marked
-xfail (not strict), so the suite stays green and turns them green as the fixes land."""
+The cases are fixed: hypothesis runs derandomized, and bench/probes.py and
+bench/ws_probes.py draw their random inputs from a seeded generator. Probes that fail today
+because of known bugs are marked xfail (not strict), so the suite stays green and turns them
+green as the fixes land."""
 
 import asyncio
 import collections
@@ -17,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from bench import probes
+from bench import probes, ws_probes
 from serving.services import deployment_register
 from tenants import services
 from tenants.models import Plan
@@ -27,18 +28,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 SEED = 20240601
 KNOWN_BUGS = {
-    "invalid_utf8": "invalid UTF-8 inside a JSON string is a 500, not a 400 (gateway.validation)",
-    "huge_number": "an integer past 64 bits (10**30) in max_tokens, max_completion_tokens or "
-    "top_k is a 500, not a 400 (gateway.validation)",
     "lone_surrogate": "a lone surrogate (\\ud800) in a chat message crashes the consumer: the "
     "socket closes with 1011 (chat.consumers / chat.services)",
 }
-
-
-def _known_bug(category: str):
-    return pytest.param(
-        category, marks=pytest.mark.xfail(strict=False, reason=KNOWN_BUGS[category])
-    )
 
 
 @pytest.fixture
@@ -94,8 +86,8 @@ def test_schemathesis_finds_no_server_error(live):
         "malformed_body",
         "content_type",
         "lone_surrogate",
-        _known_bug("huge_number"),
-        _known_bug("invalid_utf8"),
+        "huge_number",
+        "invalid_utf8",
     ],
 )
 def test_hostile_bodies_get_a_4xx_with_the_error_object(live, category):
@@ -166,21 +158,21 @@ def _no_actor() -> dict:
     return {"actor": None} if "actor" in signature(services.membership_set).parameters else {}
 
 
-def _frames(foreign_message_id: int) -> list[probes.WsProbe]:
-    return probes.hostile_frames(SEED, 250, foreign_message_id=foreign_message_id)
+def _frames(foreign_message_id: int) -> list[ws_probes.WsProbe]:
+    return ws_probes.hostile_frames(SEED, 250, foreign_message_id=foreign_message_id)
 
 
 async def test_malformed_frames_are_refused_without_a_crash(chat_socket):
     base, headers, conversation_id, foreign_id, foreign_message_id = chat_socket
     frames = [f for f in _frames(foreign_message_id) if f.category != "lone_surrogate"]
-    report = await probes.ws_fuzz(base, f"/ws/chat/{conversation_id}/", headers, frames)
+    report = await ws_probes.ws_fuzz(base, f"/ws/chat/{conversation_id}/", headers, frames)
     categories = collections.Counter(f.category for f in frames)
     assert not report.crashes, report.crashes[:5]
     assert not report.accepted, report.accepted[:5]
     assert report.refused == len(frames), categories
     assert report.refused_connects == 0
-    assert await probes.ws_close_code(base, f"/ws/chat/{foreign_id}/", headers) == 4403
-    assert await probes.ws_reply(base, f"/ws/chat/{conversation_id}/", headers) == "done"
+    assert await ws_probes.ws_close_code(base, f"/ws/chat/{foreign_id}/", headers) == 4403
+    assert await ws_probes.ws_reply(base, f"/ws/chat/{conversation_id}/", headers) == "done"
 
 
 @pytest.mark.xfail(strict=False, reason=KNOWN_BUGS["lone_surrogate"])
@@ -188,6 +180,6 @@ async def test_a_lone_surrogate_in_a_message_is_refused(chat_socket):
     base, headers, conversation_id, _, foreign_message_id = chat_socket
     frames = [f for f in _frames(foreign_message_id) if f.category == "lone_surrogate"]
     assert frames
-    report = await probes.ws_fuzz(base, f"/ws/chat/{conversation_id}/", headers, frames)
+    report = await ws_probes.ws_fuzz(base, f"/ws/chat/{conversation_id}/", headers, frames)
     assert not report.crashes, report.crashes
     assert report.refused == len(frames)
