@@ -70,6 +70,7 @@ def test_the_bootstrap_refuses_to_run_in_production(production):
 def test_the_embedded_mode_bootstraps_and_keeps_the_credentials_private(
     settings, var_dir, monkeypatch
 ):
+    settings.IS_EMBEDDED = True  # whatever DATABASE_URL this suite runs with
     settings.RUN_ENGINE = settings.RUN_WORKER = False
     saved = var_dir / "demo-credentials.json"
     saved.write_text("{}")
