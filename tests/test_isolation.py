@@ -319,13 +319,8 @@ API = [
           API_REFUSED, data=_api_body("messages"), echoed=(BRAVO_MODEL,)),
     Probe("completion on bravo's model", "POST", lambda w, a: "/v1/completions", API_REFUSED,
           data=_api_body("prompt"), echoed=(BRAVO_MODEL,)),
-    # Known leak, in gateway.health (not this suite's to fix): readiness names every enabled
-    # deployment, bravo's plan-only model too, to anybody, signed in or not.
-    pytest.param(
-        Probe("readiness", "GET", lambda w, a: "/health/ready", _is(503, 503)),
-        marks=pytest.mark.xfail(strict=False, reason="/health/ready lists every model"),
-        id="readiness",
-    ),
+    # readiness is for anybody: it names no deployment, bravo's plan-only model included
+    Probe("readiness", "GET", lambda w, a: "/health/ready", _is(503, 503)),
 ]  # fmt: skip
 
 

@@ -53,6 +53,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.core.exceptions import ValidationError
@@ -130,8 +131,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._error("invalid_frame", f"A frame may be at most {MAX_FRAME_CHARS} chars.")
             return
         try:
-            frame = json.loads(text_data)
-        except (ValueError, RecursionError):
+            # msgspec, not json: it refuses lone surrogates ("\ud800"), which no database
+            # can store, and nesting past its depth limit
+            frame = msgspec.json.decode(text_data)
+        except (msgspec.DecodeError, RecursionError):
             await self._error("invalid_frame", "A frame must be a JSON object.")
             return
         if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):

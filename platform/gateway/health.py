@@ -1,4 +1,7 @@
-"""Readiness: the database, the cache, and a ready engine for every enabled deployment."""
+"""Readiness: the database, the cache, and a ready engine for every enabled deployment.
+
+Anybody may ask (load balancers do, without credentials), so the answer names no model: which
+models exist is for each tenant's own key (``/v1/models``) and for staff (the console)."""
 
 import asyncio
 import logging
@@ -45,12 +48,11 @@ async def _check(name: str, check) -> tuple[str, str]:
     return name, "ok"
 
 
-async def _deployment_state(deployment: ModelDeployment) -> tuple[str, str]:
+async def _is_ready(deployment: ModelDeployment) -> bool:
+    """Whether one of the deployment's replicas is ready."""
     pool = get_pool()
     all_stats = await asyncio.gather(*(pool.stats(ep) for ep in deployment.endpoints))
-    ready = sum(1 for stats in all_stats if stats is not None and stats.ready)
-    state = "ok" if ready else "error: no ready replica"
-    return f"model:{deployment.name}", f"{state} ({ready}/{len(all_stats)} replicas ready)"
+    return any(stats is not None and stats.ready for stats in all_stats)
 
 
 async def readiness() -> dict:
@@ -59,6 +61,8 @@ async def readiness() -> dict:
     )
     if checks["database"] == "ok":
         deployments = await _enabled_deployments()
-        checks.update(await asyncio.gather(*(_deployment_state(d) for d in deployments)))
+        ready = sum(await asyncio.gather(*(_is_ready(d) for d in deployments)))
+        state = "ok" if ready == len(deployments) else "error: a model has no ready replica"
+        checks["models"] = f"{state} ({ready}/{len(deployments)} models ready)"
     is_ready = all(value.startswith("ok") for value in checks.values())
     return {"status": "ok" if is_ready else "unavailable", "checks": checks}

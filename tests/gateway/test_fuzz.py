@@ -27,10 +27,6 @@ from tests.gateway.conftest import MODEL_NAME
 pytestmark = pytest.mark.django_db(transaction=True)
 
 SEED = 20240601
-KNOWN_BUGS = {
-    "lone_surrogate": "a lone surrogate (\\ud800) in a chat message crashes the consumer: the "
-    "socket closes with 1011 (chat.consumers / chat.services)",
-}
 
 
 @pytest.fixture
@@ -175,7 +171,6 @@ async def test_malformed_frames_are_refused_without_a_crash(chat_socket):
     assert await ws_probes.ws_reply(base, f"/ws/chat/{conversation_id}/", headers) == "done"
 
 
-@pytest.mark.xfail(strict=False, reason=KNOWN_BUGS["lone_surrogate"])
 async def test_a_lone_surrogate_in_a_message_is_refused(chat_socket):
     base, headers, conversation_id, _, foreign_message_id = chat_socket
     frames = [f for f in _frames(foreign_message_id) if f.category == "lone_surrogate"]
