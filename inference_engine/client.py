@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from inference_engine.protocol import (
     AbortRequest,
@@ -69,6 +70,7 @@ class AsyncEngineClient:
         self.heartbeat_timeout = heartbeat_timeout
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         # request_id -> (queue of deltas or an exception, when the stream started)
         self._streams: dict[str, tuple[asyncio.Queue, float]] = {}
@@ -230,6 +232,9 @@ class AsyncEngineClient:
             task.cancel()
         self._tasks.clear()
         self._fail_all(EngineUnavailable("the client was closed"))
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -252,12 +257,14 @@ class AsyncEngineClient:
         socket.setsockopt(zmq.RCVHWM, 0)
         # a fixed routing id survives reconnects, so the engine's replies still find us
         socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socket.connect(self.endpoint)
         self._socket = socket
         self._last_heard = self._started_at = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="engine-client-reader"),
             asyncio.create_task(self._heartbeat_loop(), name="engine-client-heartbeat"),
+            asyncio.create_task(self._disconnect_loop(), name="engine-client-monitor"),
         ]
 
     def _send(self, kind: RequestType, message: msgspec.Struct | None) -> bool:
@@ -319,6 +326,17 @@ class AsyncEngineClient:
             _resolve(self._stats_waiters, stats)
         elif kind == ResponseType.CONTROL.value:
             _resolve(self._control_waiters, self._control_decoder.decode(payload))
+
+    async def _disconnect_loop(self) -> None:
+        """A dropped connection (the engine process died or was restarted) fails the open
+        streams at once, instead of after ``heartbeat_timeout`` of silence: their requests
+        died with it."""
+        monitor = self._monitor
+        with contextlib.suppress(zmq.ZMQError):
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self._streams:
+                    self._fail_all(EngineUnavailable(f"the engine at {self.endpoint} went away"))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -252,3 +252,21 @@ async def test_num_buffered_counts_deltas_not_yet_taken(fake, client):
         assert (await anext(stream)).text == "b"
         assert client.num_buffered("slow") == 1
     assert client.num_buffered("slow") == 0
+
+
+async def test_an_engine_that_goes_away_fails_the_open_streams_at_once(fake, tmp_path):
+    """A dropped connection (the engine died) ends the streams without waiting out the
+    heartbeat timeout: their requests died with the engine."""
+    client = AsyncEngineClient(
+        f"ipc://{tmp_path}/fake.sock", heartbeat_interval=0.05, heartbeat_timeout=60
+    )
+    try:
+        task = asyncio.create_task(_collect(client.generate(GenerateRequest(prompt="x"))))
+        await fake.generates.get()
+        started = time.monotonic()
+        fake.close()
+        with pytest.raises(EngineUnavailable, match="went away"):
+            await asyncio.wait_for(task, timeout=10)
+        assert time.monotonic() - started < 5
+    finally:
+        client.close()
