@@ -3,8 +3,12 @@ token budget, per tenant and per API key.
 
 Counters live in Django's cache (Redis in production, so every web process shares them;
 local memory in the embedded mode). Every check is increment-then-compare on an atomic
-counter, rolled back on refusal, so no burst over-admits however many processes race:
-of N racing requests against a limit L, the ones that drew the values 1..L get in.
+counter, so no burst over-admits however many processes race: of N racing requests against
+a limit L, the ones that drew the values 1..L get in. An attempt that fails, refused or by
+any error (the cache or the database failing midway), undoes everything it added first.
+
+Concurrent requests are leased slots (``tenants.slots``), renewed while the request runs, so
+the slot of a process killed mid-request frees itself within one lease.
 
 Per-minute limits use a sliding-window counter (the previous minute's count weighted by how
 much of it still overlaps the last 60 seconds, plus the current minute's), which avoids the
@@ -21,8 +25,10 @@ Public API: ``admission_acquire`` / ``aadmission_acquire`` -> ``AdmissionTicket`
 """
 
 import contextlib
+import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -31,11 +37,11 @@ from django.core.cache import cache
 
 from tenants.models import ApiKey, Tenant
 from tenants.selectors import Limits, api_key_limits, month_tokens_used, tenant_limits
+from tenants.slots import Slot, slot_acquire, slot_count, slot_release
+
+logger = logging.getLogger(__name__)
 
 WINDOW_SECONDS = 60
-# A concurrency counter survives an hour without traffic; leaked slots (a process killed
-# between acquire and release) expire with it instead of blocking the tenant forever.
-CONCURRENCY_TTL_SECONDS = 3600
 MONTH_TTL_SECONDS = 40 * 24 * 3600
 
 
@@ -87,10 +93,15 @@ class AdmissionTicket:
     api_key_id: int | None
     reserved_tokens: int
     headers: dict[str, str]
-    # Cache keys of the counters that hold the token reservation, and the concurrency slots.
+    # Cache keys of the counters that hold the token reservation.
     token_counters: list[str] = field(default_factory=list)
-    concurrency_counters: list[str] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
     is_released: bool = False
+
+    @property
+    def concurrency_counters(self) -> list[str]:
+        """The keys of the scopes whose concurrency slots this request holds."""
+        return [slot.key for slot in self.slots]
 
 
 def _scopes(tenant: Tenant, api_key: ApiKey | None) -> list[_Scope]:
@@ -117,6 +128,13 @@ def _subtract(key: str, amount: int) -> None:
         cache.incr(key, -amount)
 
 
+def _undo(step: Callable[..., None], *args: object) -> None:
+    try:
+        step(*args)
+    except Exception:
+        logger.exception("could not roll back part of a failed admission")
+
+
 def _format_reset(seconds: float) -> str:
     """OpenAI's reset format: 850ms, 12s, 1m30s."""
     if seconds < 1:
@@ -127,7 +145,7 @@ def _format_reset(seconds: float) -> str:
 
 
 class _Admission:
-    """One attempt to admit; remembers what it added so a refusal can undo it."""
+    """One attempt to admit; remembers what it added so a failed attempt can undo it."""
 
     def __init__(self, now: float) -> None:
         self.now = now
@@ -135,11 +153,16 @@ class _Admission:
         self.elapsed = now - self.window * WINDOW_SECONDS
         self.previous_weight = 1 - self.elapsed / WINDOW_SECONDS
         self.added: list[tuple[str, int]] = []
+        self.slots: list[Slot] = []
         self.headers: dict[str, str] = {}
 
     def rollback(self) -> None:
+        """Undo what the attempt added, as far as the cache lets us: one undo failing does
+        not keep the others from happening (a slot left behind expires with its lease)."""
+        for slot in reversed(self.slots):
+            _undo(slot_release, slot)
         for key, amount in reversed(self.added):
-            _subtract(key, amount)
+            _undo(_subtract, key, amount)
 
     def per_minute(self, scope: _Scope, kind: str, limit: int | None, amount: int) -> str | None:
         if limit is None:
@@ -163,16 +186,13 @@ class _Admission:
         self._record_headers(header, limit, limit - used, until_next_window)
         return key
 
-    def concurrency(self, scope: _Scope, limit: int | None) -> str | None:
+    def concurrency(self, scope: _Scope, limit: int | None) -> None:
         if limit is None:
-            return None
-        key = scope.key("concurrent")
-        current = _add(key, 1, timeout=CONCURRENCY_TTL_SECONDS)
-        cache.touch(key, CONCURRENCY_TTL_SECONDS)
-        self.added.append((key, 1))
-        if current > limit:
+            return
+        slot = slot_acquire(name=scope.key("slots"), limit=limit)
+        if slot is None:
             raise self._refuse("concurrency", scope, limit, 1)
-        return key
+        self.slots.append(slot)
 
     def month(
         self, scope: _Scope, tenant: Tenant, api_key: ApiKey | None, amount: int
@@ -206,7 +226,6 @@ class _Admission:
         self.headers[f"x-ratelimit-reset-{header}"] = _format_reset(reset)
 
     def _refuse(self, kind: str, scope: _Scope, limit: int, retry_after: int) -> QuotaExceeded:
-        self.rollback()
         headers = dict(self.headers)
         if kind in ("requests", "tokens"):
             self._record_headers(kind, limit, 0, WINDOW_SECONDS - self.elapsed)
@@ -226,7 +245,8 @@ def admission_acquire(
     *, tenant: Tenant, api_key: ApiKey | None = None, estimated_tokens: int
 ) -> AdmissionTicket:
     """Admit one request that may use up to ``estimated_tokens`` (prompt plus max tokens),
-    or raise ``QuotaExceeded`` having changed nothing."""
+    or raise ``QuotaExceeded`` having changed nothing. Any other error also propagates having
+    changed nothing (as far as the failing cache allows)."""
     if estimated_tokens < 0:
         raise ValueError("estimated_tokens must be >= 0")
     attempt = _Admission(_now())
@@ -235,31 +255,46 @@ def admission_acquire(
         api_key_id=api_key.pk if api_key else None,
         reserved_tokens=estimated_tokens,
         headers=attempt.headers,
+        slots=attempt.slots,
     )
-    for scope in _scopes(tenant, api_key):
-        limits = scope.limits
-        month_key = attempt.month(scope, tenant, api_key, estimated_tokens)
-        attempt.per_minute(scope, "requests", limits.requests_per_minute, 1)
-        tokens_key = attempt.per_minute(scope, "tokens", limits.tokens_per_minute, estimated_tokens)
-        concurrency_key = attempt.concurrency(scope, limits.max_concurrent_requests)
-        ticket.token_counters.extend(key for key in (month_key, tokens_key) if key)
-        if concurrency_key:
-            ticket.concurrency_counters.append(concurrency_key)
+    try:
+        for scope in _scopes(tenant, api_key):
+            limits = scope.limits
+            month_key = attempt.month(scope, tenant, api_key, estimated_tokens)
+            attempt.per_minute(scope, "requests", limits.requests_per_minute, 1)
+            tokens_key = attempt.per_minute(
+                scope, "tokens", limits.tokens_per_minute, estimated_tokens
+            )
+            attempt.concurrency(scope, limits.max_concurrent_requests)
+            ticket.token_counters.extend(key for key in (month_key, tokens_key) if key)
+    except BaseException:
+        attempt.rollback()
+        raise
     return ticket
 
 
 def admission_release(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
     """Free the request's concurrency slots and replace its token reservation with what it
-    really used. Safe to call more than once; only the first call counts."""
+    really used. Safe to call more than once; only the first call counts. Every step is
+    tried; the first error is raised after the rest (a slot not given back stops being
+    renewed and expires within its lease)."""
     if ticket.is_released:
         return
     ticket.is_released = True
     correction = actual_tokens - ticket.reserved_tokens
-    if correction:
-        for key in ticket.token_counters:
+    errors = []
+    for slot in ticket.slots:
+        try:
+            slot_release(slot)
+        except Exception as exc:
+            errors.append(exc)
+    for key in ticket.token_counters if correction else []:
+        try:
             _subtract(key, -correction)
-    for key in ticket.concurrency_counters:
-        _subtract(key, 1)
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 aadmission_acquire = sync_to_async(admission_acquire)
@@ -289,7 +324,7 @@ def quota_usage(*, tenant: Tenant, api_key: ApiKey | None = None) -> QuotaUsage:
     return QuotaUsage(
         requests_this_minute=sliding("requests"),
         tokens_this_minute=sliding("tokens"),
-        concurrent_requests=cache.get(scope.key("concurrent"), 0),
+        concurrent_requests=slot_count(name=scope.key("slots")),
         month_tokens=cache.get(scope.key("month", month_start)),
         limits=scope.limits,
     )

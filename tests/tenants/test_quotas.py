@@ -238,3 +238,87 @@ def _test_database_url() -> str:
         f"postgres://{settings['USER']}:{settings['PASSWORD']}@{settings['HOST']}:"
         f"{settings['PORT']}/{settings['NAME']}"
     )
+
+
+class Injected(Exception):
+    """A failure injected midway through an admission."""
+
+
+def _fail_seeding_the_keys_month(monkeypatch):
+    seed = quotas.month_tokens_used
+
+    def failing(*, tenant, api_key, since):
+        if api_key is not None:
+            raise Injected("the database went away")
+        return seed(tenant=tenant, api_key=api_key, since=since)
+
+    monkeypatch.setattr(quotas, "month_tokens_used", failing)
+
+
+def _fail_the_keys_token_counter(monkeypatch):
+    add = quotas._add
+
+    def failing(key, amount, timeout):
+        if key.startswith("quota:key:") and ":tokens:" in key:
+            raise Injected("the cache went away")
+        return add(key, amount, timeout)
+
+    monkeypatch.setattr(quotas, "_add", failing)
+
+
+def _fail_after_taking_the_keys_slot(monkeypatch):
+    """The slot's store takes the slot, then the connection drops before the answer."""
+    from tenants import slots
+
+    for store in (slots._LocalStore, slots._RedisStore):
+        take = store.acquire
+
+        def failing(self, key, slot_id, limit, lease, take=take):
+            admitted = take(self, key, slot_id, limit, lease)
+            if "quota:key:" in key:
+                raise Injected("the connection dropped")
+            return admitted
+
+        monkeypatch.setattr(store, "acquire", failing)
+
+
+@pytest.mark.parametrize(
+    "inject",
+    [_fail_seeding_the_keys_month, _fail_the_keys_token_counter, _fail_after_taking_the_keys_slot],
+)
+def test_any_error_midway_rolls_back_every_counter(clock, monkeypatch, inject):
+    tenant = _tenant(
+        requests_per_minute=100,
+        tokens_per_minute=10_000,
+        max_concurrent_requests=2,
+        monthly_token_budget=100_000,
+    )
+    api_key, _ = services.api_key_create(
+        tenant=tenant,
+        name="ci",
+        requests_per_minute=100,
+        tokens_per_minute=10_000,
+        max_concurrent_requests=1,
+        monthly_token_budget=100_000,
+    )
+    _admit(tenant, tokens=100)  # held: the tenant's counters are not at zero
+
+    def counters():
+        return [
+            (u.requests_this_minute, u.tokens_this_minute, u.concurrent_requests, u.month_tokens)
+            for u in (quotas.quota_usage(tenant=tenant, api_key=key) for key in (None, api_key))
+        ]
+
+    before = counters()
+    with monkeypatch.context() as patch, pytest.raises(Injected):
+        inject(patch)
+        _admit(tenant, api_key, tokens=100)
+
+    after = counters()
+    # The key's month counter may have been seeded from the (empty) usage records: None -> 0.
+    assert after[0] == before[0]
+    assert after[1][:3] == before[1][:3] and (after[1][3] or 0) == (before[1][3] or 0)
+    # Nothing leaked: the key's one slot and the tenant's second are free.
+    _admit(tenant, api_key, tokens=100)
+    with pytest.raises(quotas.QuotaExceeded):
+        _admit(tenant, tokens=100)
