@@ -63,6 +63,7 @@ async def metered(
     model: str,
     source: str,
     estimated_tokens: int,
+    likely_tokens: int | None = None,
     api_key: ApiKey | None = None,
     user: AbstractBaseUser | None = None,
     on_finish: Callable[[Meter], None] | None = None,
@@ -71,9 +72,12 @@ async def metered(
     """See the module docstring; ``on_finish`` sees the final meter (metrics, logs).
     ``precondition`` runs on the worker thread just before admission; what it raises
     propagates with nothing admitted or recorded (the API checks its cached authorization
-    there, saving a thread trip of its own)."""
+    there, saving a thread trip of its own). ``estimated_tokens`` is the most the request may
+    use, ``likely_tokens`` what it probably will (see ``quotas.admission_acquire``)."""
     started_at = time.time()
-    admission = asyncio.ensure_future(_admit(precondition, tenant, api_key, estimated_tokens))
+    admission = asyncio.ensure_future(
+        _admit(precondition, tenant, api_key, estimated_tokens, likely_tokens)
+    )
     try:
         ticket = await asyncio.shield(admission)
     except asyncio.CancelledError:
@@ -149,11 +153,15 @@ def _admit(
     tenant: Tenant,
     api_key: ApiKey | None,
     estimated_tokens: int,
+    likely_tokens: int | None,
 ) -> quotas.AdmissionTicket:
     if precondition is not None:
         precondition()
     return quotas.admission_acquire(
-        tenant=tenant, api_key=api_key, estimated_tokens=estimated_tokens
+        tenant=tenant,
+        api_key=api_key,
+        estimated_tokens=estimated_tokens,
+        likely_tokens=likely_tokens,
     )
 
 

@@ -49,8 +49,12 @@ def _now() -> float:
     return time.time()
 
 
+HOPELESS_KINDS = frozenset({"request_too_large", "budget_too_small"})
+
+
 class QuotaExceeded(Exception):
-    """A refusal: which limit, whose, and when to retry. Maps to HTTP 429."""
+    """A refusal: which limit, whose, and when to retry. Maps to HTTP 429, except a request
+    that no wait would admit (``is_hopeless``: larger than a limit by itself), a 400."""
 
     def __init__(
         self, *, kind: str, scope: str, limit: int, retry_after: int, headers: dict[str, str]
@@ -71,8 +75,14 @@ class QuotaExceeded(Exception):
             "monthly_tokens": f"the monthly token budget ({self.limit} tokens)",
             "request_too_large": f"tokens per minute: this request alone needs more than the "
             f"limit of {self.limit}",
+            "budget_too_small": f"the monthly token budget: this request alone needs more than "
+            f"the budget of {self.limit}",
         }[self.kind]
         return f"Rate limit reached for {owner} on {what}. Please try again in {self.retry_after}s."
+
+    @property
+    def is_hopeless(self) -> bool:
+        return self.kind in HOPELESS_KINDS
 
 
 @dataclass
@@ -95,6 +105,8 @@ class AdmissionTicket:
     headers: dict[str, str]
     # Cache keys of the counters that hold the token reservation.
     token_counters: list[str] = field(default_factory=list)
+    # what a counter holds when it is not ``reserved_tokens`` (a per-minute limit's share)
+    counter_reservations: dict[str, int] = field(default_factory=dict)
     slots: list[Slot] = field(default_factory=list)
     is_released: bool = False
 
@@ -164,12 +176,18 @@ class _Admission:
         for key, amount in reversed(self.added):
             _undo(_subtract, key, amount)
 
-    def per_minute(self, scope: _Scope, kind: str, limit: int | None, amount: int) -> str | None:
+    def per_minute(
+        self, scope: _Scope, kind: str, limit: int | None, amount: int, likely: int | None = None
+    ) -> str | None:
+        """Count ``amount`` against a per-minute limit. A request likely to need more than the
+        limit is refused for good; one that may (``amount``) but likely won't holds the whole
+        limit until it settles."""
         if limit is None:
             return None
         header = "requests" if kind == "requests" else "tokens"
-        if amount > limit:
+        if (amount if likely is None else likely) > limit:
             raise self._refuse("request_too_large", scope, limit, WINDOW_SECONDS)
+        amount = min(amount, limit)
         key = scope.key(kind, self.window)
         current = _add(key, amount, timeout=2 * WINDOW_SECONDS + 5)
         self.added.append((key, amount))
@@ -195,11 +213,18 @@ class _Admission:
         self.slots.append(slot)
 
     def month(
-        self, scope: _Scope, tenant: Tenant, api_key: ApiKey | None, amount: int
+        self,
+        scope: _Scope,
+        tenant: Tenant,
+        api_key: ApiKey | None,
+        amount: int,
+        likely: int | None = None,
     ) -> str | None:
         budget = scope.limits.monthly_token_budget
         if budget is None:
             return None
+        if (amount if likely is None else likely) > budget:
+            raise self._refuse("budget_too_small", scope, budget, _seconds_to_next_month(self.now))
         month_start = datetime.fromtimestamp(self.now, UTC).replace(
             day=1, hour=0, minute=0, second=0, microsecond=0
         )
@@ -242,11 +267,18 @@ def _seconds_to_next_month(now: float) -> int:
 
 
 def admission_acquire(
-    *, tenant: Tenant, api_key: ApiKey | None = None, estimated_tokens: int
+    *,
+    tenant: Tenant,
+    api_key: ApiKey | None = None,
+    estimated_tokens: int,
+    likely_tokens: int | None = None,
 ) -> AdmissionTicket:
     """Admit one request that may use up to ``estimated_tokens`` (prompt plus max tokens),
     or raise ``QuotaExceeded`` having changed nothing. Any other error also propagates having
-    changed nothing (as far as the failing cache allows)."""
+    changed nothing (as far as the failing cache allows). ``likely_tokens`` (default: the
+    same) is what it will probably use: a request is refused for good (``is_hopeless``) only
+    when that alone is past a limit; the budgets hold ``estimated_tokens`` (a per-minute limit
+    at most its whole self) until the request settles with its real count."""
     if estimated_tokens < 0:
         raise ValueError("estimated_tokens must be >= 0")
     attempt = _Admission(_now())
@@ -260,11 +292,13 @@ def admission_acquire(
     try:
         for scope in _scopes(tenant, api_key):
             limits = scope.limits
-            month_key = attempt.month(scope, tenant, api_key, estimated_tokens)
+            month_key = attempt.month(scope, tenant, api_key, estimated_tokens, likely_tokens)
             attempt.per_minute(scope, "requests", limits.requests_per_minute, 1)
             tokens_key = attempt.per_minute(
-                scope, "tokens", limits.tokens_per_minute, estimated_tokens
+                scope, "tokens", limits.tokens_per_minute, estimated_tokens, likely_tokens
             )
+            if tokens_key and limits.tokens_per_minute < estimated_tokens:
+                ticket.counter_reservations[tokens_key] = limits.tokens_per_minute
             attempt.concurrency(scope, limits.max_concurrent_requests)
             ticket.token_counters.extend(key for key in (month_key, tokens_key) if key)
     except BaseException:
@@ -281,14 +315,16 @@ def admission_release(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
     if ticket.is_released:
         return
     ticket.is_released = True
-    correction = actual_tokens - ticket.reserved_tokens
     errors = []
     for slot in ticket.slots:
         try:
             slot_release(slot)
         except Exception as exc:
             errors.append(exc)
-    for key in ticket.token_counters if correction else []:
+    for key in ticket.token_counters:
+        correction = actual_tokens - ticket.counter_reservations.get(key, ticket.reserved_tokens)
+        if not correction:
+            continue
         try:
             _subtract(key, -correction)
         except Exception as exc:

@@ -18,7 +18,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from chat.models import Conversation, Message
 from chat.selectors import engine_messages
 from gateway.generation import ENGINE_ERRORS, FINAL_USAGE_TIMEOUT_SECONDS
-from gateway.validation import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE
+from gateway.validation import message_token_estimates
 from inference_engine.client import AsyncEngineClient, EngineUnavailable
 from inference_engine.protocol import ErrorCode, GenerateRequest, SamplingParams
 from serving.models import ModelDeployment
@@ -72,11 +72,6 @@ class ReplyOutcome:
         }
 
 
-def estimate_prompt_tokens(messages: list) -> int:
-    """The gateway's rule of thumb, used only to reserve tokens before the engine counts."""
-    return sum(TOKENS_PER_MESSAGE + len(m.content) // CHARS_PER_TOKEN for m in messages)
-
-
 @sync_to_async
 def _prepare(conversation: Conversation, reply: Message) -> tuple:
     deployment = deployment_for_tenant(tenant=conversation.tenant, name=conversation.model)
@@ -116,7 +111,7 @@ async def generate_reply(
     if not messages:
         raise ChatError("invalid_request", "There is nothing to answer yet.")
     endpoint, max_context = await _route(deployment)
-    estimated = estimate_prompt_tokens(messages)
+    estimated, most = message_token_estimates(messages)
     if estimated >= max_context:
         raise ChatError("context_length_exceeded", USER_MESSAGES[ErrorCode.CONTEXT_LENGTH_EXCEEDED])
     max_tokens = min(conversation.max_tokens, max_context - estimated)
@@ -136,12 +131,19 @@ async def generate_reply(
             tenant=conversation.tenant,
             model=deployment.name,
             source=UsageRecord.Source.CHAT,
-            estimated_tokens=estimated + max_tokens,
+            estimated_tokens=most + max_tokens,
+            likely_tokens=estimated + max_tokens,
             user=user,
         ) as meter:
             with pool.track(endpoint):
                 await _stream(pool.client(endpoint), request, meter, outcome, on_text)
     except QuotaExceeded as exc:
+        if exc.is_hopeless:
+            raise ChatError(
+                "request_too_large",
+                "This reply would need more tokens than your organization's limit allows at "
+                "once: shorten the conversation or lower its max tokens.",
+            ) from exc
         raise ChatError("rate_limited", str(exc), exc.retry_after) from exc
 
 

@@ -94,7 +94,7 @@ async def _serve(
     current (unless not ``is_checked``) and raises ``StaleAuthorization`` if not."""
     api_key, deployment = auth.api_key, auth.deployment
     endpoint, max_context = await _route(deployment)
-    reserved = finalize_max_tokens(plan, max_context)
+    reservation = finalize_max_tokens(plan, max_context)
     response_id = RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
     requests = fan_out(
         plan,
@@ -112,7 +112,8 @@ async def _serve(
             api_key=api_key,
             model=deployment.name,
             source=UsageRecord.Source.API,
-            estimated_tokens=reserved,
+            estimated_tokens=reservation.tokens,
+            likely_tokens=reservation.likely_tokens,
             on_finish=functools.partial(metrics.observe_finished, deployment.name, api_key.tenant),
             precondition=auth.ensure_current if is_checked else None,
         )
@@ -120,8 +121,8 @@ async def _serve(
     try:
         meter = await admission
     except QuotaExceeded as exc:
-        if exc.kind == "request_too_large":
-            raise _too_large(exc, deployment.name, reserved) from exc
+        if exc.is_hopeless:
+            raise _too_large(exc, deployment.name, reservation.likely_tokens) from exc
         raise
     pool = get_pool()
     stack.enter_context(pool.track(endpoint))
@@ -155,11 +156,11 @@ async def _serve(
 
 def _too_large(exc: QuotaExceeded, model: str, requested: int) -> ApiError:
     """A request that no wait would admit: a 400 in OpenAI's words, never a 429."""
+    limit = "tokens per min (TPM)" if exc.kind == "request_too_large" else "monthly tokens"
     return ApiError(
         400,
-        f"Request too large for {model} on tokens per min (TPM): Limit {exc.limit}, "
-        f"Requested {requested}. The input or output tokens must be reduced in order to run "
-        "successfully.",
+        f"Request too large for {model} on {limit}: Limit {exc.limit}, Requested {requested}. "
+        "The input or output tokens must be reduced in order to run successfully.",
         code="request_too_large",
     )
 

@@ -14,9 +14,15 @@ MAX_MESSAGES = 1024
 MAX_USER_CHARS = 256
 # max_tokens until the context length is known (see finalize_max_tokens)
 UNBOUNDED = 2**31 - 1
-# OpenAI's rule of thumb, used only to reserve tokens per minute before the engine counts.
+# Before the engine counts a prompt, the gateway knows two figures for it. The likely count
+# (OpenAI's rule of thumb) decides whether a request could ever fit a limit. The most it can
+# be is what admission holds against the limits until the request settles with the real
+# count: byte-level BPE (and SentencePiece with byte fallback) spends at most one token per
+# UTF-8 byte, and a chat template adds a few tokens per message and some once.
 CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
+MAX_TEMPLATE_TOKENS_PER_MESSAGE = 16
+MAX_TEMPLATE_TOKENS = 256
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _FIELD = re.compile(r"field `([^`]+)`")
@@ -34,7 +40,8 @@ class GenerationPlan:
     stream: bool
     include_usage: bool
     logprobs: int | None
-    estimated_prompt_tokens: int
+    estimated_prompt_tokens: int  # likely
+    max_prompt_tokens: int  # at most
     max_tokens: int | None  # None: up to the context length
     max_tokens_param: str = "max_tokens"  # what the request called it
     priority: int | None = None  # as asked; the plan's tier is the floor (see fan_out)
@@ -128,7 +135,7 @@ def plan_chat(body: bytes) -> GenerationPlan:
         logprobs=logprobs,
     )
     messages = [Message(role=m.role, content=m.text()) for m in request.messages]
-    estimate = sum(len(m.content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE for m in messages)
+    estimate, bound = message_token_estimates(messages)
     return GenerationPlan(
         model=request.model,
         prompts=[GenerateRequest(messages=messages, params=params)],
@@ -137,6 +144,7 @@ def plan_chat(body: bytes) -> GenerationPlan:
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=logprobs,
         estimated_prompt_tokens=estimate,
+        max_prompt_tokens=bound,
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         priority=request.priority,
@@ -154,7 +162,7 @@ def plan_completion(body: bytes) -> GenerationPlan:
         max_tokens_param="max_tokens",
         logprobs=request.logprobs,
     )
-    prompts, estimate = _completion_prompts(request.prompt, params)
+    prompts, estimate, bound = _completion_prompts(request.prompt, params)
     return GenerationPlan(
         model=request.model,
         prompts=prompts,
@@ -163,18 +171,30 @@ def plan_completion(body: bytes) -> GenerationPlan:
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=request.logprobs,
         estimated_prompt_tokens=estimate,
+        max_prompt_tokens=bound,
         max_tokens=request.max_tokens,
         priority=request.priority,
     )
 
 
+def message_token_estimates(messages: list[Message]) -> tuple[int, int]:
+    """The likely and the largest token count of a chat prompt (see CHARS_PER_TOKEN)."""
+    likely = sum(len(m.content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE for m in messages)
+    bound = MAX_TEMPLATE_TOKENS + sum(
+        len(m.content.encode()) + len(m.role) + MAX_TEMPLATE_TOKENS_PER_MESSAGE for m in messages
+    )
+    return likely, bound
+
+
 def _completion_prompts(
     prompt: str | list[str | int], params: SamplingParams
-) -> tuple[list[GenerateRequest], int]:
+) -> tuple[list[GenerateRequest], int, int]:
+    """The engine requests, one per prompt, and the likely and largest token count of all."""
     if isinstance(prompt, str):
         texts: list[str] = [prompt]
     elif prompt and all(isinstance(item, int) for item in prompt):
-        return [GenerateRequest(prompt_token_ids=list(prompt), params=params)], len(prompt)
+        requests = [GenerateRequest(prompt_token_ids=list(prompt), params=params)]
+        return requests, len(prompt), len(prompt)
     elif prompt and all(isinstance(item, str) for item in prompt):
         texts = list(prompt)
     else:
@@ -187,10 +207,22 @@ def _completion_prompts(
     if not all(texts):
         raise invalid("prompt must not be empty.", "prompt")
     requests = [GenerateRequest(prompt=text, params=params) for text in texts]
-    return requests, sum(len(text) // CHARS_PER_TOKEN + 1 for text in texts)
+    likely = sum(len(text) // CHARS_PER_TOKEN + 1 for text in texts)
+    # a tokenizer may add a beginning-of-sequence token or two
+    return requests, likely, sum(len(text.encode()) + 2 for text in texts)
 
 
-def finalize_max_tokens(plan: GenerationPlan, max_context: int) -> int:
+@dataclass(frozen=True)
+class Reservation:
+    """Tokens a plan may use, for admission: ``tokens`` (at most: held against the budgets
+    until the request settles with the engine's count) and ``likely_tokens`` (more than a
+    limit, and no wait would ever admit it)."""
+
+    tokens: int
+    likely_tokens: int
+
+
+def finalize_max_tokens(plan: GenerationPlan, max_context: int) -> Reservation:
     """Give every request its max_tokens (as asked, else the whole context: the engine stops
     at its context length) and return the tokens to reserve for the whole plan. A max_tokens
     above the context can never be served: a 400, as OpenAI and vLLM answer it."""
@@ -206,5 +238,14 @@ def finalize_max_tokens(plan: GenerationPlan, max_context: int) -> int:
     max_tokens = plan.max_tokens or max_context
     for request in plan.prompts:
         request.params.max_tokens = max_tokens
-    completion = plan.max_tokens or max(0, max_context - plan.estimated_prompt_tokens)
-    return plan.estimated_prompt_tokens + completion * plan.n * len(plan.prompts)
+    num_choices = plan.n * len(plan.prompts)
+    if plan.max_tokens is not None:
+        completion = likely_completion = plan.max_tokens * num_choices
+    else:
+        # up to the context, less the prompt (each prompt's own share of it at most)
+        completion = max_context * num_choices
+        likely_completion = max(0, max_context - plan.estimated_prompt_tokens) * num_choices
+    return Reservation(
+        tokens=plan.max_prompt_tokens + completion,
+        likely_tokens=plan.estimated_prompt_tokens + likely_completion,
+    )

@@ -110,13 +110,15 @@ def test_a_valid_chat_request_becomes_one_engine_request():
     assert (params.temperature, params.max_tokens, params.stop) == (0, 7, ["END"])
     assert (params.seed, params.top_k, params.logprobs) == (3, 5, 2)
     assert plan.n == 2 and plan.stream and plan.include_usage
-    assert finalize_max_tokens(plan, max_context=100) == plan.estimated_prompt_tokens + 14
+    reservation = finalize_max_tokens(plan, max_context=100)
+    assert reservation.likely_tokens == plan.estimated_prompt_tokens + 14
+    assert reservation.tokens == plan.max_prompt_tokens + 14
 
 
 def test_nulls_mean_defaults():
     plan = plan_chat(_chat(temperature=None, top_p=None, n=None, stop=None, max_tokens=None))
     assert plan.prompts[0].params.temperature == 1.0 and plan.n == 1
-    assert finalize_max_tokens(plan, max_context=64) > plan.estimated_prompt_tokens
+    assert finalize_max_tokens(plan, max_context=64).likely_tokens > plan.estimated_prompt_tokens
     assert plan.prompts[0].params.max_tokens == 64
 
 
@@ -156,3 +158,19 @@ def test_completion_prompts(prompt, count):
 )
 def test_invalid_completion_fields(fields, param):
     assert _error(plan_completion, json.dumps({"model": "m", **fields}).encode()).param == param
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _chat(messages=[{"role": "user", "content": "\U0001f600" * 250}], max_tokens=10),
+        json.dumps({"model": "m", "prompt": "\U0001f600" * 250, "max_tokens": 10}).encode(),
+    ],
+)
+def test_the_reservation_holds_whatever_the_tokenizer_makes_of_the_text(body):
+    """250 emoji are about 60 tokens by the rule of thumb and up to 1,000 for a byte-level
+    tokenizer: admission holds the most they can be, and judges a request by the likely."""
+    plan = (plan_chat if b"messages" in body else plan_completion)(body)
+    reservation = finalize_max_tokens(plan, max_context=4096)
+    assert reservation.tokens >= 250 * 4 + 10
+    assert reservation.likely_tokens < 100

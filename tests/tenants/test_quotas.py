@@ -322,3 +322,34 @@ def test_any_error_midway_rolls_back_every_counter(clock, monkeypatch, inject):
     _admit(tenant, api_key, tokens=100)
     with pytest.raises(quotas.QuotaExceeded):
         _admit(tenant, tokens=100)
+
+
+def test_a_request_likely_past_a_limit_is_refused_for_good(tenant):
+    tenant.tokens_per_minute = 1000
+    tenant.monthly_token_budget = 5000
+    tenant.save()
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        quotas.admission_acquire(tenant=tenant, estimated_tokens=4000, likely_tokens=1200)
+    assert refused.value.is_hopeless and refused.value.kind == "request_too_large"
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        quotas.admission_acquire(tenant=tenant, estimated_tokens=9000, likely_tokens=6000)
+    assert refused.value.is_hopeless and refused.value.kind == "budget_too_small"
+    assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 0
+
+
+def test_a_request_that_may_exceed_a_per_minute_limit_holds_all_of_it_until_it_settles(tenant):
+    """250 emoji: likely 70 tokens, at most 1,010. The minute's limit (1,000) is held whole,
+    the month holds the most, and both settle to the real count."""
+    tenant.tokens_per_minute = 1000
+    tenant.monthly_token_budget = 100_000
+    tenant.save()
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=1010, likely_tokens=70)
+    usage = quotas.quota_usage(tenant=tenant)
+    assert (usage.tokens_this_minute, usage.month_tokens) == (1000, 1010)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        quotas.admission_acquire(tenant=tenant, estimated_tokens=10, likely_tokens=10)
+    assert not refused.value.is_hopeless  # a 429: it fits once the first one settles
+
+    quotas.admission_release(ticket=ticket, actual_tokens=300)
+    usage = quotas.quota_usage(tenant=tenant)
+    assert (usage.tokens_this_minute, usage.month_tokens) == (300, 300)
