@@ -30,6 +30,7 @@ from gateway.errors import ApiError
 logger = logging.getLogger("django.request")
 
 API_PATH_PREFIXES = ("/v1/", "/health/", "/metrics")
+HEALTH_PATH_PREFIX = "/health/"
 
 
 def is_api_path(path: str) -> bool:
@@ -51,7 +52,10 @@ class ApiASGIHandler(ASGIHandler):
     async def _api_response(self, request: HttpRequest) -> HttpResponse:
         request.urlconf = settings.API_URLCONF  # the API's few routes, not the whole site's
         try:
-            request.get_host()  # ALLOWED_HOSTS, as CommonMiddleware checks it for the pages
+            if not request.path.startswith(HEALTH_PATH_PREFIX):
+                # ALLOWED_HOSTS, as CommonMiddleware checks it for the pages; health probes
+                # come by IP (a load balancer, Kubernetes) and tell nothing
+                request.get_host()
             response = await self._get_response_async(request)
         except DisallowedHost:
             response = ApiError(400, "Invalid Host header.", code="invalid_host").response()
