@@ -11,7 +11,6 @@ To cover a new URL, add a ``Probe`` to ``PAGES`` or ``API`` with what each actor
 for a POST, a check that B's object is unchanged); a new socket frame goes in ``FRAMES``.
 """
 
-import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from serving.models import ModelDeployment
 from serving.services import deployment_register
 from tenants import rollups, services
 from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
+from tests.asgi_client import asgi_request
 from tests.chat.conftest import open_chat, session_cookie
 
 ACTORS = ("key", "member", "admin")  # alpha's API key, ordinary member and admin
@@ -328,38 +328,8 @@ async def _asgi(
     method: str, path: str, headers: dict[str, str], body: bytes = b""
 ) -> tuple[int, str]:
     """One request through the ASGI application: (status, body)."""
-    from config.asgi import application
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"testserver")]
-        + [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 1),
-        "server": ("testserver", 80),
-    }
-    incoming = [{"type": "http.request", "body": body, "more_body": False}]
-    sent = []
-
-    async def receive() -> dict:
-        if incoming:
-            return incoming.pop(0)
-        await asyncio.Event().wait()  # the client stays until the response is sent
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    await application(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], content.decode()
+    status, _, content = await asgi_request(method, path, headers=headers, body=body)
+    return status, content.decode()
 
 
 @pytest.mark.parametrize("actor", ACTORS)

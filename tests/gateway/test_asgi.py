@@ -1,10 +1,9 @@
 """The ASGI application as Daphne runs it: API paths through the lean handler, pages through
 Django's full middleware."""
 
-import asyncio
 import json
 
-from config.asgi import application
+from tests.asgi_client import asgi_request
 
 
 async def _call(
@@ -14,36 +13,7 @@ async def _call(
     host: str = "testserver",
 ):
     """One HTTP request through the ASGI app: (status, headers, body)."""
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", host.encode())]
-        + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
-        "client": ("127.0.0.1", 1),
-        "server": ("testserver", 80),
-    }
-    messages = [{"type": "http.request", "body": b"", "more_body": False}]
-    sent = []
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await asyncio.Event().wait()  # the client stays until the response is sent
-
-    async def send(message):
-        sent.append(message)
-
-    await application(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], {k.decode().lower(): v.decode() for k, v in start["headers"]}, body
+    return await asgi_request(method, path, headers=headers, host=host)
 
 
 async def test_api_paths_skip_the_browser_middleware(async_db):

@@ -1,5 +1,4 @@
 import os
-import subprocess
 import threading
 from datetime import timedelta
 
@@ -8,8 +7,9 @@ from django.core.cache import cache
 from django.utils import timezone
 
 from tenants import quotas, services
-from tenants.models import Plan, UsageRecord
-from tests.conftest import PYTHON, ROOT, subprocess_env
+from tenants.models import UsageRecord
+from tests.tenants.racers import race_processes
+from tests.tenants.racers import tenant_with as _tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -30,12 +30,6 @@ def clock(monkeypatch):
 
     monkeypatch.setattr(quotas, "_now", lambda: Clock.now)
     return Clock
-
-
-def _tenant(**limits):
-    """A tenant on a plan without limits, with only ``limits`` set."""
-    plan = Plan.objects.create(slug="unlimited", name="Unlimited")
-    return services.tenant_create(slug="acme", plan=plan, **limits)
 
 
 def _admit(tenant, api_key=None, tokens=10):
@@ -186,58 +180,12 @@ def test_racing_threads_never_over_admit():
     assert (len(admitted), len(refused)) == (20, 40)
 
 
-RACER = """
-import sys, threading, django
-django.setup()
-from tenants import quotas
-from tenants.models import Tenant
-tenant = Tenant.objects.select_related("plan").get(pk=int(sys.argv[1]))
-barrier_file = sys.argv[2]
-admitted = []
-def attempt():
-    try:
-        quotas.admission_acquire(tenant=tenant, estimated_tokens=1)
-        admitted.append(1)
-    except quotas.QuotaExceeded:
-        pass
-threads = [threading.Thread(target=attempt) for _ in range(50)]
-import os, time
-while not os.path.exists(barrier_file):
-    time.sleep(0.01)
-for t in threads: t.start()
-for t in threads: t.join()
-print(len(admitted))
-"""
-
-
 @pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL: counters shared")
 @pytest.mark.django_db(transaction=True)
 def test_processes_sharing_redis_admit_exactly_the_limit(tmp_path):
     tenant = _tenant(requests_per_minute=20)
-    barrier = tmp_path / "go"
-    racers = [
-        subprocess.Popen(
-            [PYTHON, "-c", RACER, str(tenant.pk), str(barrier)],
-            cwd=ROOT,
-            env=subprocess_env(DATABASE_URL=_test_database_url()),
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
-    barrier.touch()
-    counts = [int(racer.communicate(timeout=120)[0].strip()) for racer in racers]
+    counts = race_processes(tenant, tmp_path, num_processes=4, num_threads=50)
     assert sum(counts) == 20
-
-
-def _test_database_url() -> str:
-    from django.db import connection
-
-    settings = connection.settings_dict
-    return (
-        f"postgres://{settings['USER']}:{settings['PASSWORD']}@{settings['HOST']}:"
-        f"{settings['PORT']}/{settings['NAME']}"
-    )
 
 
 class Injected(Exception):

@@ -14,9 +14,9 @@ from django.core.cache import cache
 from django.test import override_settings
 
 from tenants import quotas, services, slots
-from tenants.models import Plan
 from tests.conftest import PYTHON, ROOT, subprocess_env
-from tests.tenants.test_quotas import _test_database_url
+from tests.tenants.racers import race_processes, subprocess_database_url
+from tests.tenants.racers import tenant_with as _tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -61,11 +61,6 @@ def store(request):
                 client.delete(key)
         else:
             cache.clear()
-
-
-def _tenant(**limits):
-    plan = Plan.objects.create(slug="unlimited", name="Unlimited")
-    return services.tenant_create(slug="acme", plan=plan, **limits)
 
 
 def _admit(tenant, api_key=None):
@@ -190,45 +185,11 @@ def shared_cache():
     cache.clear()  # what the racers left behind
 
 
-RACER = """
-import os, sys, threading, time, django
-django.setup()
-from tenants import quotas
-from tenants.models import Tenant
-tenant = Tenant.objects.select_related("plan").get(pk=int(sys.argv[1]))
-barrier_file = sys.argv[2]
-admitted = []
-def attempt():
-    try:
-        admitted.append(quotas.admission_acquire(tenant=tenant, estimated_tokens=1))
-    except quotas.QuotaExceeded:
-        pass
-threads = [threading.Thread(target=attempt) for _ in range(25)]
-while not os.path.exists(barrier_file):
-    time.sleep(0.01)
-for t in threads: t.start()
-for t in threads: t.join()
-print(len(admitted))
-"""
-
-
 @needs_shared_redis
 @pytest.mark.django_db(transaction=True)
 def test_processes_racing_for_slots_take_exactly_the_limit(tmp_path, shared_cache):
     tenant = _tenant(max_concurrent_requests=10)
-    barrier = tmp_path / "go"
-    racers = [
-        subprocess.Popen(
-            [PYTHON, "-c", RACER, str(tenant.pk), str(barrier)],
-            cwd=ROOT,
-            env=subprocess_env(DATABASE_URL=_test_database_url()),
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
-    barrier.touch()
-    counts = [int(racer.communicate(timeout=120)[0].strip()) for racer in racers]
+    counts = race_processes(tenant, tmp_path, num_processes=4, num_threads=25)
     assert sum(counts) == 10
     assert _held(tenant) == 10  # the racers exited holding them: the leases still run
 
@@ -254,7 +215,7 @@ def test_a_killed_process_slot_frees_itself_while_a_live_ones_holds(tmp_path, sh
     holder = subprocess.Popen(
         [PYTHON, "-c", HOLDER, str(tenant.pk), str(RENEWED_LEASE)],
         cwd=ROOT,
-        env=subprocess_env(DATABASE_URL=_test_database_url()),
+        env=subprocess_env(DATABASE_URL=subprocess_database_url()),
         stdout=subprocess.PIPE,
         text=True,
     )
