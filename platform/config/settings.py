@@ -258,6 +258,8 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 # How long a web process trusts what it read about an API key and its model (see
 # gateway.authorization); 0 reads the database on every request.
 GATEWAY_AUTH_CACHE_SECONDS = float(os.environ.get("GATEWAY_AUTH_CACHE_SECONDS", "5"))
+# a concurrency slot's lease: its process renews it while the request runs (tenants.slots)
+QUOTA_SLOT_LEASE_SECONDS = float(os.environ.get("QUOTA_SLOT_LEASE_SECONDS", "60"))
 METRICS_BEARER_TOKEN = os.environ.get("METRICS_BEARER_TOKEN", "")
 
 LOGGING = {
