@@ -87,7 +87,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context length (as vLLM)
     min_tokens: int = 0
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -106,8 +106,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             _check_number(name, getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name))
-        for name in ("top_k", "max_tokens", "min_tokens"):
+        for name in ("top_k", "min_tokens"):
             _check_number(name, getattr(self, name), integer=True)
+        if self.max_tokens is not None:
+            _check_number("max_tokens", self.max_tokens, integer=True)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -124,9 +126,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )

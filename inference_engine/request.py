@@ -77,7 +77,12 @@ class Request:
     @property
     def max_num_tokens(self) -> int:
         """The most tokens this request can ever hold (prompt plus outputs)."""
-        limit = self.num_prompt_tokens + self.sampling_params.max_tokens
+        max_tokens = self.sampling_params.max_tokens
+        if max_tokens is None:  # up to the context length
+            if self.max_model_len is None:
+                raise ValueError("max_tokens=None needs the engine's max_model_len")
+            return self.max_model_len
+        limit = self.num_prompt_tokens + max_tokens
         return limit if self.max_model_len is None else min(limit, self.max_model_len)
 
     @property

@@ -50,6 +50,12 @@ def test_min_tokens_cannot_exceed_max_tokens():
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_max_tokens_none_means_up_to_the_context_and_survives_the_wire():
+    params = SamplingParams(max_tokens=None, min_tokens=3)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded.max_tokens is None and decoded.min_tokens == 3
+
+
 def test_stop_string_is_normalised_to_a_list():
     assert SamplingParams(stop="###").stop == ["###"]
 

@@ -132,7 +132,9 @@ def test_stop_conditions():
         eos_token_ids=frozenset({7}),
     )
     capped = Request("capped", [1, 2], SamplingParams(max_tokens=9), max_model_len=4)
-    for request in (eos, stop, ignore, capped):
+    # no max_tokens: up to the context length, as vLLM
+    unbounded = Request("unbounded", [1, 2], SamplingParams(max_tokens=None), max_model_len=5)
+    for request in (eos, stop, ignore, capped, unbounded):
         scheduler.add_request(request)
     while scheduler.has_unfinished_requests():
         run_step(scheduler, token_id=7)
@@ -140,6 +142,7 @@ def test_stop_conditions():
     assert (stop.num_output_tokens, stop.finish_reason) == (1, FinishReason.STOP)
     assert (ignore.num_output_tokens, ignore.finish_reason) == (3, FinishReason.LENGTH)
     assert (capped.num_output_tokens, capped.finish_reason) == (2, FinishReason.LENGTH)
+    assert (unbounded.num_output_tokens, unbounded.finish_reason) == (3, FinishReason.LENGTH)
 
 
 def test_timings_are_recorded():
