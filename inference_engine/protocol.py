@@ -62,13 +62,21 @@ class ErrorCode(enum.StrEnum):
 MAX_TENANT_WEIGHT = 1000.0
 
 
+class InvalidParam(ValueError):
+    """A sampling parameter out of its range; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _check_number(name: str, value: object, *, integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        raise InvalidParam(name, f"{name} must be {kind}, got {value!r}")
     if not integer and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise InvalidParam(name, f"{name} must be finite, got {value!r}")
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -111,31 +119,43 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         if self.max_tokens is not None:
             _check_number("max_tokens", self.max_tokens, integer=True)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidParam("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+            raise InvalidParam("top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidParam(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            )
         if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise InvalidParam(
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            )
         if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise InvalidParam(
+                "frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            )
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidParam("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            raise InvalidParam(
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
             )
         if self.stop is not None and (
             not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):
-            raise ValueError(f"stop must be a string or a list of non-empty strings: {self.stop!r}")
+            raise InvalidParam(
+                "stop", f"stop must be a string or a list of non-empty strings: {self.stop!r}"
+            )
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, list)
             or not all(
@@ -143,16 +163,19 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 for t in self.stop_token_ids
             )
         ):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers: {self.stop_token_ids!r}"
+            raise InvalidParam(
+                "stop_token_ids",
+                f"stop_token_ids must be a list of non-negative integers: {self.stop_token_ids!r}",
             )
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidParam(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+                raise InvalidParam(
+                    "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+                )
 
     @property
     def is_greedy(self) -> bool:
