@@ -151,3 +151,19 @@ def llm_cache(model_dirs):
         return cache[key]
 
     return get
+
+
+def stop_spanning_tokens(tokenizer, token_ids: list[int], text: str) -> tuple[str, int]:
+    """A stop string that starts inside one token's text and ends inside a later token's, and
+    the number of tokens up to the one that completes it. ``text`` is the decoded
+    ``token_ids``."""
+    for k in range(1, len(token_ids)):
+        before = tokenizer.decode(token_ids[:k], skip_special_tokens=True)
+        after = tokenizer.decode(token_ids[: k + 1], skip_special_tokens=True)
+        is_clean = text.startswith(before) and text.startswith(after)
+        if not (is_clean and len(before) >= 2 and len(after) >= len(before) + 3):
+            continue
+        stop = before[-2:] + after[len(before) : len(before) + 2]
+        if text.find(stop) == len(before) - 2 and stop.isprintable() and "\ufffd" not in stop:
+            return stop, k + 1
+    raise AssertionError(f"no stop string spans a token boundary in {text!r}")

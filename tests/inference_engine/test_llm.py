@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from inference_engine import LLM, SamplingParams
 from inference_engine.core import EngineCore
 from inference_engine.protocol import ErrorCode, FinishReason
+from tests.inference_engine.conftest import stop_spanning_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -62,6 +64,24 @@ def test_stop_strings_trim_the_text_and_stop_the_request(llm_cache):
         ),
     )
     assert kept.finish_reason == "stop" and kept.text == full.text[: cut + len(stop)]
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_string_spanning_tokens_ends_the_text_inside_a_token(llm_cache, include_stop):
+    llm = llm_cache("llama")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    [full] = llm.generate([[5, 6, 7]], params)
+    stop, num_tokens = stop_spanning_tokens(llm.tokenizer, full.token_ids, full.text)
+    [stopped] = llm.generate(
+        [[5, 6, 7]],
+        msgspec.structs.replace(params, stop=[stop], include_stop_str_in_output=include_stop),
+    )
+    cut = full.text.index(stop) + (len(stop) if include_stop else 0)
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:cut]
+    # the token that completes the stop string is the last one reported
+    assert stopped.token_ids == full.token_ids[:num_tokens]
+    assert not llm.core.has_unfinished_requests()
 
 
 def test_eos_stops_unless_ignored(eos_llama_dir):

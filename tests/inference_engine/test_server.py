@@ -31,6 +31,7 @@ from inference_engine.protocol import (
     SamplingParams,
 )
 from tests.conftest import PYTHON, ROOT, subprocess_env
+from tests.inference_engine.conftest import stop_spanning_tokens
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -207,6 +208,38 @@ async def test_stop_strings_are_cut_and_never_streamed(client, llm_cache):
     assert text == want.text == full.text[: full.text.index(stop)]
     assert deltas[-1].finish_reason == FinishReason.STOP
     assert deltas[-1].usage.completion_tokens == len(joined(deltas)[1])
+
+
+async def test_llm_generate_gives_exactly_what_the_server_streams(client, llm_cache):
+    """``LLM`` and the server share one output processor: the same text, token ids, finish
+    reason and usage for the same request, stop strings (cut or kept) included."""
+    llm = llm_cache("llama")
+    prompt = PROMPTS[0]
+    base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    [full] = llm.generate(prompt, base)
+    spanning, _ = stop_spanning_tokens(llm.tokenizer, full.token_ids, full.text)
+    variants = [
+        base,
+        msgspec.structs.replace(base, stop=[spanning]),
+        msgspec.structs.replace(base, stop=[spanning], include_stop_str_in_output=True),
+        msgspec.structs.replace(base, stop=["never seen", spanning]),
+        msgspec.structs.replace(base, stop=["never seen"], include_stop_str_in_output=True),
+    ]
+    for params in variants:
+        [want] = llm.generate(prompt, params)
+        deltas = await collect(client, GenerateRequest(prompt=prompt, params=params))
+        last = deltas[-1]
+        assert joined(deltas) == (want.text, want.token_ids), params
+        assert str(last.finish_reason) == want.finish_reason, params
+        assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert last.usage.completion_tokens == len(want.token_ids)
+    assert [llm.generate(prompt, p)[0].finish_reason for p in variants] == [
+        "length",
+        "stop",
+        "stop",
+        "stop",
+        "length",
+    ]
 
 
 async def test_cancelled_stream_is_aborted_within_a_step_and_frees_blocks(client):
