@@ -1,9 +1,18 @@
-"""Engine configuration: validated numbers only, no I/O."""
+"""The engine's configuration: validated numbers only, no I/O.
+
+``EngineConfig`` is what ``LLM`` and the engine process run (the model and how to run it);
+``ServerConfig`` is what only the process needs (its socket, queue limits, metrics, shutdown).
+Each field's default is the only one: ``python -m inference_engine`` builds a flag per field
+(``--max-num-seqs`` for ``max_num_seqs``) from the field's type, default and ``help``, and
+``LLM`` takes the fields as keywords.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from inference_engine.protocol import MAX_FRAME_BYTES
 from inference_engine.waiting_queue import SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -12,50 +21,60 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
+def option(default: Any, description: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its default and the command line's help (and choices)."""
+    return field(default=default, metadata={"help": description, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
-    """What the engine is asked to run. ``max_model_len=None`` means the model's own limit;
-    ``num_kv_blocks`` fixes the KV cache size, else ``kv_cache_memory`` (bytes) sizes it, else
-    the runner sizes it: on a GPU, ``gpu_memory_utilization`` of the device's memory less the
-    weights and the peak of a profiling step; on the CPU, enough for ``max_num_seqs``
-    full-length requests up to 4 GiB. ``enforce_eager`` turns off the CUDA graphs that replay
-    decode-only steps; ``max_cudagraph_batch_size`` is the largest one captured (default:
-    ``max_num_seqs``, at most 512). ``scheduling_policy`` orders admission: ``fcfs``,
-    ``priority``, or ``fair`` (priority, then the least-served tenant)."""
+    """What the engine is asked to run. The KV cache is ``num_kv_blocks`` blocks, else
+    ``kv_cache_memory`` bytes, else what the runner sizes: on a GPU, ``gpu_memory_utilization``
+    of the device's memory less the weights and the peak of a profiling step; on the CPU,
+    enough for ``max_num_seqs`` full-length requests up to 4 GiB."""
 
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.9
-    max_cudagraph_batch_size: int | None = None
-    scheduling_policy: str = "fair"
+    model: str = field(metadata={"help": "path of a Hugging Face model directory"})
+    dtype: str = option("auto", "weights and KV cache dtype", DTYPES)
+    device: str = option("auto", "torch device: auto, cpu, cuda, cuda:1 ...")
+    block_size: int = option(16, "tokens per KV cache block")
+    max_num_seqs: int = option(256, "most requests in one batch")
+    max_num_batched_tokens: int = option(
+        2048, "most tokens in one step (decodes plus prefill chunks)"
+    )
+    num_kv_blocks: int | None = option(None, "KV cache size in blocks (or give kv-cache-memory)")
+    kv_cache_memory: int | None = option(
+        None,
+        "KV cache size in bytes (default: what gpu-memory-utilization leaves on a GPU, or "
+        "enough on the CPU for max-num-seqs full-length requests up to 4 GiB)",
+    )
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
+    max_model_len: int | None = option(None, "longest prompt plus output (default: the model's)")
+    attention_backend: str = option(
+        "auto", "auto: Triton's paged kernel on a GPU, torch on the CPU", ATTENTION_BACKENDS
+    )
+    enforce_eager: bool = option(False, "run decode steps eagerly instead of replaying CUDA graphs")
+    gpu_memory_utilization: float = option(
+        0.9, "share of the GPU's memory for weights, activations and KV cache"
+    )
+    max_cudagraph_batch_size: int | None = option(
+        None,
+        "largest decode batch captured in a CUDA graph (default: max-num-seqs, at most 512); "
+        "larger ones run eagerly",
+    )
+    scheduling_policy: str = option(
+        "fair",
+        "admission order: fcfs, priority, or fair (priority, then the least-served tenant by "
+        "virtual token counters)",
+        SCHEDULING_POLICIES,
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("dtype", "attention_backend", "scheduling_policy"):
+            _check_choice(self, name)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
-            )
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, int | float):
             raise ValueError(f"gpu_memory_utilization must be a number, got {utilization!r}")
@@ -71,6 +90,54 @@ class EngineConfig:
                 _check_positive(name, getattr(self, name))
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
+
+
+@dataclass
+class ServerConfig:
+    """How the engine process serves its ``EngineConfig``."""
+
+    endpoint: str = option(
+        "tcp://127.0.0.1:5555", "ZeroMQ endpoint to bind, tcp://HOST:PORT or ipc:///PATH"
+    )
+    served_model_name: str | None = option(
+        None, "model name reported in STATS and metrics (default: the model's path)"
+    )
+    max_queued_requests: int = option(
+        1024, "waiting requests past which a new one is refused with 'overloaded'"
+    )
+    tenant_queue_share: float = option(
+        0.5,
+        "most of the waiting queue one tenant may hold; past it only that tenant is refused "
+        "with 'overloaded' (1 turns it off)",
+    )
+    metrics_port: int | None = option(None, "serve Prometheus metrics on this port")
+    metrics_host: str = option("127.0.0.1", "address of the metrics server")
+    async_output: bool = option(
+        True, "detokenize and serialize on an output thread, not in the busy loop"
+    )
+    shutdown_grace_period: float = option(
+        30.0, "seconds in-flight requests get to finish after SIGTERM"
+    )
+    max_frame_bytes: int = option(MAX_FRAME_BYTES, "larger client frames are dropped unread")
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not 0 < self.tenant_queue_share <= 1:
+            raise ValueError(f"tenant_queue_share must be in (0, 1], got {self.tenant_queue_share}")
+        if self.shutdown_grace_period < 0:
+            raise ValueError(
+                f"shutdown_grace_period must be >= 0, got {self.shutdown_grace_period}"
+            )
+        _check_positive("max_frame_bytes", self.max_frame_bytes)
+        if self.metrics_port is not None:
+            _check_positive("metrics_port", self.metrics_port)
+
+
+def _check_choice(config: object, name: str) -> None:
+    choices = config.__dataclass_fields__[name].metadata["choices"]
+    if getattr(config, name) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {getattr(config, name)!r}")
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from inference_engine.config import EngineConfig
 from inference_engine.core import EngineCore
@@ -37,13 +38,16 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str, skip_tokenizer_init: bool = False, **options) -> None:
+    def __init__(self, model: str, skip_tokenizer_init: bool = False, **options: Any) -> None:
         """``options`` are ``EngineConfig``'s fields (``dtype``, ``max_num_seqs``,
-        ``enforce_eager`` ...), so their defaults live in one place. ``skip_tokenizer_init``
-        loads no tokenizer: prompts must be token ids, texts stay empty and stop strings are
-        ignored."""
+        ``enforce_eager`` ...), with its defaults; another name raises ``TypeError``.
+        ``skip_tokenizer_init`` loads no tokenizer: prompts must be token ids, texts stay empty
+        and stop strings are ignored."""
         from transformers import AutoTokenizer
 
+        names = {option.name for option in fields(EngineConfig)} - {"model"}
+        if unknown := sorted(options.keys() - names):
+            raise TypeError(f"LLM() got unknown options {unknown}; it takes {sorted(names)}")
         config = EngineConfig(model=model, **options)
         self.core = EngineCore(config)
         self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(model)

@@ -34,12 +34,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from inference_engine.config import EngineConfig
+from inference_engine.config import EngineConfig, ServerConfig
 from inference_engine.metrics import EngineMetrics
 from inference_engine.model_control import LoadedModel, ModelController, load_model
 from inference_engine.output_processor import OutputProcessor
 from inference_engine.protocol import (
-    MAX_FRAME_BYTES,
     MAX_ID_CHARS,
     AbortRequest,
     ControlRequest,
@@ -62,20 +61,6 @@ _ABORT, _ADD, _SWITCH = 0, 1, 2
 _NO_SWITCH = object()
 # frames queued per client before ZeroMQ drops more; a client this far behind is stuck
 SEND_HWM = 100_000
-
-
-@dataclass
-class ServerConfig:
-    endpoint: str
-    served_model_name: str | None = None
-    max_queued_requests: int = 1024
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    async_output: bool = True
-    shutdown_grace_period: float = 30.0
-    max_frame_bytes: int = MAX_FRAME_BYTES
-    # most of the waiting queue one tenant may hold; past it only that tenant is refused
-    tenant_queue_share: float = 0.5
 
 
 @dataclass

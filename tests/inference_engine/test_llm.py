@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from inference_engine import LLM, SamplingParams
+from inference_engine.config import EngineConfig
 from inference_engine.core import EngineCore
 from inference_engine.protocol import ErrorCode, FinishReason
 from tests.inference_engine.conftest import stop_spanning_tokens
@@ -26,6 +27,12 @@ def test_outputs_come_back_in_input_order_with_text(llm_cache, tokenizer):
         assert output.finish_reason == "length"
     single = llm.generate("hello world", params[2])
     assert single[0].token_ids == outputs[2].token_ids
+
+
+def test_options_are_engine_config_fields_with_its_defaults(llm_cache, llama_dir):
+    assert llm_cache("llama").core.config == EngineConfig(model=llama_dir, dtype="float32")
+    with pytest.raises(TypeError, match=r"unknown options \['max_seqs'\]"):
+        LLM(llama_dir, max_seqs=4)
 
 
 def test_chat_uses_the_template(llm_cache, tokenizer):
