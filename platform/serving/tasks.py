@@ -1,7 +1,8 @@
 from celery import shared_task
 
-from serving.health import control_replica, poll_deployments
 from serving.models import ModelDeployment
+from serving.polling import poll_deployments
+from serving.replica_control import control_replica
 
 
 @shared_task(name="serving.poll_engine_health")
@@ -10,7 +11,9 @@ def poll_engine_health() -> dict[str, str]:
 
 
 @shared_task(name="serving.control_engine")
-def control_engine(deployment_id: int, endpoint: str, action: str, model: str | None = None):
+def control_engine(
+    deployment_id: int, endpoint: str, action: str, model: str | None = None
+) -> dict:
     """Load or unload a model on one replica (CONTROL), following it until it is done."""
     deployment = ModelDeployment.objects.get(pk=deployment_id)
     return control_replica(deployment=deployment, endpoint=endpoint, action=action, model=model)

@@ -1,4 +1,5 @@
 import pytest
+from django.conf import settings
 
 from config import celery_app
 from serving.models import ModelDeployment
@@ -28,3 +29,10 @@ def test_polling_records_each_replicas_state(engine, tmp_path):
     assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage"} <= set(replica)
     assert up.checked_at is not None
     assert ModelDeployment.objects.get(name="off").health == "unknown"
+
+
+def test_the_task_names_beat_and_queued_messages_carry_are_registered():
+    celery_app.loader.import_default_modules()
+    scheduled = {entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert "serving.poll_engine_health" in scheduled
+    assert {*scheduled, "serving.control_engine"} <= set(celery_app.tasks)
