@@ -3,9 +3,9 @@
 - The **I/O thread** owns the ROUTER socket (ZeroMQ sockets are not thread-safe). It decodes
   and validates client frames, tokenizes prompts (applying the chat template), refuses what it
   must at once (``invalid_request``, ``overloaded``), answers STATS and CONTROL itself, and
-  queues generates and aborts for the busy loop. It also forwards the output thread's frames,
-  which arrive on an inproc PULL socket, to the ROUTER.
-- The **busy loop** (the main thread) applies queued aborts and adds, then runs
+  puts generates and aborts on the busy loop's ``InputQueue`` (``queues.py``). It also forwards
+  the output thread's frames, which arrive on an inproc PULL socket, to the ROUTER.
+- The **busy loop** (the main thread) applies queued aborts, adds and model switches, then runs
   ``EngineCore.step()`` and hands the outputs on. It does nothing else.
 - The **output thread** runs ``OutputProcessor`` (detokenize, stop strings, serialize) on one
   step's outputs while the next step runs, and pushes one frame per client per step. With
@@ -20,7 +20,6 @@ closes the sockets.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import queue
 import signal
@@ -29,12 +28,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from inference_engine.config import EngineConfig, ServerConfig
+from inference_engine.core import EngineCore
 from inference_engine.metrics import EngineMetrics
 from inference_engine.model_control import LoadedModel, ModelController, load_model
 from inference_engine.output_processor import OutputProcessor
@@ -49,32 +49,18 @@ from inference_engine.protocol import (
     GenerateRequest,
     RequestType,
     ResponseType,
-    SamplingParams,
     StatsResponse,
 )
+from inference_engine.queues import InputKind, InputQueue, QueuedAdd, QueuedInput, StepOutputs
 from inference_engine.tokenization import render_chat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-# lower sorts first in the input queue: aborts never wait behind adds
-_ABORT, _ADD, _SWITCH = 0, 1, 2
-_NO_SWITCH = object()
 # frames queued per client before ZeroMQ drops more; a client this far behind is stuck
 SEND_HWM = 100_000
-
-
-@dataclass
-class QueuedAdd:
-    """A generate request on its way from the input thread to the busy loop."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    arrival_time: float
-    tenant_id: str
-    tenant_weight: float
 
 
 @dataclass
@@ -94,17 +80,19 @@ class EngineServer:
         self.config = server_config
         self.model_name = server_config.served_model_name or engine_config.model
         self.engine_id = uuid.uuid4().hex
-        self.core: Any = None
-        self.processor: OutputProcessor | None = None
+        self.core: EngineCore | None = None
+        self.input_tokenizer: PreTrainedTokenizerBase | None = None
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.snapshot = _Snapshot()
         self.metrics = EngineMetrics(
             self.model_name, self._gauges, lambda: self.snapshot.waiting_by_tenant
         )
-        self.input_queue: queue.PriorityQueue = queue.PriorityQueue()
-        self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._seq = itertools.count()
+        self.inputs = InputQueue()
+        # its tokenizer is the serving model's, set when one is installed
+        self.processor = OutputProcessor(None, abort=self._queue_abort, metrics=self.metrics)
+        # None stops the output thread
+        self.output_queue: queue.SimpleQueue[StepOutputs | None] = queue.SimpleQueue()
         # one writer each, so their difference (adds not yet in the core) needs no lock
         self._num_adds_queued = 0
         self._num_adds_taken = 0
@@ -121,7 +109,7 @@ class EngineServer:
         self._io_bound = threading.Event()
         self._io_error: BaseException | None = None
         self.controller = ModelController(engine_config, self._queue_switch)
-        self._pending_switch: object = _NO_SWITCH
+        self._pending_switch: QueuedInput | None = None
         self.ctx = zmq.Context()
         self._outputs_endpoint = f"inproc://engine-outputs-{id(self)}"
 
@@ -151,7 +139,7 @@ class EngineServer:
             else:
                 push = self._connect_push()
                 try:
-                    self._busy_loop(lambda item: self._send_frames(push, self._process(*item)))
+                    self._busy_loop(lambda step: self._send_frames(push, self._process(step)))
                 finally:
                     push.close(linger=-1)
         finally:
@@ -178,11 +166,7 @@ class EngineServer:
             signal.signal(sig, lambda signum, frame: self.request_shutdown())
 
     def _load(self) -> None:
-        loaded = load_model(self.engine_config)
-        self.processor = OutputProcessor(
-            loaded.output_tokenizer, abort=self._queue_abort, metrics=self.metrics
-        )
-        self._install(loaded)
+        self._install(load_model(self.engine_config))
 
     def _install(self, loaded: LoadedModel | None) -> None:
         """Serve ``loaded`` (None: nothing). Only the busy loop calls this, between steps and
@@ -196,22 +180,22 @@ class EngineServer:
         self._publish_snapshot()
 
     def _queue_switch(self, loaded: LoadedModel | None) -> None:
-        self.input_queue.put((_SWITCH, next(self._seq), loaded))
+        self.inputs.put_switch(loaded)
 
     def _switch_if_drained(self) -> None:
-        if self._pending_switch is _NO_SWITCH:
+        if self._pending_switch is None:
             return
         if self.core is not None and self.core.has_unfinished_requests():
             return
-        loaded, self._pending_switch = self._pending_switch, _NO_SWITCH
+        loaded, self._pending_switch = self._pending_switch.model, None
         self._install(loaded)
         self.controller.switched(loaded)
         logger.info("now serving %s", loaded.config.model if loaded else "nothing")
 
     # -- busy loop ---------------------------------------------------------------------------
 
-    def _busy_loop(self, hand_off: Callable[[tuple[list[EngineOutput], float]], None]) -> None:
-        """``hand_off((outputs, step_time))`` gets every step's outputs."""
+    def _busy_loop(self, hand_off: Callable[[StepOutputs], None]) -> None:
+        """``hand_off`` gets every step's outputs."""
         self._hand_off = hand_off
         deadline = None
         shutdown_aborted: set[str] = set()
@@ -232,7 +216,7 @@ class EngineServer:
                     if core is not None:
                         core.abort_requests(left)
                 idle = core is None or not core.has_unfinished_requests()
-                if idle and self.input_queue.empty():
+                if idle and self.inputs.empty():
                     return
             if core is None or not core.has_unfinished_requests():
                 continue
@@ -241,52 +225,47 @@ class EngineServer:
             if shutdown_aborted:
                 _mark_shutdown_aborts(outputs, shutdown_aborted)
             if outputs:
-                hand_off((outputs, time.time()))
+                hand_off(StepOutputs(outputs, time.time()))
 
     def _apply_inputs(self, block: bool) -> None:
-        items = []
-        try:
-            get = self.input_queue.get
-            items.append(get(timeout=0.1) if block else get(block=False))
-            while True:
-                items.append(self.input_queue.get_nowait())
-        except queue.Empty:
-            pass
+        items = self.inputs.take_all(timeout=0.1 if block else None)
         aborts = []
-        for kind, _, payload in items:
-            if kind == _ABORT:
-                aborts.extend(payload)
-            elif kind == _SWITCH:
-                self._pending_switch = payload
+        for item in items:
+            if item.kind == InputKind.ABORT:
+                aborts.extend(item.req_ids)
+            elif item.kind == InputKind.SWITCH:
+                self._pending_switch = item
             else:
-                add: QueuedAdd = payload
-                self._num_adds_taken += 1
-                self._adds_taken_by_tenant[add.tenant_id] += 1
-                try:
-                    self.core.add_request(
-                        add.req_id,
-                        add.prompt_token_ids,
-                        add.params,
-                        priority=add.priority,
-                        cache_salt=add.cache_salt,
-                        arrival_time=add.arrival_time,
-                        tenant_id=add.tenant_id,
-                        tenant_weight=add.tenant_weight,
-                    )
-                except Exception as exc:  # noqa: BLE001 - the core should refuse by output
-                    logger.exception("adding %s failed", add.req_id)
-                    failed = EngineOutput(
-                        add.req_id,
-                        finish_reason=FinishReason.ERROR,
-                        error_code=ErrorCode.ENGINE_ERROR,
-                        error_message=f"the engine could not add the request: {exc}",
-                    )
-                    self._hand_off(([failed], time.time()))
+                self._add(item.add)
         # after the adds: an abort may name a request that arrived in the same batch
         if aborts and self.core is not None:
             self.core.abort_requests(aborts)
         if items:
             self._publish_snapshot()
+
+    def _add(self, add: QueuedAdd) -> None:
+        self._num_adds_taken += 1
+        self._adds_taken_by_tenant[add.tenant_id] += 1
+        try:
+            self.core.add_request(
+                add.req_id,
+                add.prompt_token_ids,
+                add.params,
+                priority=add.priority,
+                cache_salt=add.cache_salt,
+                arrival_time=add.arrival_time,
+                tenant_id=add.tenant_id,
+                tenant_weight=add.tenant_weight,
+            )
+        except Exception as exc:  # noqa: BLE001 - the core should refuse by output
+            logger.exception("adding %s failed", add.req_id)
+            failed = EngineOutput(
+                add.req_id,
+                finish_reason=FinishReason.ERROR,
+                error_code=ErrorCode.ENGINE_ERROR,
+                error_message=f"the engine could not add the request: {exc}",
+            )
+            self._hand_off(StepOutputs([failed], time.time()))
 
     def _publish_snapshot(self) -> None:
         if self.core is None:
@@ -302,23 +281,23 @@ class EngineServer:
         )
 
     def _queue_abort(self, req_ids: list[str]) -> None:
-        self.input_queue.put((_ABORT, next(self._seq), req_ids))
+        self.inputs.put_abort(req_ids)
 
     # -- output thread -----------------------------------------------------------------------
 
     def _output_loop(self) -> None:
         push = self._connect_push()
         try:
-            while (item := self.output_queue.get()) is not None:
+            while (step := self.output_queue.get()) is not None:
                 try:
-                    self._send_frames(push, self._process(*item))
+                    self._send_frames(push, self._process(step))
                 except Exception:  # noqa: BLE001 - keep serving the other steps
                     logger.exception("output processing failed")
         finally:
             push.close(linger=-1)
 
-    def _process(self, outputs: list[EngineOutput], step_time: float) -> list[list[bytes]]:
-        return self.processor.process(outputs, step_time)
+    def _process(self, step: StepOutputs) -> list[list[bytes]]:
+        return self.processor.process(step.outputs, step.step_time)
 
     def _connect_push(self) -> zmq.Socket:
         push = self.ctx.socket(zmq.PUSH)
@@ -463,18 +442,19 @@ class EngineServer:
             req_id, identity, request_id, token_ids, request.params, tenant_id=tenant
         )
         self._num_adds_queued += 1
-        add = QueuedAdd(
-            req_id,
-            token_ids,
-            request.params,
-            request.priority,
-            request.cache_salt,
-            arrival,
-            tenant,
-            request.tenant_weight,
-        )
         self._adds_queued_by_tenant[tenant] += 1
-        self.input_queue.put((_ADD, next(self._seq), add))
+        self.inputs.put_add(
+            QueuedAdd(
+                req_id=req_id,
+                prompt_token_ids=token_ids,
+                params=request.params,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                arrival_time=arrival,
+                tenant_id=tenant,
+                tenant_weight=request.tenant_weight,
+            )
+        )
 
     def _num_waiting_of(self, tenant: str) -> int:
         """The tenant's waiting requests as the busy loop last saw them, plus its adds on
