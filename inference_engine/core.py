@@ -16,13 +16,12 @@ from inference_engine.scheduler import RequestRejected, Scheduler
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Any | None = None) -> None:
-        if runner is None:
-            from inference_engine.model_runner import ModelRunner
+    def __init__(self, config: EngineConfig) -> None:
+        """Loads the model: builds its ``ModelRunner``, which sizes the KV cache."""
+        from inference_engine.model_runner import ModelRunner  # torch, only once a core is built
 
-            runner = ModelRunner(config)
         self.config = config
-        self.runner = runner
+        self.runner = runner = ModelRunner(config)
         model_max_len = runner.spec.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(

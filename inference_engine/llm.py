@@ -13,13 +13,16 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference_engine.config import EngineConfig
 from inference_engine.core import EngineCore
 from inference_engine.output_processor import OutputProcessor
 from inference_engine.protocol import SamplingParams, TokenLogprobs
 from inference_engine.tokenization import render_chat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int]
 
@@ -50,7 +53,9 @@ class LLM:
             raise TypeError(f"LLM() got unknown options {unknown}; it takes {sorted(names)}")
         config = EngineConfig(model=model, **options)
         self.core = EngineCore(config)
-        self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(model)
+        self.tokenizer: PreTrainedTokenizerBase | None = (
+            None if skip_tokenizer_init else AutoTokenizer.from_pretrained(model)
+        )
         self._req_counter = itertools.count()
 
     def chat(

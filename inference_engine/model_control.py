@@ -15,10 +15,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from inference_engine.config import EngineConfig
+from inference_engine.core import EngineCore
 from inference_engine.protocol import ControlRequest, ControlResponse, ErrorCode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +34,16 @@ class LoadedModel:
     """Everything the server swaps in at once."""
 
     config: EngineConfig
-    core: Any
-    input_tokenizer: Any
-    output_tokenizer: Any
+    core: EngineCore
+    # one tokenizer per thread: the I/O thread encodes while the output thread decodes
+    input_tokenizer: PreTrainedTokenizerBase
+    output_tokenizer: PreTrainedTokenizerBase
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
     from transformers import AutoTokenizer
 
-    from inference_engine.core import EngineCore
-
     core = EngineCore(config)
-    # one tokenizer per thread: the input thread encodes while the output thread decodes
     return LoadedModel(
         config,
         core,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -27,6 +28,9 @@ from inference_engine.protocol import (
     Usage,
 )
 from inference_engine.tokenization import IncrementalDetokenizer, find_stop_string
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ class RequestState:
 class OutputProcessor:
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase | None,
         *,
         abort: Callable[[list[str]], None],
         metrics: EngineMetrics | None = None,

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # prompt tokens kept as left context so the first output token decodes with the right spacing
 NUM_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation rendered with the tokenizer's chat template, ready for the
     assistant's turn."""
     if not getattr(tokenizer, "chat_template", None):
@@ -30,7 +33,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
