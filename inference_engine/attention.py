@@ -36,7 +36,6 @@ class DecodeBucket:
     query_index: torch.Tensor  # [B] rows of the packed step
     block_table: torch.Tensor  # [B, max_blocks] padded with 0
     padding: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True past each one's context
-    max_context_len: int
 
 
 @dataclass

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from inference_engine.config import EngineConfig
 from inference_engine.protocol import EngineOutput, ErrorCode, FinishReason, SamplingParams
@@ -144,15 +143,6 @@ class EngineCore:
         if finished:
             self.runner.release(finished)
         return outputs
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage": self.scheduler.kv_cache.usage,
-            "num_kv_blocks": self.scheduler.kv_cache.num_blocks,
-            "max_model_len": self.max_model_len,
-        }
 
     @staticmethod
     def _output(

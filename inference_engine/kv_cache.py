@@ -101,8 +101,6 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         # leading blocks of each request that already carry their hash
         self.num_hashed_blocks: dict[str, int] = {}
-        self.num_prefix_queries = 0
-        self.num_prefix_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,8 +138,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_prefix_queries += 1
-        self.num_prefix_hits += bool(hits)
         return hits, len(hits) * self.block_size
 
     def allocate_slots(

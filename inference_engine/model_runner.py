@@ -512,7 +512,6 @@ class ModelRunner:
                     to_device(cu_lens[members]),
                     to_device(np.ascontiguousarray(table[members, :num_blocks])),
                     to_device(padding[:, None, None, :]),
-                    int(longest),
                 )
             )
             bucket_start = end

@@ -54,7 +54,6 @@ def test_decode_bucket_matches_attention_over_each_requests_own_tokens(
         query_index=torch.arange(len(context_lens)),
         block_table=block_table,
         padding=padding[:, None, None, :],
-        max_context_len=max(context_lens),
     )
     meta = PagedMetadata([key_cache], [value_cache], slot_mapping, decode_buckets=[bucket])
     num_tokens = len(context_lens)

@@ -202,4 +202,4 @@ def test_core_abort_reports_and_frees(llm_cache):
     assert outputs["a"][-1].finish_reason == FinishReason.ABORT
     assert outputs["b"][-1].finish_reason == FinishReason.LENGTH
     assert core.scheduler.kv_cache.usage == 0.0
-    assert core.stats()["num_running"] == 0
+    assert core.scheduler.num_running == 0
