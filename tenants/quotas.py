@@ -19,9 +19,10 @@ Tokens per minute and the month are *reserved* on admission (prompt estimate plu
 The month counter is seeded from the usage records when the cache has none, so a cache
 restart does not reset anybody's budget.
 
-Public API: ``admission_acquire`` / ``aadmission_acquire`` -> ``AdmissionTicket`` or
-``QuotaExceeded``; ``admission_release`` / ``aadmission_release`` (idempotent, call it in
-``finally``); ``quota_usage`` for dashboards.
+Public API: ``admission_acquire`` -> ``AdmissionTicket`` or ``QuotaExceeded``, each with the
+``windows`` where the per-minute limits stand (the API reports them as ``x-ratelimit-*``
+headers); ``admission_release`` (idempotent, call it in ``finally``); ``quota_usage`` for
+dashboards.
 """
 
 import contextlib
@@ -32,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from asgiref.sync import sync_to_async
 from django.core.cache import cache
 
 from tenants.models import ApiKey, Tenant
@@ -52,18 +52,28 @@ def _now() -> float:
 HOPELESS_KINDS = frozenset({"request_too_large", "budget_too_small"})
 
 
+@dataclass(frozen=True)
+class Window:
+    """Where one per-minute limit ("requests" or "tokens") stands after an admission: the
+    tighter of the tenant's and the key's."""
+
+    limit: int
+    remaining: int
+    reset_seconds: float  # until the current minute's window ends
+
+
 class QuotaExceeded(Exception):
     """A refusal: which limit, whose, and when to retry. Maps to HTTP 429, except a request
     that no wait would admit (``is_hopeless``: larger than a limit by itself), a 400."""
 
     def __init__(
-        self, *, kind: str, scope: str, limit: int, retry_after: int, headers: dict[str, str]
+        self, *, kind: str, scope: str, limit: int, retry_after: int, windows: dict[str, Window]
     ) -> None:
         self.kind = kind
         self.scope = scope
         self.limit = limit
         self.retry_after = retry_after
-        self.headers = {**headers, "Retry-After": str(retry_after)}
+        self.windows = windows
         super().__init__(self._describe())
 
     def _describe(self) -> str:
@@ -102,7 +112,7 @@ class AdmissionTicket:
     tenant_id: int
     api_key_id: int | None
     reserved_tokens: int
-    headers: dict[str, str]
+    windows: dict[str, Window]  # "requests", "tokens": where the per-minute limits stand
     # Cache keys of the counters that hold the token reservation.
     token_counters: list[str] = field(default_factory=list)
     # what a counter holds when it is not ``reserved_tokens`` (a per-minute limit's share)
@@ -147,15 +157,6 @@ def _undo(step: Callable[..., None], *args: object) -> None:
         logger.exception("could not roll back part of a failed admission")
 
 
-def _format_reset(seconds: float) -> str:
-    """OpenAI's reset format: 850ms, 12s, 1m30s."""
-    if seconds < 1:
-        return f"{max(0, int(seconds * 1000))}ms"
-    seconds = math.ceil(seconds)
-    minutes, seconds = divmod(seconds, 60)
-    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
-
-
 class _Admission:
     """One attempt to admit; remembers what it added so a failed attempt can undo it."""
 
@@ -166,7 +167,7 @@ class _Admission:
         self.previous_weight = 1 - self.elapsed / WINDOW_SECONDS
         self.added: list[tuple[str, int]] = []
         self.slots: list[Slot] = []
-        self.headers: dict[str, str] = {}
+        self.windows: dict[str, Window] = {}
 
     def rollback(self) -> None:
         """Undo what the attempt added, as far as the cache lets us: one undo failing does
@@ -184,7 +185,6 @@ class _Admission:
         limit until it settles."""
         if limit is None:
             return None
-        header = "requests" if kind == "requests" else "tokens"
         if (amount if likely is None else likely) > limit:
             raise self._refuse("request_too_large", scope, limit, WINDOW_SECONDS)
         amount = min(amount, limit)
@@ -201,7 +201,7 @@ class _Admission:
                 # The previous minute's share decays linearly to zero over this minute.
                 retry = min(until_next_window, (used - limit) / (previous / WINDOW_SECONDS))
             raise self._refuse(kind, scope, limit, max(1, math.ceil(retry)))
-        self._record_headers(header, limit, limit - used, until_next_window)
+        self._record_window(kind, limit, limit - used, until_next_window)
         return key
 
     def concurrency(self, scope: _Scope, limit: int | None) -> None:
@@ -240,23 +240,23 @@ class _Admission:
             raise self._refuse("monthly_tokens", scope, budget, _seconds_to_next_month(self.now))
         return key
 
-    def _record_headers(self, header: str, limit: int, remaining: float, reset: float) -> None:
-        """Report the tighter of the tenant's and the key's limits."""
+    def _record_window(self, kind: str, limit: int, remaining: float, reset: float) -> None:
+        """Keep the tighter of the tenant's and the key's limits."""
         remaining = max(0, int(remaining))
-        previous = self.headers.get(f"x-ratelimit-remaining-{header}")
-        if previous is not None and int(previous) <= remaining:
+        previous = self.windows.get(kind)
+        if previous is not None and previous.remaining <= remaining:
             return
-        self.headers[f"x-ratelimit-limit-{header}"] = str(limit)
-        self.headers[f"x-ratelimit-remaining-{header}"] = str(remaining)
-        self.headers[f"x-ratelimit-reset-{header}"] = _format_reset(reset)
+        self.windows[kind] = Window(limit=limit, remaining=remaining, reset_seconds=reset)
 
     def _refuse(self, kind: str, scope: _Scope, limit: int, retry_after: int) -> QuotaExceeded:
-        headers = dict(self.headers)
         if kind in ("requests", "tokens"):
-            self._record_headers(kind, limit, 0, WINDOW_SECONDS - self.elapsed)
-            headers = dict(self.headers)
+            self._record_window(kind, limit, 0, WINDOW_SECONDS - self.elapsed)
         return QuotaExceeded(
-            kind=kind, scope=scope.name, limit=limit, retry_after=retry_after, headers=headers
+            kind=kind,
+            scope=scope.name,
+            limit=limit,
+            retry_after=retry_after,
+            windows=dict(self.windows),
         )
 
 
@@ -286,7 +286,7 @@ def admission_acquire(
         tenant_id=tenant.pk,
         api_key_id=api_key.pk if api_key else None,
         reserved_tokens=estimated_tokens,
-        headers=attempt.headers,
+        windows=attempt.windows,
         slots=attempt.slots,
     )
     try:
@@ -331,10 +331,6 @@ def admission_release(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
             errors.append(exc)
     if errors:
         raise errors[0]
-
-
-aadmission_acquire = sync_to_async(admission_acquire)
-aadmission_release = sync_to_async(admission_release)
 
 
 @dataclass(frozen=True)

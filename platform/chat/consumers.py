@@ -15,7 +15,8 @@ Client → server frames (JSON objects, at most ``MAX_FRAME_CHARS`` characters):
 - ``{"type": "edit", "message_id": int, "content": str}``: change one of the user's messages,
   drop everything after it, and generate a reply to it.
 - ``{"type": "settings", "model"?: str, "system_prompt"?: str, "temperature"?: number,
-  "max_tokens"?: int}``: change the conversation's settings (they apply to the next reply).
+  "max_tokens"?: int | null}``: change the conversation's settings (they apply to the next
+  reply; a null ``max_tokens`` lets replies run up to the model's context length).
 
 Server → client frames:
 
@@ -59,9 +60,9 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.core.exceptions import ValidationError
 
 from chat import claims, selectors, services
-from chat.generation import ChatError, ReplyOutcome, generate_reply
 from chat.models import Conversation, Message
 from chat.payloads import message_payload, settings_payload
+from chat.replies import ChatError, ReplyOutcome, generate_reply
 from chat.selectors import SESSION_TENANT_KEY
 
 logger = logging.getLogger(__name__)

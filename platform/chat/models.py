@@ -11,7 +11,6 @@ from django.utils import timezone
 from tenants.models import Tenant
 
 DEFAULT_TEMPERATURE = 0.7
-DEFAULT_MAX_TOKENS = 512
 
 
 class Conversation(models.Model):
@@ -23,7 +22,8 @@ class Conversation(models.Model):
     model = models.CharField(max_length=200, blank=True)
     system_prompt = models.TextField(blank=True)
     temperature = models.FloatField(default=DEFAULT_TEMPERATURE)
-    max_tokens = models.PositiveIntegerField(default=DEFAULT_MAX_TOKENS)
+    # the most tokens a reply may have; None: up to the model's context length
+    max_tokens = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 

@@ -84,6 +84,13 @@ def conversation_delete(*, conversation: Conversation) -> None:
     conversation.delete()
 
 
+class Unchanged:
+    """A setting left as it is, where None means something."""
+
+
+UNCHANGED = Unchanged()
+
+
 @transaction.atomic
 def conversation_configure(
     *,
@@ -91,9 +98,10 @@ def conversation_configure(
     model: str | None = None,
     system_prompt: str | None = None,
     temperature: float | None = None,
-    max_tokens: int | None = None,
+    max_tokens: int | None | Unchanged = UNCHANGED,
 ) -> Conversation:
-    """Change the conversation's generation settings; None leaves a setting as it is."""
+    """Change the conversation's generation settings; None leaves a setting as it is, except
+    ``max_tokens``, where None means up to the model's context length."""
     changed = []
     if model is not None:
         if not isinstance(model, str) or model not in chat_models(tenant=conversation.tenant):
@@ -117,7 +125,10 @@ def conversation_configure(
             raise ValidationError("The temperature must be a number from 0 to 2.")
         conversation.temperature = float(temperature)
         changed.append("temperature")
-    if max_tokens is not None:
+    if max_tokens is None:
+        conversation.max_tokens = None
+        changed.append("max_tokens")
+    elif not isinstance(max_tokens, Unchanged):
         if (
             isinstance(max_tokens, bool)
             or not isinstance(max_tokens, int)

@@ -1,9 +1,12 @@
-"""OpenAI's error object, and the exceptions the gateway turns into it."""
+"""OpenAI's error object, and the exceptions the gateway turns into it: its own ``ApiError``
+and a run's ``RunError`` (one table, ``RUN_ERROR_STATUS``)."""
 
 import msgspec
 from django.http import HttpResponse
 
+from gateway.ratelimits import ratelimit_headers
 from gateway.schemas import ErrorBody, ErrorResponse
+from serving.runs import RunError
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -16,6 +19,18 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
+}
+# a run's error codes (serving.runs.RunError) -> HTTP status; any other code is a 503
+RUN_ERROR_STATUS = {
+    "context_length_exceeded": 400,
+    "invalid_request": 400,
+    "request_too_large": 400,
+    "rate_limit_exceeded": 429,
+    "engine_error": 500,
+    "engine_unavailable": 503,
+    "engine_overloaded": 503,
+    "model_loading": 503,
+    "model_not_loaded": 503,
 }
 
 
@@ -59,3 +74,15 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def from_run_error(exc: RunError) -> ApiError:
+    """A run's refusal or failure as OpenAI answers it, with its ``Retry-After`` and, for a
+    rate limit, the ``x-ratelimit-*`` headers."""
+    return ApiError(
+        RUN_ERROR_STATUS.get(exc.code, 503),
+        exc.message,
+        code=exc.code,
+        param=exc.param,
+        headers=ratelimit_headers(exc.windows, exc.retry_after),
+    )

@@ -10,7 +10,7 @@ from django.conf import settings
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tenants.metering import Meter
+from serving.metering import Meter
 from tenants.models import Tenant
 
 MAX_LABEL_VALUES = 200

@@ -1,32 +1,23 @@
-"""From a request body to engine requests, or a 400 that names the offending ``param``."""
+"""From a request body to a ``GenerationPlan`` (the engine requests, one per choice), or a
+400 that names the offending ``param``."""
 
 import re
 from dataclasses import dataclass
 
 import msgspec
 
-from gateway.errors import ApiError, invalid
+from gateway.errors import invalid
 from gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
-from inference_engine.protocol import GenerateRequest, Message, SamplingParams
+from inference_engine.protocol import GenerateRequest, InvalidParam, Message, SamplingParams
+from serving.budget import PromptTokens, message_tokens, text_tokens, token_id_tokens
 
 MAX_STOP = 4
 MAX_MESSAGES = 1024
 MAX_USER_CHARS = 256
-# max_tokens until the context length is known (see finalize_max_tokens)
-UNBOUNDED = 2**31 - 1
-# Before the engine counts a prompt, the gateway knows two figures for it. The likely count
-# (OpenAI's rule of thumb) decides whether a request could ever fit a limit. The most it can
-# be is what admission holds against the limits until the request settles with the real
-# count: byte-level BPE (and SentencePiece with byte fallback) spends at most one token per
-# UTF-8 byte, and a chat template adds a few tokens per message and some once.
-CHARS_PER_TOKEN = 4
-TOKENS_PER_MESSAGE = 4
-MAX_TEMPLATE_TOKENS_PER_MESSAGE = 16
-MAX_TEMPLATE_TOKENS = 256
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _FIELD = re.compile(r"field `([^`]+)`")
-# SamplingParams names its field in its ValueError; the API may call it differently.
+# where the API calls a sampling parameter otherwise
 _API_PARAM = {"logprobs": "top_logprobs", "stop_token_ids": "stop"}
 
 
@@ -40,11 +31,24 @@ class GenerationPlan:
     stream: bool
     include_usage: bool
     logprobs: int | None
-    estimated_prompt_tokens: int  # likely
-    max_prompt_tokens: int  # at most
-    max_tokens: int | None  # None: up to the context length
+    prompt_tokens: PromptTokens  # of all the prompts, before the engine counts them
     max_tokens_param: str = "max_tokens"  # what the request called it
-    priority: int | None = None  # as asked; the plan's tier is the floor (see fan_out)
+    priority: int | None = None  # as asked; the plan's tier is the floor (see serving.runs)
+
+    def engine_requests(self, response_id: str) -> list[GenerateRequest]:
+        """One engine request per choice, ``n`` of each prompt in a row; a choice's seed is
+        offset so that the ``n`` samples differ."""
+        requests = []
+        for prompt_index, prompt in enumerate(self.prompts):
+            for sample in range(self.n):
+                params = msgspec.structs.replace(prompt.params)
+                if params.seed is not None and sample:
+                    params.seed += sample
+                request_id = f"{response_id}-{prompt_index * self.n + sample}"
+                requests.append(
+                    msgspec.structs.replace(prompt, params=params, request_id=request_id)
+                )
+        return requests
 
 
 def decode(body: bytes, request_type: type) -> msgspec.Struct:
@@ -101,18 +105,21 @@ def _sampling_params(
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "seed": request.seed,
-        "max_tokens": max_tokens,
         "min_tokens": request.min_tokens,
         "stop": stop,
         "ignore_eos": request.ignore_eos,
         "logprobs": logprobs,
     }
+    given = {name: value for name, value in values.items() if value is not None}
     try:
-        return SamplingParams(**{name: v for name, v in values.items() if v is not None})
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        param = max_tokens_param if field == "max_tokens" else _API_PARAM.get(field, field)
-        raise invalid(str(exc).replace(field, param, 1), param) from exc
+        # max_tokens unset (None) is up to the context length
+        return SamplingParams(max_tokens=max_tokens, **given)
+    except InvalidParam as exc:
+        param = max_tokens_param if exc.field == "max_tokens" else _API_PARAM.get(exc.field)
+        message = str(exc)
+        if param is not None:  # the API's name for it
+            message = message.replace(exc.field, param, 1)
+        raise invalid(message, param or exc.field) from exc
 
 
 def plan_chat(body: bytes) -> GenerationPlan:
@@ -129,13 +136,9 @@ def plan_chat(body: bytes) -> GenerationPlan:
     if max_tokens is None:
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
     params = _sampling_params(
-        request,
-        max_tokens=max_tokens if max_tokens is not None else UNBOUNDED,
-        max_tokens_param=max_tokens_param,
-        logprobs=logprobs,
+        request, max_tokens=max_tokens, max_tokens_param=max_tokens_param, logprobs=logprobs
     )
     messages = [Message(role=m.role, content=m.text()) for m in request.messages]
-    estimate, bound = message_token_estimates(messages)
     return GenerationPlan(
         model=request.model,
         prompts=[GenerateRequest(messages=messages, params=params)],
@@ -143,9 +146,7 @@ def plan_chat(body: bytes) -> GenerationPlan:
         stream=bool(request.stream),
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=logprobs,
-        estimated_prompt_tokens=estimate,
-        max_prompt_tokens=bound,
-        max_tokens=max_tokens,
+        prompt_tokens=message_tokens(messages),
         max_tokens_param=max_tokens_param,
         priority=request.priority,
     )
@@ -157,12 +158,10 @@ def plan_completion(body: bytes) -> GenerationPlan:
     if request.echo:
         raise invalid("echo is not supported.", "echo")
     params = _sampling_params(
-        request,
-        max_tokens=request.max_tokens if request.max_tokens is not None else UNBOUNDED,
-        max_tokens_param="max_tokens",
+        request, max_tokens=request.max_tokens, max_tokens_param="max_tokens",
         logprobs=request.logprobs,
-    )
-    prompts, estimate, bound = _completion_prompts(request.prompt, params)
+    )  # fmt: skip
+    prompts, prompt_tokens = _completion_prompts(request.prompt, params)
     return GenerationPlan(
         model=request.model,
         prompts=prompts,
@@ -170,31 +169,20 @@ def plan_completion(body: bytes) -> GenerationPlan:
         stream=bool(request.stream),
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=request.logprobs,
-        estimated_prompt_tokens=estimate,
-        max_prompt_tokens=bound,
-        max_tokens=request.max_tokens,
+        prompt_tokens=prompt_tokens,
         priority=request.priority,
     )
 
 
-def message_token_estimates(messages: list[Message]) -> tuple[int, int]:
-    """The likely and the largest token count of a chat prompt (see CHARS_PER_TOKEN)."""
-    likely = sum(len(m.content) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE for m in messages)
-    bound = MAX_TEMPLATE_TOKENS + sum(
-        len(m.content.encode()) + len(m.role) + MAX_TEMPLATE_TOKENS_PER_MESSAGE for m in messages
-    )
-    return likely, bound
-
-
 def _completion_prompts(
     prompt: str | list[str | int], params: SamplingParams
-) -> tuple[list[GenerateRequest], int, int]:
-    """The engine requests, one per prompt, and the likely and largest token count of all."""
+) -> tuple[list[GenerateRequest], PromptTokens]:
+    """The engine requests, one per prompt, and the token count of all the prompts."""
     if isinstance(prompt, str):
         texts: list[str] = [prompt]
     elif prompt and all(isinstance(item, int) for item in prompt):
         requests = [GenerateRequest(prompt_token_ids=list(prompt), params=params)]
-        return requests, len(prompt), len(prompt)
+        return requests, token_id_tokens(prompt)
     elif prompt and all(isinstance(item, str) for item in prompt):
         texts = list(prompt)
     else:
@@ -207,45 +195,4 @@ def _completion_prompts(
     if not all(texts):
         raise invalid("prompt must not be empty.", "prompt")
     requests = [GenerateRequest(prompt=text, params=params) for text in texts]
-    likely = sum(len(text) // CHARS_PER_TOKEN + 1 for text in texts)
-    # a tokenizer may add a beginning-of-sequence token or two
-    return requests, likely, sum(len(text.encode()) + 2 for text in texts)
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Tokens a plan may use, for admission: ``tokens`` (at most: held against the budgets
-    until the request settles with the engine's count) and ``likely_tokens`` (more than a
-    limit, and no wait would ever admit it)."""
-
-    tokens: int
-    likely_tokens: int
-
-
-def finalize_max_tokens(plan: GenerationPlan, max_context: int) -> Reservation:
-    """Give every request its max_tokens (as asked, else the whole context: the engine stops
-    at its context length) and return the tokens to reserve for the whole plan. A max_tokens
-    above the context can never be served: a 400, as OpenAI and vLLM answer it."""
-    if plan.max_tokens is not None and plan.max_tokens > max_context:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_context} tokens. However, you "
-            f"requested {plan.max_tokens} tokens for the completion. Please reduce "
-            f"{plan.max_tokens_param}.",
-            code="context_length_exceeded",
-            param=plan.max_tokens_param,
-        )
-    max_tokens = plan.max_tokens or max_context
-    for request in plan.prompts:
-        request.params.max_tokens = max_tokens
-    num_choices = plan.n * len(plan.prompts)
-    if plan.max_tokens is not None:
-        completion = likely_completion = plan.max_tokens * num_choices
-    else:
-        # up to the context, less the prompt (each prompt's own share of it at most)
-        completion = max_context * num_choices
-        likely_completion = max(0, max_context - plan.estimated_prompt_tokens) * num_choices
-    return Reservation(
-        tokens=plan.max_prompt_tokens + completion,
-        likely_tokens=plan.estimated_prompt_tokens + likely_completion,
-    )
+    return requests, sum(map(text_tokens, texts), PromptTokens(0, 0))

@@ -11,8 +11,8 @@ from config.workers import database_worker
 from gateway import health, metrics, openapi
 from gateway.auth import authenticate
 from gateway.errors import ApiError
+from gateway.handling import serve_generation
 from gateway.schemas import Model, ModelList
-from gateway.service import serve_generation
 from gateway.validation import plan_chat, plan_completion
 from serving.selectors import deployments_for_tenant
 

@@ -1,6 +1,7 @@
 """What the gateway tells the engine's scheduler: the plan's tier as the priority floor (a
 caller may lower its priority with vLLM's ``priority`` field, never raise it) and the plan's
-share as the tenant's weight, on every fanned-out engine request."""
+share as the tenant's weight, on every fanned-out engine request (the run fills them in:
+tests/serving/test_runs.py)."""
 
 import json
 
@@ -9,7 +10,6 @@ from django.core.cache import cache
 
 from gateway import authorization
 from gateway.errors import ApiError
-from gateway.generation import fan_out
 from gateway.validation import plan_completion
 from serving.services import deployment_register
 from tenants import services
@@ -20,17 +20,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def body(**fields) -> bytes:
     return json.dumps({"model": "m", "prompt": ["a", "b"], "n": 2, **fields}).encode()
-
-
-@pytest.mark.parametrize(
-    ("asked", "tier", "expected"),
-    [(None, 1, 1), (5, 1, 5), (0, 1, 1), (-100, 2, 2), (7, 0, 7)],
-)
-def test_a_caller_may_lower_its_priority_but_never_raise_it(asked, tier, expected):
-    plan = plan_completion(body() if asked is None else body(priority=asked))
-    requests = fan_out(plan, "cmpl-1", None, "42", tier_priority=tier, tenant_weight=2.5)
-    assert len(requests) == 4
-    assert {(r.priority, r.tenant_weight, r.tenant_id) for r in requests} == {(expected, 2.5, "42")}
 
 
 @pytest.mark.parametrize("priority", [2**31, -(2**31) - 1, 10**30])

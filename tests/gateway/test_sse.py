@@ -1,4 +1,4 @@
-"""Server-sent events of one Generation against a fake engine: what goes out in which write."""
+"""Server-sent events of one run against a fake engine: what goes out in which write."""
 
 import asyncio
 import json
@@ -7,37 +7,25 @@ import msgspec
 import pytest
 
 from gateway import schemas
-from gateway.generation import Generation, fan_out
+from gateway.responses import Responder
 from gateway.validation import plan_chat, plan_completion
-from inference_engine.client import AsyncEngineClient
 from inference_engine.protocol import FinishReason, GenerateDelta, ResponseType, Usage
-from tenants.metering import Meter
-from tests.inference_engine.test_client import FakeEngine
+from serving import runs
+from serving.runs import Run, RunSpec
+from tests.serving.fake_runs import run_world  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def engine(tmp_path):
-    fake = FakeEngine(f"ipc://{tmp_path}/fake.sock")
-    client = AsyncEngineClient(f"ipc://{tmp_path}/fake.sock")
-    await client.wait_ready(timeout=10)
-    yield fake, client
-    client.close()
-    fake.close()
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
 
-def _generation(kind: str, plan, client: AsyncEngineClient, response_id: str) -> Generation:
-    """A generation of model "m" for ``plan``, one engine request per choice."""
-    return Generation(
-        kind=kind,
-        plan=plan,
-        requests=fan_out(plan, response_id, None, "tenant"),
-        client=client,
-        meter=Meter(response_id),
-        response_id=response_id,
-        model="m",
+def _responder(kind: str, plan, world, response_id: str) -> Responder:
+    """The responder of a run of model "m" for ``plan``, one engine request per choice."""
+    spec = RunSpec(
+        request_id=response_id,
+        requests=plan.engine_requests(response_id),
+        prompt_tokens=plan.prompt_tokens,
+        choices_per_prompt=plan.n,
     )
+    return Responder(kind=kind, plan=plan, run=Run(spec, world.caller()), model="m")
 
 
 def _events(write: bytes) -> list:
@@ -48,8 +36,8 @@ def _events(write: bytes) -> list:
     ]
 
 
-async def test_ready_events_share_a_write(engine):
-    fake, client = engine
+async def test_ready_events_share_a_write(run_world):  # noqa: F811
+    fake = run_world.fake
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
@@ -57,17 +45,17 @@ async def test_ready_events_share_a_write(engine):
         "stream_options": {"include_usage": True},
     }
     plan = plan_chat(json.dumps(body).encode())
-    generation = _generation("chat", plan, client, "chatcmpl-1")
-    requests = generation.requests
+    responder = _responder("chat", plan, run_world, "chatcmpl-1")
+    requests = responder.run.spec.requests
     request_id = requests[0].request_id
-    starting = asyncio.create_task(generation.start())
+    starting = asyncio.create_task(responder.run.start())
     identity, _ = await fake.generates.get()
     usage = Usage(prompt_tokens=3)
     await fake.send(
         identity, ResponseType.OUTPUTS, [GenerateDelta(request_id, "Hel", [1], usage=usage)]
     )
     await starting
-    writes = generation.sse()
+    writes = responder.sse()
 
     # the role chunk goes out with the first token
     first = _events(await anext(writes))
@@ -79,7 +67,7 @@ async def test_ready_events_share_a_write(engine):
     # tokens that queued up while nobody read go out together, each its own event
     frame = [GenerateDelta(request_id, text, [i]) for i, text in enumerate("lo!", start=2)]
     await fake.send(identity, ResponseType.OUTPUTS, frame)
-    while client.num_buffered(request_id) < 3:  # all three arrive before the next read
+    while responder.run.num_ready() < 3:  # all three arrive before the next read
         await asyncio.sleep(0.01)
     queued = _events(await anext(writes))
     assert [e["choices"][0]["delta"]["content"] for e in queued] == ["l", "o", "!"]
@@ -94,6 +82,7 @@ async def test_ready_events_share_a_write(engine):
     assert last[3] == b"[DONE]"
     with pytest.raises(StopAsyncIteration):
         await anext(writes)
+    await responder.run.aclose()
 
 
 # quotes, escapes, control characters, non-ASCII, the templates' own placeholder character
@@ -101,10 +90,15 @@ AWKWARD_TEXTS = ['say "hi"', "back\\slash", "line\nbreak\t", "\x00\x1f", "héllo
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
-async def test_text_events_are_exactly_the_encoded_response_objects(engine, kind):
-    """Plain text events are cut from a template (the generation's fixed fields encoded
+async def test_text_events_are_exactly_the_encoded_response_objects(
+    run_world,  # noqa: F811
+    kind,
+    monkeypatch,
+):
+    """Plain text events are cut from a template (the response's fixed fields encoded
     once): each must be byte for byte the encoding of the whole chunk object."""
-    fake, client = engine
+    monkeypatch.setattr(runs, "FINAL_USAGE_TIMEOUT_SECONDS", 0.2)  # left open: nobody answers
+    fake = run_world.fake
     body = {"model": "m", "stream": True, "n": 2}
     if kind == "chat":
         body["messages"] = [{"role": "user", "content": "hi"}]
@@ -112,9 +106,9 @@ async def test_text_events_are_exactly_the_encoded_response_objects(engine, kind
     else:
         body["prompt"] = "hi"
         plan = plan_completion(json.dumps(body).encode())
-    generation = _generation(kind, plan, client, "resp-1")
-    requests = generation.requests
-    starting = asyncio.create_task(generation.start())
+    responder = _responder(kind, plan, run_world, "resp-1")
+    requests = responder.run.spec.requests
+    starting = asyncio.create_task(responder.run.start())
     identities = {}
     for _ in requests:
         identity, request = await fake.generates.get()
@@ -127,7 +121,7 @@ async def test_text_events_are_exactly_the_encoded_response_objects(engine, kind
         for request in requests:
             delta = GenerateDelta(request.request_id, text, [2])
             await fake.send(identities[request.request_id], ResponseType.OUTPUTS, [delta])
-    writes = generation.sse()
+    writes = responder.sse()
     text_events = []
     num_text_events = 2 + 2 * len(AWKWARD_TEXTS[2:])  # each choice's first token, then pairs
     while len(text_events) < num_text_events:
@@ -146,7 +140,7 @@ async def test_text_events_are_exactly_the_encoded_response_objects(engine, kind
             chunk = schemas.ChatCompletionChunk(
                 id="resp-1",
                 object="chat.completion.chunk",
-                created=generation.created,
+                created=responder.created,
                 model="m",
                 choices=[choice],
             )
@@ -157,7 +151,7 @@ async def test_text_events_are_exactly_the_encoded_response_objects(engine, kind
             chunk = schemas.Completion(
                 object="text_completion",
                 id="resp-1",
-                created=generation.created,
+                created=responder.created,
                 model="m",
                 choices=[choice],
             )
@@ -174,3 +168,5 @@ async def test_text_events_are_exactly_the_encoded_response_objects(engine, kind
         if kind == "chat"
         else {"index": 1, "text": "\ue000", "logprobs": None, "finish_reason": None}
     )
+    await writes.aclose()
+    await responder.run.aclose()

@@ -3,9 +3,20 @@ import json
 import pytest
 
 from gateway.errors import ApiError
-from gateway.validation import finalize_max_tokens, plan_chat, plan_completion
+from gateway.validation import plan_chat, plan_completion
+from serving.budget import ContextExceeded, reserve
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _reservation(plan, max_context: int):
+    """What a run of ``plan`` reserves on a replica of ``max_context`` tokens."""
+    requests = plan.engine_requests("r")
+    return reserve(
+        prompt=plan.prompt_tokens,
+        max_tokens=[r.params.max_tokens for r in requests],
+        max_context=max_context,
+    )
 
 
 def _chat(**fields) -> bytes:
@@ -110,27 +121,26 @@ def test_a_valid_chat_request_becomes_one_engine_request():
     assert (params.temperature, params.max_tokens, params.stop) == (0, 7, ["END"])
     assert (params.seed, params.top_k, params.logprobs) == (3, 5, 2)
     assert plan.n == 2 and plan.stream and plan.include_usage
-    reservation = finalize_max_tokens(plan, max_context=100)
-    assert reservation.likely_tokens == plan.estimated_prompt_tokens + 14
-    assert reservation.tokens == plan.max_prompt_tokens + 14
+    reservation = _reservation(plan, max_context=100)
+    assert reservation.likely_tokens == plan.prompt_tokens.likely + 14
+    assert reservation.tokens == plan.prompt_tokens.most + 14
 
 
 def test_nulls_mean_defaults():
     plan = plan_chat(_chat(temperature=None, top_p=None, n=None, stop=None, max_tokens=None))
     assert plan.prompts[0].params.temperature == 1.0 and plan.n == 1
-    assert finalize_max_tokens(plan, max_context=64).likely_tokens > plan.estimated_prompt_tokens
-    assert plan.prompts[0].params.max_tokens == 64
+    assert _reservation(plan, max_context=64).likely_tokens > plan.prompt_tokens.likely
+    assert plan.prompts[0].params.max_tokens is None  # up to the context length
 
 
 @pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
-def test_max_tokens_above_the_context_is_a_400_not_a_wait(param):
+def test_max_tokens_above_the_context_can_never_be_served(param):
+    """The run refuses it (tests/serving/test_runs.py), a 400 (test_hostile_input)."""
     plan = plan_chat(_chat(**{param: 10**9}))
-    with pytest.raises(ApiError) as excinfo:
-        finalize_max_tokens(plan, max_context=2048)
-    error = excinfo.value
-    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", param)
-    assert "Retry-After" not in error.headers
-    assert finalize_max_tokens(plan_chat(_chat(**{param: 2048})), max_context=2048)
+    assert plan.max_tokens_param == param
+    with pytest.raises(ContextExceeded):
+        _reservation(plan, max_context=2048)
+    assert _reservation(plan_chat(_chat(**{param: 2048})), max_context=2048)
 
 
 @pytest.mark.parametrize(
@@ -171,6 +181,6 @@ def test_the_reservation_holds_whatever_the_tokenizer_makes_of_the_text(body):
     """250 emoji are about 60 tokens by the rule of thumb and up to 1,000 for a byte-level
     tokenizer: admission holds the most they can be, and judges a request by the likely."""
     plan = (plan_chat if b"messages" in body else plan_completion)(body)
-    reservation = finalize_max_tokens(plan, max_context=4096)
+    reservation = _reservation(plan, max_context=4096)
     assert reservation.tokens >= 250 * 4 + 10
     assert reservation.likely_tokens < 100

@@ -432,6 +432,8 @@
       saveSetting({ temperature: Number(temperature.value) });
     });
     $("setting-max-tokens").addEventListener("change", function (event) {
+      // empty: up to the model's context length
+      if (event.target.value.trim() === "") return saveSetting({ max_tokens: null });
       const value = parseInt(event.target.value, 10);
       if (Number.isInteger(value)) saveSetting({ max_tokens: value });
     });

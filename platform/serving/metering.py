@@ -22,9 +22,9 @@ from datetime import UTC, datetime
 from django.contrib.auth.models import AbstractBaseUser
 
 from config.workers import database_worker
+from serving.settlement import Settlement, settle
 from tenants import quotas
 from tenants.models import ApiKey, Tenant, UsageRecord
-from tenants.settlement import Settlement, settle
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Meter:
     cached_tokens: int = 0
     status: str = UsageRecord.Status.OK
     error_code: str = ""
-    headers: dict[str, str] = field(default_factory=dict)
+    windows: dict[str, quotas.Window] = field(default_factory=dict)  # where the limits stand
 
     def mark_first_token(self) -> None:
         if self.first_token_at is None:
@@ -94,7 +94,7 @@ async def metered(
         )
         admission.add_done_callback(settle_orphan)
         raise
-    meter = Meter(request_id=request_id, started_at=started_at, headers=ticket.headers)
+    meter = Meter(request_id=request_id, started_at=started_at, windows=ticket.windows)
     try:
         yield meter
     except asyncio.CancelledError:

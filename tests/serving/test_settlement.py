@@ -11,8 +11,9 @@ from django.core.cache import cache
 from django.core.exceptions import ValidationError
 from django.db import OperationalError
 
-from tenants import quotas, services, settlement
-from tenants.metering import metered
+from serving import settlement
+from serving.metering import metered
+from tenants import quotas, services
 from tenants.models import Plan, UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)

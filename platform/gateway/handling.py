@@ -1,0 +1,152 @@
+"""One API generation request over HTTP: read and parse the body, authorize the key, run it
+(``serving.runs``), and answer with OpenAI's objects or events. Views stay thin and call
+``serve_generation``."""
+
+import asyncio
+import functools
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+
+from gateway import authorization, metrics
+from gateway.auth import aapi_key_for, bearer_key
+from gateway.errors import ApiError, from_run_error
+from gateway.ratelimits import ratelimit_headers
+from gateway.responses import Responder
+from gateway.validation import GenerationPlan
+from serving.runs import Caller, Run, RunError, RunSpec
+from tenants.models import UsageRecord
+
+RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
+
+
+def read_body(request: HttpRequest) -> bytes:
+    limit = settings.GATEWAY_MAX_BODY_BYTES
+    length = request.headers.get("Content-Length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+    content_type = request.content_type or ""
+    if content_type and content_type != "application/json":
+        raise ApiError(
+            415, "Send the request body as application/json.", code="unsupported_media_type"
+        )
+    try:
+        body = request.body
+    except RequestDataTooBig as exc:
+        raise ApiError(
+            413, f"The request body exceeds {limit} bytes.", code="request_too_large"
+        ) from exc
+    if len(body) > limit:
+        raise ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+    return body
+
+
+async def serve_generation(
+    request: HttpRequest, kind: str, plan_of: Callable[[bytes], GenerationPlan]
+) -> HttpResponse:
+    model, tenant = "unknown", "unknown"
+    try:
+        raw_key = bearer_key(request)
+        try:
+            plan = plan_of(read_body(request))
+        except ApiError:
+            await aapi_key_for(raw_key)  # a wrong key is a 401 whatever the body
+            raise
+        auth = await authorization.authorize(raw_key, plan.model)
+        tenant, model = auth.api_key.tenant.slug, auth.deployment.name
+        try:
+            return await _serve(kind, plan, auth)
+        except authorization.StaleAuthorization:
+            # What the key was read from has changed: read it again, and trust that read.
+            auth = await authorization.authorize(raw_key, plan.model)
+            tenant, model = auth.api_key.tenant.slug, auth.deployment.name
+            return await _serve(kind, plan, auth, is_checked=False)
+    except RunError as exc:
+        status = "rate_limited" if exc.code == "rate_limit_exceeded" else None
+        error = from_run_error(exc)
+        metrics.observe_refusal(model, status or str(error.status), tenant)
+        return error.response()
+    except ApiError as exc:
+        metrics.observe_refusal(model, str(exc.status), tenant)
+        return exc.response()
+
+
+async def _serve(
+    kind: str, plan: GenerationPlan, auth: authorization.Authorization, is_checked: bool = True
+) -> HttpResponse:
+    """Run the request and answer it. Admission first checks that ``auth`` is current
+    (unless not ``is_checked``) and raises ``StaleAuthorization`` if not."""
+    api_key, deployment = auth.api_key, auth.deployment
+    response_id = RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
+    spec = RunSpec(
+        request_id=response_id,
+        requests=plan.engine_requests(response_id),
+        prompt_tokens=plan.prompt_tokens,
+        max_tokens_name=plan.max_tokens_param,
+        choices_per_prompt=plan.n,
+        priority=plan.priority,
+    )
+    caller = Caller(
+        tenant=api_key.tenant,
+        deployment=deployment,
+        source=UsageRecord.Source.API,
+        api_key=api_key,
+        cache_salt=auth.cache_salt,
+        priority=auth.priority,
+        tenant_weight=auth.tenant_weight,
+        precondition=auth.ensure_current if is_checked else None,
+    )
+    on_finish = functools.partial(metrics.observe_finished, deployment.name, api_key.tenant)
+    run = Run(spec, caller, on_finish=on_finish)
+    await run.start()
+    responder = Responder(kind=kind, plan=plan, run=run, model=deployment.name)
+    headers = {"x-request-id": response_id, **ratelimit_headers(run.meter.windows)}
+    if plan.stream:
+        response = GenerationStreamResponse(responder)
+    else:
+        try:
+            body = await responder.complete()
+        except BaseException as exc:
+            await run.aclose(exc)
+            raise
+        await run.aclose()
+        response = HttpResponse(msgspec.json.encode(body), content_type="application/json")
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+class GenerationStreamResponse(StreamingHttpResponse):
+    """Server-sent events of a started run; the run settles when the stream ends, is
+    cancelled by a disconnect, or is never started at all."""
+
+    def __init__(self, responder: Responder) -> None:
+        self._responder = responder
+        self._is_started = False
+        self._loop = asyncio.get_running_loop()
+        super().__init__(self._events(), content_type="text/event-stream")
+        self["Cache-Control"] = "no-cache"
+        self["X-Accel-Buffering"] = "no"
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        self._is_started = True
+        ended_by: BaseException | None = None
+        try:
+            async for event in self._responder.sse():
+                yield event
+        except BaseException as exc:  # a disconnect cancels the stream: metered as such
+            ended_by = exc
+            raise
+        finally:
+            await self._responder.run.aclose(ended_by)
+
+    def close(self) -> None:
+        super().close()
+        if not self._is_started:
+            # Django never iterated the stream (the client left first): end the run here.
+            abandon = self._responder.run.aclose(asyncio.CancelledError())
+            self._loop.call_soon_threadsafe(asyncio.ensure_future, abandon)

@@ -1,0 +1,242 @@
+"""A run's deltas as OpenAI's objects: a whole ``ChatCompletion``/``Completion``, or
+server-sent events of its chunks.
+
+Errors before the first token are raised by ``Run.start`` and become proper HTTP errors (the
+first delta of every choice is awaited before a response starts); errors after it end the
+stream with a ``data: {"error": …}`` event.
+"""
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gateway import schemas
+from gateway.errors import from_run_error
+from gateway.validation import GenerationPlan
+from inference_engine.protocol import FinishReason, TokenLogprobs
+from serving.runs import Choice, Run, RunError
+
+
+@dataclass
+class _Output:
+    """What a choice has said so far, as the API shows it."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_chars: int = 0  # characters streamed so far: completions' text_offset
+    # a plain text event's bytes around its JSON-encoded text (see Responder._text_template)
+    text_template: tuple[bytes, bytes] | None = None
+
+
+def _chat_logprobs(entries: list[TokenLogprobs]) -> schemas.ChoiceLogprobs:
+    return schemas.ChoiceLogprobs(
+        content=[
+            schemas.TokenLogprob(
+                token=entry.token,
+                logprob=entry.logprob,
+                bytes=list(entry.token.encode()),
+                top_logprobs=[
+                    schemas.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+                    for token, logprob in zip(entry.top_tokens, entry.top_logprobs, strict=False)
+                ],
+            )
+            for entry in entries
+        ]
+    )
+
+
+def _completion_logprobs(entries: list[TokenLogprobs], offset: int) -> schemas.CompletionLogprobs:
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return schemas.CompletionLogprobs(
+        tokens=[entry.token for entry in entries],
+        token_logprobs=[entry.logprob for entry in entries],
+        top_logprobs=[
+            dict(zip(entry.top_tokens, entry.top_logprobs, strict=False)) for entry in entries
+        ],
+        text_offset=offsets,
+    )
+
+
+class Responder:
+    """Answers one API request from its started ``Run``."""
+
+    def __init__(self, *, kind: str, plan: GenerationPlan, run: Run, model: str) -> None:
+        self.kind = kind  # "chat" or "completion"
+        self.plan = plan
+        self.run = run
+        self.response_id = run.spec.request_id
+        self.model = model
+        self.created = int(time.time())
+        self.outputs = [_Output() for _ in run.choices]
+
+    def usage(self) -> schemas.Usage:
+        meter = self.run.meter
+        return schemas.Usage(
+            prompt_tokens=meter.prompt_tokens,
+            completion_tokens=meter.completion_tokens,
+            total_tokens=meter.total_tokens,
+            prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=meter.cached_tokens),
+        )
+
+    async def complete(self) -> schemas.ChatCompletion | schemas.Completion:
+        """Run to the end and build the whole response object; ``ApiError`` if it fails."""
+        try:
+            async for choice, delta in self.run.deltas():
+                output = self.outputs[choice.index]
+                if delta.text:
+                    output.text.append(delta.text)
+                if delta.logprobs:
+                    output.logprobs.extend(delta.logprobs)
+        except RunError as exc:
+            raise from_run_error(exc) from exc
+        wants_logprobs = self.plan.logprobs is not None
+        if self.kind == "chat":
+            choices = [
+                schemas.ChatChoice(
+                    index=c.index,
+                    message=schemas.AssistantMessage(role="assistant", content="".join(o.text)),
+                    logprobs=_chat_logprobs(o.logprobs) if wants_logprobs else None,
+                    finish_reason=_finish_reason(c.finish_reason),
+                )
+                for c, o in zip(self.run.choices, self.outputs, strict=True)
+            ]
+        else:
+            choices = [
+                schemas.CompletionChoice(
+                    index=c.index,
+                    text="".join(o.text),
+                    logprobs=_completion_logprobs(o.logprobs, 0) if wants_logprobs else None,
+                    finish_reason=_finish_reason(c.finish_reason),
+                )
+                for c, o in zip(self.run.choices, self.outputs, strict=True)
+            ]
+        return self._envelope(choices, is_chunk=False, usage=self.usage())
+
+    def _envelope(
+        self, choices: list, *, is_chunk: bool, usage: schemas.Usage | None = None
+    ) -> schemas.ChatCompletion | schemas.ChatCompletionChunk | schemas.Completion:
+        """This kind's response object (or stream chunk) around ``choices``."""
+        fields = dict(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+        if self.kind != "chat":
+            return schemas.Completion(object="text_completion", **fields)
+        if is_chunk:
+            return schemas.ChatCompletionChunk(object="chat.completion.chunk", **fields)
+        return schemas.ChatCompletion(object="chat.completion", **fields)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """The response as server-sent events, ending with ``data: [DONE]``, or with an error
+        event where the run fails."""
+        # Events that are ready together go out in one write: the role chunks with the first
+        # token, tokens that queued up while the server was busy, and the last token with its
+        # finish chunk, the usage and [DONE].
+        events: list[bytes] = []
+        try:
+            if self.kind == "chat":
+                events += [
+                    self._chat_chunk(choice, schemas.ChunkDelta(role="assistant", content=""))
+                    for choice in self.run.choices
+                ]
+            num_open = len(self.run.choices)
+            async for choice, delta in self.run.deltas():
+                if delta.text or delta.logprobs:
+                    events.append(self._text_event(choice, delta.text, None, delta.logprobs))
+                if choice.finish_reason is not None:
+                    finish = _finish_reason(choice.finish_reason)
+                    events.append(self._text_event(choice, None, finish))
+                    num_open -= 1
+                if num_open and events and not self.run.num_ready():
+                    yield b"".join(events)
+                    events.clear()
+            if self.plan.include_usage:
+                events.append(self._usage_event())
+            events.append(b"data: [DONE]\n\n")
+            yield b"".join(events)
+        except RunError as exc:
+            yield b"".join([*events, _event(from_run_error(exc).body())])
+
+    def _text_event(
+        self,
+        choice: Choice,
+        text: str | None,
+        finish: str | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> bytes:
+        wants_logprobs = bool(logprobs) and self.plan.logprobs is not None
+        output = self.outputs[choice.index]
+        if text and finish is None and not wants_logprobs:
+            # most events of a stream: one token's text, nothing else
+            output.num_chars += len(text)
+            prefix, suffix = output.text_template or self._text_template(choice)
+            return prefix + msgspec.json.encode(text) + suffix
+        if self.kind == "chat":
+            chat_logprobs = _chat_logprobs(logprobs) if wants_logprobs else None
+            return self._chat_chunk(choice, schemas.ChunkDelta(content=text), finish, chat_logprobs)
+        completion_logprobs = (
+            _completion_logprobs(logprobs, output.num_chars) if wants_logprobs else None
+        )
+        output.num_chars += len(text or "")
+        return self._completion_chunk(choice, text or "", finish, completion_logprobs)
+
+    def _text_template(self, choice: Choice) -> tuple[bytes, bytes]:
+        """The bytes of a plain text event of ``choice`` before and after its JSON-encoded
+        text, cut from one event encoded in full around a placeholder: the same bytes as
+        encoding each event's objects, for a fraction of the time."""
+        if self.kind == "chat":
+            event = self._chat_chunk(choice, schemas.ChunkDelta(content=_TEXT_PLACEHOLDER))
+        else:
+            event = self._completion_chunk(choice, _TEXT_PLACEHOLDER, None, None)
+        prefix, _, suffix = event.partition(msgspec.json.encode(_TEXT_PLACEHOLDER))
+        self.outputs[choice.index].text_template = (prefix, suffix)
+        return prefix, suffix
+
+    def _completion_chunk(
+        self,
+        choice: Choice,
+        text: str,
+        finish: str | None,
+        logprobs: schemas.CompletionLogprobs | None,
+    ) -> bytes:
+        completion_choice = schemas.CompletionChoice(
+            index=choice.index, text=text, logprobs=logprobs, finish_reason=finish
+        )
+        return _event(self._envelope([completion_choice], is_chunk=True))
+
+    def _chat_chunk(
+        self,
+        choice: Choice,
+        delta: schemas.ChunkDelta,
+        finish: str | None = None,
+        logprobs: schemas.ChoiceLogprobs | None = None,
+    ) -> bytes:
+        chunk_choice = schemas.ChatChunkChoice(
+            index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish
+        )
+        return _event(self._envelope([chunk_choice], is_chunk=True))
+
+    def _usage_event(self) -> bytes:
+        return _event(self._envelope([], is_chunk=True, usage=self.usage()))
+
+
+# stands for the text while a text event's template is cut (it appears nowhere else in one)
+_TEXT_PLACEHOLDER = "\ue000text\ue000"
+
+
+def _event(payload: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def _finish_reason(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return "stop" if reason == FinishReason.ERROR else str(reason)

@@ -1,0 +1,284 @@
+"""``Run`` against a fake engine, the real database and quota counters: every way a run ends
+settles it exactly once (one usage record with the right status, the admission released)."""
+
+import asyncio
+
+import pytest
+
+from inference_engine.protocol import (
+    ErrorCode,
+    FinishReason,
+    GenerateDelta,
+    GenerateRequest,
+    ResponseType,
+    SamplingParams,
+    Usage,
+)
+from serving import runs
+from serving.budget import PromptTokens
+from serving.runs import Run, RunError, RunSpec
+from tenants.models import UsageRecord
+from tests.serving.fake_runs import run_world  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
+
+
+def spec(request_id: str = "run-1", n: int = 1, **params) -> RunSpec:
+    return RunSpec(
+        request_id=request_id,
+        requests=[
+            GenerateRequest(
+                prompt="hi", params=SamplingParams(**params), request_id=f"{request_id}-{i}"
+            )
+            for i in range(n)
+        ],
+        prompt_tokens=PromptTokens(1, 4),
+        choices_per_prompt=n,
+    )
+
+
+async def started(run_world, run: Run) -> bytes:  # noqa: F811
+    """Start ``run``, answer its first token from the fake engine; the socket identity."""
+    starting = asyncio.create_task(run.start())
+    identity, request = await run_world.fake.generates.get()
+    first = GenerateDelta(request.request_id, "a", [1], usage=Usage(prompt_tokens=3))
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [first])
+    await starting
+    return identity
+
+
+async def record_of(run_world, request_id: str = "run-1") -> UsageRecord:  # noqa: F811
+    records = await run_world.records()
+    assert [r.request_id for r in records] == [request_id]  # exactly one
+    return records[0]
+
+
+async def assert_released(run_world) -> None:  # noqa: F811
+    """A tenant limited to one concurrent request can run again: the slot was given back."""
+    run = Run(spec("run-next"), run_world.caller())
+    identity = await started(run_world, run)
+    done = GenerateDelta("run-next-0", "", [], finish_reason=FinishReason.STOP)
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [done])
+    async for _ in run.deltas():
+        pass
+    await run.aclose()
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=1)
+async def test_a_finished_run_is_metered_ok_once(run_world):  # noqa: F811
+    run = Run(spec(), run_world.caller())
+    identity = await started(run_world, run)
+    last = GenerateDelta("run-1-0", "b", [2], finish_reason=FinishReason.STOP)
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [last])
+    texts = [delta.text async for _, delta in run.deltas()]
+    await run.aclose()
+    await run.aclose()  # only the first counts
+
+    assert texts == ["a", "b"]
+    record = await record_of(run_world)
+    assert (record.status, record.prompt_tokens, record.completion_tokens) == ("ok", 3, 2)
+    await assert_released(run_world)
+
+
+@pytest.mark.tenant_limits(requests_per_minute=1)
+async def test_a_refusal_records_nothing_and_says_when_to_retry(run_world):  # noqa: F811
+    await assert_released(run_world)  # the minute's one request
+    run = Run(spec("run-2"), run_world.caller())
+    with pytest.raises(RunError) as refused:
+        await run.start()
+    await run.aclose(refused.value)
+
+    assert refused.value.code == "rate_limit_exceeded"
+    assert refused.value.retry_after >= 1
+    assert refused.value.windows["requests"].remaining == 0
+    assert [r.request_id for r in await run_world.records()] == ["run-next"]
+
+
+async def test_max_tokens_over_the_context_is_refused_before_admission(run_world):  # noqa: F811
+    run = Run(spec(max_tokens=257), run_world.caller())  # the fake engine serves 256
+    with pytest.raises(RunError) as refused:
+        await run.start()
+
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "max_tokens")
+    assert "maximum context length is 256 tokens" in refused.value.message
+    assert await run_world.records() == []
+    assert run_world.fake.generates.empty()
+
+
+async def test_unset_max_tokens_reaches_the_engine_as_up_to_the_context(run_world):  # noqa: F811
+    run = Run(spec(max_tokens=None), run_world.caller())
+    starting = asyncio.create_task(run.start())
+    identity, request = await run_world.fake.generates.get()
+    assert request.params.max_tokens is None
+    done = GenerateDelta(request.request_id, "", [], finish_reason=FinishReason.LENGTH)
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [done])
+    await starting
+    await run.aclose()
+    assert (await record_of(run_world)).status == "ok"
+
+
+@pytest.mark.parametrize(
+    ("asked", "tier", "expected"),
+    [(None, 1, 1), (5, 1, 5), (0, 1, 1), (-100, 2, 2), (7, 0, 7)],
+)
+async def test_a_caller_may_lower_its_priority_but_never_raise_it(
+    run_world,  # noqa: F811
+    asked,
+    tier,
+    expected,
+):
+    run_spec = spec(n=2)
+    run_spec.priority = asked
+    run = Run(run_spec, run_world.caller(priority=tier, tenant_weight=2.5, cache_salt="s"))
+    starting = asyncio.create_task(run.start())
+    sent = [await run_world.fake.generates.get() for _ in range(2)]
+    tenant_id = str(run_world.tenant.pk)
+    assert {(r.priority, r.tenant_weight, r.tenant_id, r.cache_salt) for _, r in sent} == {
+        (expected, 2.5, tenant_id, "s")
+    }
+    for identity, request in sent:
+        done = GenerateDelta(request.request_id, "", [], finish_reason=FinishReason.STOP)
+        await run_world.fake.send(identity, ResponseType.OUTPUTS, [done])
+    await starting
+    await run.aclose()
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=1)
+async def test_cancelled_before_the_first_token(run_world, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(runs, "FINAL_USAGE_TIMEOUT_SECONDS", 0.2)  # the fake never answers
+    run = Run(spec(), run_world.caller())
+    starting = asyncio.create_task(run.start())
+    await run_world.fake.generates.get()
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+
+    record = await record_of(run_world)
+    assert (record.status, record.error_code, record.completion_tokens) == (
+        "cancelled",
+        "cancelled",
+        0,
+    )
+    assert "run-1-0" in run_world.fake.aborted()
+    await assert_released(run_world)
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=1)
+async def test_cancelled_mid_stream_meters_what_the_engine_computed(run_world):  # noqa: F811
+    run = Run(spec(), run_world.caller())
+    identity = await started(run_world, run)
+    deltas = run.deltas()
+    await anext(deltas)
+    reading = asyncio.create_task(anext(deltas))
+    await asyncio.sleep(0.05)
+    reading.cancel()
+
+    async def answer_the_abort() -> None:
+        while "run-1-0" not in run_world.fake.aborted():
+            await asyncio.sleep(0.01)
+        final = GenerateDelta(
+            "run-1-0",
+            "",
+            [],
+            finish_reason=FinishReason.ABORT,
+            usage=Usage(prompt_tokens=3, completion_tokens=7),
+        )
+        await run_world.fake.send(identity, ResponseType.OUTPUTS, [final])
+
+    answering = asyncio.create_task(answer_the_abort())
+    try:
+        await reading
+    except asyncio.CancelledError as exc:
+        await run.aclose(exc)
+    await answering
+
+    record = await record_of(run_world)
+    # 7 tokens: one streamed, six the client never read
+    assert (record.status, record.prompt_tokens, record.completion_tokens) == ("cancelled", 3, 7)
+    await assert_released(run_world)
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "status", "retry_after"),
+    [
+        (ErrorCode.ENGINE_ERROR, "engine_error", "error", None),
+        (ErrorCode.OVERLOADED, "engine_overloaded", "rejected", 1),
+        (ErrorCode.CONTEXT_LENGTH_EXCEEDED, "context_length_exceeded", "rejected", None),
+    ],
+)
+@pytest.mark.tenant_limits(max_concurrent_requests=1)
+async def test_an_engine_error_before_the_first_token(
+    run_world,  # noqa: F811
+    error,
+    code,
+    status,
+    retry_after,
+):
+    run = Run(spec(), run_world.caller())
+    starting = asyncio.create_task(run.start())
+    identity, _ = await run_world.fake.generates.get()
+    refusal = GenerateDelta(
+        "run-1-0", "", [], finish_reason=FinishReason.ERROR, error=error, error_message="no"
+    )
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [refusal])
+    with pytest.raises(RunError) as raised:
+        await starting
+
+    assert (raised.value.code, raised.value.message, raised.value.retry_after) == (
+        code,
+        "no",
+        retry_after,
+    )
+    record = await record_of(run_world)
+    assert (record.status, record.error_code) == (status, str(error))
+    await assert_released(run_world)
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=1)
+async def test_an_engine_error_mid_stream(run_world):  # noqa: F811
+    run = Run(spec(), run_world.caller())
+    identity = await started(run_world, run)
+    failure = GenerateDelta(
+        "run-1-0", "", [], finish_reason=FinishReason.ERROR, error=ErrorCode.ENGINE_ERROR
+    )
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [failure])
+    texts = []
+    with pytest.raises(RunError) as raised:
+        async for _, delta in run.deltas():
+            texts.append(delta.text)
+    await run.aclose(raised.value)
+
+    assert texts == ["a"] and raised.value.code == "engine_error"
+    record = await record_of(run_world)
+    assert (record.status, record.completion_tokens) == ("error", 1)
+    await assert_released(run_world)
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=1)
+async def test_the_engine_lost_mid_stream(run_world, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(runs, "FINAL_USAGE_TIMEOUT_SECONDS", 0.2)
+    run = Run(spec(), run_world.caller())
+    await started(run_world, run)
+    deltas = run.deltas()
+    await anext(deltas)
+    run_world.fake.close()  # the engine dies
+    with pytest.raises(RunError) as raised:
+        await asyncio.wait_for(anext(deltas), timeout=20)
+    await run.aclose(raised.value)
+
+    assert (raised.value.code, raised.value.retry_after) == ("engine_unavailable", 5)
+    record = await record_of(run_world)
+    assert (record.status, record.error_code, record.completion_tokens) == (
+        "error",
+        "engine_unavailable",
+        1,
+    )
+
+
+async def test_no_ready_replica_is_refused_with_nothing_recorded(run_world):  # noqa: F811
+    run_world.fake.is_answering = False  # STATS go unanswered
+    run = Run(spec(), run_world.caller())
+    with pytest.raises(RunError) as refused:
+        await run.start()
+    assert (refused.value.code, refused.value.retry_after) == ("engine_unavailable", 5)
+    assert await run_world.records() == []
