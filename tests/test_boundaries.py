@@ -76,6 +76,23 @@ def test_web_tier_imports_no_torch_and_only_the_engines_protocol_and_client():
     assert not offenders
 
 
+PLATFORM_PACKAGES = {path.name for path in (ROOT / "platform").iterdir() if path.is_dir()}
+
+
+def test_tenants_imports_nothing_from_platform():
+    """``tenants/`` holds the models, services, selectors and quota counters: the web tier's
+    request path, HTTP and settings live in ``platform/`` and may use it, never the reverse.
+    (Migrations name only apps, not modules, so they pass as well.)"""
+    offenders = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in _python_files(ROOT / "tenants")
+        for module in _imports(path)
+        if module.split(".")[0] in PLATFORM_PACKAGES
+    }
+    assert PLATFORM_PACKAGES >= {"config", "serving", "gateway", "chat", "console"}
+    assert not offenders
+
+
 def _run(code: str, tmp_path: Path) -> str:
     result = subprocess.run(
         [PYTHON, "-c", code],
