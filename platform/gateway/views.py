@@ -1,5 +1,6 @@
 """Thin async views: each one hands the request to a service and returns its response."""
 
+import functools
 import hmac
 
 import msgspec
@@ -15,6 +16,7 @@ from gateway.handling import serve_generation
 from gateway.schemas import Model, ModelList
 from gateway.validation import plan_chat, plan_completion
 from serving.selectors import deployments_for_tenant
+from tenants.models import ApiKey
 
 
 def _method_not_allowed(request: HttpRequest, allowed: str) -> HttpResponse:
@@ -54,24 +56,30 @@ def _models_of(tenant) -> list[Model]:
     ]
 
 
-async def models(request: HttpRequest) -> HttpResponse:
-    if request.method != "GET":
-        return _method_not_allowed(request, "GET")
-    try:
-        api_key = await authenticate(request)
-    except ApiError as exc:
-        return exc.response()
+def _authenticated_get(view):
+    """A GET endpoint of the API for the bearer of a valid key: the view gets the key."""
+
+    @functools.wraps(view)
+    async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        if request.method != "GET":
+            return _method_not_allowed(request, "GET")
+        try:
+            api_key = await authenticate(request)
+        except ApiError as exc:
+            return exc.response()
+        return await view(request, api_key, *args, **kwargs)
+
+    return wrapper
+
+
+@_authenticated_get
+async def models(request: HttpRequest, api_key: ApiKey) -> HttpResponse:
     data = await _models_of(api_key.tenant)
     return _json(ModelList(object="list", data=data))
 
 
-async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
-    if request.method != "GET":
-        return _method_not_allowed(request, "GET")
-    try:
-        api_key = await authenticate(request)
-    except ApiError as exc:
-        return exc.response()
+@_authenticated_get
+async def model_detail(request: HttpRequest, api_key: ApiKey, model: str) -> HttpResponse:
     for entry in await _models_of(api_key.tenant):
         if entry.id == model:
             return _json(entry)
