@@ -43,11 +43,6 @@ def api_key_limits(*, api_key: ApiKey) -> Limits:
     return Limits(**{name: getattr(api_key, name) for name in LIMIT_FIELDS})
 
 
-def tenant_allows_model(*, tenant: Tenant, model: str) -> bool:
-    allowed = tenant.plan.allowed_models
-    return not allowed or model in allowed
-
-
 # engine priorities: lower values are served first
 SERVICE_TIER_PRIORITY = {
     Plan.ServiceTier.INTERACTIVE: 0,

@@ -1,13 +1,13 @@
 """Writes: tenants, memberships, API keys and usage records.
 
-Every function takes keyword-only arguments, validates before writing and runs in one
-transaction. Async callers (the gateway, the chat consumer) use the ``a``-prefixed twins.
+Functions take keyword-only arguments (``usage_records_save`` takes its list), validate
+before writing and write in one transaction. They are synchronous: async callers (the
+gateway, the chat consumer) run them on a database thread of their own.
 """
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from asgiref.sync import sync_to_async
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
@@ -158,9 +158,6 @@ def api_key_authenticate(*, raw_key: str) -> ApiKey:
     return api_key
 
 
-aapi_key_authenticate = sync_to_async(api_key_authenticate)
-
-
 def usage_record_build(
     *,
     request_id: str,
@@ -202,18 +199,6 @@ def usage_record_build(
         error_code=error_code,
     )
     record.full_clean(exclude=["tenant", "api_key", "user", "request_id"])
-    return record
-
-
-def usage_record_create(**fields: object) -> UsageRecord:
-    """Record one request's usage, exactly once: a second call with the same ``request_id``
-    returns the first record unchanged. Takes ``usage_record_build``'s arguments."""
-    record = usage_record_build(**fields)
-    try:
-        with transaction.atomic():
-            record.save()
-    except IntegrityError:
-        return UsageRecord.objects.get(request_id=record.request_id, tenant=record.tenant)
     return record
 
 

@@ -30,6 +30,7 @@ from tenants import rollups, services
 from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
 from tests.asgi_client import asgi_request
 from tests.chat.conftest import open_chat, session_cookie
+from tests.usage_records import usage_record_add
 
 ACTORS = ("key", "member", "admin")  # alpha's API key, ordinary member and admin
 BRAVO_MODEL = "bravo-only-model"  # a deployment only bravo's plan may use
@@ -62,7 +63,7 @@ class World:
 def _usage(tenant: Tenant, api_key: ApiKey, model: str) -> None:
     now = datetime.now(UTC)
     for n in range(3):
-        services.usage_record_create(
+        usage_record_add(
             request_id=f"{tenant.slug}-{n}",
             tenant=tenant,
             api_key=api_key,

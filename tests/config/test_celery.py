@@ -20,11 +20,13 @@ print(ping.delay().get(timeout=60))
 tenant = services.tenant_create(slug="acme")
 key, _ = services.api_key_create(tenant=tenant, name="k")
 now = datetime.now(UTC)
-for n in range(3):
-    services.usage_record_create(
+services.usage_records_save([
+    services.usage_record_build(
         request_id=f"r{n}", tenant=tenant, api_key=key, model="m", source="api", status="ok",
         started_at=now - timedelta(hours=n), finished_at=now, prompt_tokens=10, completion_tokens=n,
     )
+    for n in range(3)
+])
 rollup_usage.delay().get(timeout=60)
 hours = UsageRollup.objects.filter(period="hour").count()
 print(hours >= 1, sum(r.requests for r in UsageRollup.objects.filter(period="day")))

@@ -7,6 +7,7 @@ from django.urls import reverse
 from serving.models import ModelDeployment
 from tenants import rollups, services
 from tenants.models import ApiKey, Membership, UsageRecord
+from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db
 
@@ -31,7 +32,7 @@ def _usage(tenant, count=6):
     api_key, _ = services.api_key_create(tenant=tenant, name="prod")
     now = datetime.now(UTC)
     for n in range(count):
-        services.usage_record_create(
+        usage_record_add(
             request_id=f"{tenant.slug}-{n}",
             tenant=tenant,
             api_key=api_key,

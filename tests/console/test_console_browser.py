@@ -11,6 +11,7 @@ from tenants.models import UsageRecord
 from tests.chat.test_browser import CHROMIUM_ARGS, chromium  # noqa: F401  (fixture)
 from tests.conftest import ROOT
 from tests.gateway.conftest import Daphne
+from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -23,7 +24,7 @@ def _fill_usage(tenant) -> None:
     now = datetime.now(UTC)
     for n in range(90):
         key = keys[n % 2]
-        services.usage_record_create(
+        usage_record_add(
             request_id=f"req-{n}",
             tenant=tenant,
             api_key=key,

@@ -36,14 +36,6 @@ def test_valid_key_authenticates_with_tenant_and_marks_last_use(tenant):
     assert ApiKey.objects.get(pk=api_key.pk).last_used_at is not None
 
 
-async def test_async_twin_authenticates(async_db, tenant):
-    from asgiref.sync import sync_to_async
-
-    _, raw_key = await sync_to_async(services.api_key_create)(tenant=tenant, name="ci")
-    api_key = await services.aapi_key_authenticate(raw_key=raw_key)
-    assert api_key.tenant_id == tenant.pk
-
-
 @pytest.mark.parametrize(
     ("mangle", "reason"),
     [

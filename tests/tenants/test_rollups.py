@@ -7,6 +7,7 @@ from config import celery_app
 from tenants import rollups, services
 from tenants.models import UsageRecord, UsageRollup
 from tenants.tasks import purge_old_usage, rollup_usage
+from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db
 
@@ -29,7 +30,7 @@ def keys(tenant, other_tenant):
 
 
 def _record(key, started_at, n, *, status="ok", model="demo-chat", ttft=40.0, latency=900.0):
-    return services.usage_record_create(
+    return usage_record_add(
         request_id=f"r-{key.pk}-{n}",
         tenant=key.tenant,
         api_key=key,

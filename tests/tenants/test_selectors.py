@@ -5,6 +5,7 @@ from django.utils import timezone
 
 from tenants import selectors, services
 from tenants.models import Plan, UsageRecord
+from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db
 
@@ -40,16 +41,6 @@ def test_api_key_limits_are_its_own(tenant):
     assert selectors.api_key_limits(api_key=api_key) == selectors.Limits(requests_per_minute=5)
 
 
-def test_allowed_models():
-    plan = Plan.objects.create(slug="narrow", name="Narrow", allowed_models=["demo-chat"])
-    tenant = services.tenant_create(slug="acme", plan=plan)
-    open_tenant = services.tenant_create(slug="globex")
-
-    assert selectors.tenant_allows_model(tenant=tenant, model="demo-chat")
-    assert not selectors.tenant_allows_model(tenant=tenant, model="llama-70b")
-    assert selectors.tenant_allows_model(tenant=open_tenant, model="llama-70b")
-
-
 def test_user_tenants_lists_only_active_memberships(user, tenant, other_tenant):
     services.membership_set(tenant=tenant, user=user, role="member", actor=None)
     services.membership_set(tenant=other_tenant, user=user, role="admin", actor=None)
@@ -69,7 +60,7 @@ def test_api_keys_and_usage_are_filtered_by_tenant_and_time(tenant, other_tenant
     for index, (owner, key, age) in enumerate(
         [(tenant, mine, 1), (tenant, mine, 30), (other_tenant, theirs, 1)]
     ):
-        services.usage_record_create(
+        usage_record_add(
             request_id=f"req-{index}",
             tenant=owner,
             api_key=key,

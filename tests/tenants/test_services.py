@@ -6,6 +6,7 @@ from django.utils import timezone
 
 from tenants import services
 from tenants.models import Membership, Plan, UsageRecord
+from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db
 
@@ -76,7 +77,7 @@ def _usage(tenant, api_key, **fields):
         "latency_ms": 2000.0,
     }
     values.update(fields)
-    return services.usage_record_create(**values)
+    return usage_record_add(**values)
 
 
 def test_usage_is_recorded_exactly_once_per_request(tenant):
