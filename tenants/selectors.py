@@ -65,6 +65,13 @@ def tenant_api_keys(*, tenant: Tenant) -> QuerySet[ApiKey]:
     return ApiKey.objects.filter(tenant=tenant).order_by("-created_at")
 
 
+def tenant_memberships(*, tenant: Tenant) -> QuerySet[Membership]:
+    """The tenant's memberships with their users, by username."""
+    return (
+        Membership.objects.filter(tenant=tenant).select_related("user").order_by("user__username")
+    )
+
+
 def user_tenants(*, user: AbstractBaseUser) -> QuerySet[Tenant]:
     return Tenant.objects.filter(memberships__user=user, is_active=True).order_by("name")
 

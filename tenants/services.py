@@ -8,6 +8,7 @@ gateway, the chat consumer) run them on a database thread of their own.
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
@@ -125,11 +126,39 @@ def api_key_create(
     raise RuntimeError("Could not allocate a unique API key prefix.")
 
 
+# What a key created without a name is called (the console's name field is optional).
+UNNAMED_KEY_NAME = "unnamed"
+
+
+def api_key_issue(
+    *,
+    tenant: Tenant,
+    name: str,
+    created_by: AbstractBaseUser | None,
+    expires_in_days: int | None,
+) -> tuple[ApiKey, str]:
+    """Create a key that lives ``expires_in_days`` days (None: until revoked), called
+    ``UNNAMED_KEY_NAME`` when ``name`` is blank; the key and its plaintext, as
+    ``api_key_create`` returns them."""
+    return api_key_create(
+        tenant=tenant,
+        name=name.strip() or UNNAMED_KEY_NAME,
+        created_by=created_by,
+        expires_at=api_key_expires_at(days=expires_in_days),
+    )
+
+
 def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     if api_key.revoked_at is None:
         api_key.revoked_at = timezone.now()
         api_key.save(update_fields=["revoked_at"])
     return api_key
+
+
+def api_key_revoke_by_id(*, tenant: Tenant, api_key_id: int | None) -> ApiKey:
+    """Revoke the tenant's key ``api_key_id``. Raises ``ApiKey.DoesNotExist`` when the tenant
+    has no such key: another tenant's key is never touched."""
+    return api_key_revoke(api_key=ApiKey.objects.get(tenant=tenant, pk=api_key_id))
 
 
 def api_key_authenticate(*, raw_key: str) -> ApiKey:
@@ -324,6 +353,40 @@ def membership_remove(*, membership: Membership, actor: AbstractBaseUser | None)
     memberships_apply(
         tenant=membership.tenant, changes=[MembershipChange(membership.user, None)], actor=actor
     )
+
+
+def membership_add(
+    *, tenant: Tenant, username: str, role: str, actor: AbstractBaseUser | None
+) -> Membership:
+    """``membership_set`` for the user called ``username``; ``ValidationError`` when nobody
+    is."""
+    user_model = get_user_model()
+    user = user_model.objects.filter(**{user_model.USERNAME_FIELD: username}).first()
+    if user is None:
+        raise ValidationError(f"No user named {username!r}.")
+    return membership_set(tenant=tenant, user=user, role=role, actor=actor)
+
+
+def _tenant_membership(*, tenant: Tenant, membership_id: int | None) -> Membership:
+    return Membership.objects.select_related("tenant", "user").get(tenant=tenant, pk=membership_id)
+
+
+def membership_change_role_by_id(
+    *, tenant: Tenant, membership_id: int | None, role: str, actor: AbstractBaseUser | None
+) -> Membership:
+    """``membership_change_role`` for the tenant's membership ``membership_id``; raises
+    ``Membership.DoesNotExist`` when the tenant has none by that id."""
+    membership = _tenant_membership(tenant=tenant, membership_id=membership_id)
+    return membership_change_role(membership=membership, role=role, actor=actor)
+
+
+def membership_remove_by_id(
+    *, tenant: Tenant, membership_id: int | None, actor: AbstractBaseUser | None
+) -> None:
+    """``membership_remove`` for the tenant's membership ``membership_id``; raises
+    ``Membership.DoesNotExist`` when the tenant has none by that id."""
+    membership = _tenant_membership(tenant=tenant, membership_id=membership_id)
+    membership_remove(membership=membership, actor=actor)
 
 
 def users_removal_check(*, users: list[AbstractBaseUser]) -> None:

@@ -76,3 +76,15 @@ def test_api_keys_and_usage_are_filtered_by_tenant_and_time(tenant, other_tenant
     assert {record.request_id for record in all_mine} == {"req-0", "req-1"}
     recent = selectors.tenant_usage_records(tenant=tenant, start=now - timedelta(days=7), end=now)
     assert [record.request_id for record in recent] == ["req-0"]
+
+
+def test_tenant_memberships_are_its_own_by_username(tenant, other_tenant, django_user_model):
+    zed, amy = (django_user_model.objects.create_user(name) for name in ("zed", "amy"))
+    for user in (zed, amy):
+        services.membership_set(tenant=tenant, user=user, role="member", actor=None)
+    services.membership_set(tenant=other_tenant, user=amy, role="admin", actor=None)
+
+    memberships = list(selectors.tenant_memberships(tenant=tenant))
+
+    assert [m.user.username for m in memberships] == ["amy", "zed"]
+    assert {m.tenant_id for m in memberships} == {tenant.pk}

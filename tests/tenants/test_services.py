@@ -5,7 +5,7 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from tenants import services
-from tenants.models import Membership, Plan, UsageRecord
+from tenants.models import ApiKey, Membership, Plan, UsageRecord
 from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db
@@ -230,3 +230,102 @@ def test_owners_can_hand_over_and_deactivate_once_another_owner_exists(crew, ten
 def test_a_tenant_created_without_an_owner_can_still_get_members(tenant, user):
     services.membership_set(tenant=tenant, user=user, role="member", actor=None)
     assert _role(tenant, user) == "member"
+
+
+# --- what the console asks for: keys and memberships by id within the tenant, users by name --
+
+
+def test_an_issued_key_without_a_name_is_called_unnamed_and_expires_as_asked(tenant, user):
+    api_key, raw_key = services.api_key_issue(
+        tenant=tenant, name="  ", created_by=user, expires_in_days=30
+    )
+    assert api_key.name == services.UNNAMED_KEY_NAME and api_key.created_by == user
+    lifetime = api_key.expires_at - timezone.now()
+    assert timedelta(days=29, hours=23) < lifetime <= timedelta(days=30)
+    assert services.api_key_authenticate(raw_key=raw_key) == api_key
+
+    named, _ = services.api_key_issue(
+        tenant=tenant, name="ci", created_by=None, expires_in_days=None
+    )
+    assert named.name == "ci" and named.expires_at is None
+
+
+@pytest.mark.parametrize("days", [0, -1, services.MAX_KEY_LIFETIME_DAYS + 1])
+def test_no_key_is_issued_for_a_lifetime_out_of_bounds(tenant, days):
+    with pytest.raises(ValidationError):
+        services.api_key_issue(tenant=tenant, name="ci", created_by=None, expires_in_days=days)
+    assert not ApiKey.objects.exists()
+
+
+def test_a_key_is_revoked_by_id_only_within_its_tenant(tenant, other_tenant):
+    mine, my_raw_key = services.api_key_create(tenant=tenant, name="mine")
+    theirs, their_raw_key = services.api_key_create(tenant=other_tenant, name="theirs")
+
+    for api_key_id in (theirs.pk, None):
+        with pytest.raises(ApiKey.DoesNotExist):
+            services.api_key_revoke_by_id(tenant=tenant, api_key_id=api_key_id)
+    assert services.api_key_authenticate(raw_key=their_raw_key) == theirs
+
+    assert services.api_key_revoke_by_id(tenant=tenant, api_key_id=mine.pk).is_revoked
+    with pytest.raises(services.ApiKeyInvalid):
+        services.api_key_authenticate(raw_key=my_raw_key)
+
+
+def test_a_member_is_added_by_username(crew, tenant, django_user_model):
+    django_user_model.objects.create_user("newcomer")
+    membership = services.membership_add(
+        tenant=tenant, username="newcomer", role="admin", actor=crew["admin"]
+    )
+    assert membership.user.username == "newcomer" and membership.role == "admin"
+    with pytest.raises(ValidationError, match="No user named 'ghost'"):
+        services.membership_add(tenant=tenant, username="ghost", role="member", actor=None)
+    assert not Membership.objects.filter(tenant=tenant, user__username="ghost").exists()
+
+
+def test_adding_by_username_keeps_the_membership_rules(crew, tenant):
+    with pytest.raises(services.OwnerRequiredError):
+        services.membership_add(tenant=tenant, username="owner", role="member", actor=crew["admin"])
+    with pytest.raises(services.MembershipNotAllowed):
+        services.membership_add(
+            tenant=tenant, username="admin", role="member", actor=crew["member"]
+        )
+    with pytest.raises(services.LastOwnerError):
+        services.membership_add(tenant=tenant, username="owner", role="admin", actor=crew["owner"])
+    assert _role(tenant, crew["owner"]) == "owner" and _role(tenant, crew["admin"]) == "admin"
+
+
+def test_members_are_changed_by_id_only_within_their_tenant(crew, tenant, other_tenant):
+    services.membership_set(tenant=other_tenant, user=crew["member"], role="member", actor=None)
+    theirs = Membership.objects.get(tenant=other_tenant, user=crew["member"])
+    with pytest.raises(Membership.DoesNotExist):
+        services.membership_change_role_by_id(
+            tenant=tenant, membership_id=theirs.pk, role="admin", actor=crew["owner"]
+        )
+    with pytest.raises(Membership.DoesNotExist):
+        services.membership_remove_by_id(
+            tenant=tenant, membership_id=theirs.pk, actor=crew["owner"]
+        )
+    assert _role(other_tenant, crew["member"]) == "member"
+
+    mine = Membership.objects.get(tenant=tenant, user=crew["member"])
+    services.membership_change_role_by_id(
+        tenant=tenant, membership_id=mine.pk, role="admin", actor=crew["owner"]
+    )
+    assert _role(tenant, crew["member"]) == "admin"
+    services.membership_remove_by_id(tenant=tenant, membership_id=mine.pk, actor=crew["owner"])
+    assert _role(tenant, crew["member"]) is None
+
+
+def test_changing_members_by_id_keeps_the_membership_rules(crew, tenant):
+    owner = Membership.objects.get(tenant=tenant, user=crew["owner"])
+    with pytest.raises(services.OwnerRequiredError):
+        services.membership_remove_by_id(tenant=tenant, membership_id=owner.pk, actor=crew["admin"])
+    with pytest.raises(services.OwnerRequiredError):
+        services.membership_change_role_by_id(
+            tenant=tenant, membership_id=owner.pk, role="member", actor=crew["admin"]
+        )
+    with pytest.raises(services.LastOwnerError):
+        services.membership_change_role_by_id(
+            tenant=tenant, membership_id=owner.pk, role="admin", actor=crew["owner"]
+        )
+    assert _role(tenant, crew["owner"]) == "owner"
