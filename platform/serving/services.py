@@ -1,8 +1,12 @@
-"""Writes to the deployment registry."""
+"""Writes to the deployment registry, and requests to load or unload a replica's model."""
 
+from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from serving.models import ModelDeployment
+from serving.tasks import control_engine
+
+CONTROL_ACTIONS = ("load", "unload")
 
 
 @transaction.atomic
@@ -22,4 +26,35 @@ def deployment_register(
     deployment.is_enabled = is_enabled
     deployment.full_clean()
     deployment.save()
+    return deployment
+
+
+def deployment_set_enabled(*, deployment_id: int | None, is_enabled: bool) -> ModelDeployment:
+    """Open the deployment to requests or close it; raises ``ModelDeployment.DoesNotExist``
+    for no such deployment."""
+    deployment = ModelDeployment.objects.get(pk=deployment_id)
+    deployment.is_enabled = is_enabled
+    deployment.save(update_fields=["is_enabled"])
+    return deployment
+
+
+def deployment_control_request(
+    *, deployment_id: int | None, endpoint: str, action: str, model: str | None = None
+) -> ModelDeployment:
+    """Queue ``action`` ("load" the model directory ``model``, or "unload") for the replica at
+    ``endpoint``; the ``serving.control_engine`` task sends it and records how it goes.
+
+    Raises ``ModelDeployment.DoesNotExist`` for no such deployment, and ``ValidationError``
+    for an unknown action, an endpoint that is not one of the deployment's replicas, or a
+    load without a model.
+    """
+    if action not in CONTROL_ACTIONS:
+        raise ValidationError(f"Unknown action {action!r}.")
+    deployment = ModelDeployment.objects.get(pk=deployment_id)
+    if endpoint not in deployment.endpoints:
+        raise ValidationError(f"{endpoint!r} is not a replica of {deployment.name}.")
+    model = (model or "").strip() or None
+    if action == "load" and model is None:
+        raise ValidationError("Give the model directory to load.")
+    control_engine.delay(deployment.pk, endpoint, action, model)
     return deployment

@@ -1,0 +1,74 @@
+"""The deployment registry's writes and the rules on a load or unload request. Sending the
+request to an engine is the Celery task's job (tests/serving/test_control.py); here the queue
+is replaced by a list."""
+
+import pytest
+from django.core.exceptions import ValidationError
+
+from serving import services
+from serving.models import ModelDeployment
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def queued(monkeypatch) -> list[tuple]:
+    """The arguments of each ``serving.control_engine`` task queued."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(services.control_engine, "delay", lambda *args: calls.append(args))
+    return calls
+
+
+@pytest.fixture
+def deployment() -> ModelDeployment:
+    return services.deployment_register(name="m", endpoints=["tcp://h:1", "tcp://h:2"])
+
+
+def test_a_load_or_unload_is_queued_for_one_replica(queued, deployment):
+    services.deployment_control_request(
+        deployment_id=deployment.pk, endpoint="tcp://h:2", action="load", model=" /models/x "
+    )
+    services.deployment_control_request(
+        deployment_id=deployment.pk, endpoint="tcp://h:1", action="unload", model=""
+    )
+    assert queued == [
+        (deployment.pk, "tcp://h:2", "load", "/models/x"),
+        (deployment.pk, "tcp://h:1", "unload", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "action", "model", "message"),
+    [
+        ("tcp://evil:1", "unload", None, "is not a replica of m"),
+        ("tcp://h:1", "load", None, "Give the model directory"),
+        ("tcp://h:1", "load", "   ", "Give the model directory"),
+        ("tcp://h:1", "delete", None, "Unknown action"),
+    ],
+)
+def test_a_control_request_is_refused_before_anything_is_queued(
+    queued, deployment, endpoint, action, model, message
+):
+    with pytest.raises(ValidationError, match=message):
+        services.deployment_control_request(
+            deployment_id=deployment.pk, endpoint=endpoint, action=action, model=model
+        )
+    assert queued == []
+
+
+@pytest.mark.parametrize("deployment_id", [None, 10**6])
+def test_no_deployment_no_control_request(queued, deployment_id):
+    with pytest.raises(ModelDeployment.DoesNotExist):
+        services.deployment_control_request(
+            deployment_id=deployment_id, endpoint="tcp://h:1", action="unload"
+        )
+    assert queued == []
+
+
+def test_a_deployment_is_disabled_and_enabled_by_id(deployment):
+    services.deployment_set_enabled(deployment_id=deployment.pk, is_enabled=False)
+    assert not ModelDeployment.objects.get(pk=deployment.pk).is_enabled
+    services.deployment_set_enabled(deployment_id=deployment.pk, is_enabled=True)
+    assert ModelDeployment.objects.get(pk=deployment.pk).is_enabled
+    with pytest.raises(ModelDeployment.DoesNotExist):
+        services.deployment_set_enabled(deployment_id=None, is_enabled=False)
