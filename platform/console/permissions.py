@@ -18,6 +18,11 @@ def console_tenants(*, user: AbstractBaseUser) -> QuerySet[Tenant]:
     ).order_by("slug")
 
 
+def console_home_tenant(*, user: AbstractBaseUser) -> Tenant | None:
+    """The tenant the console opens on for a tenant's manager; None for anybody else."""
+    return console_tenants(user=user).first()
+
+
 def console_tenant(*, user: AbstractBaseUser, slug: str) -> Tenant:
     """The tenant if the user may manage it; 404 otherwise (existence is not revealed)."""
     tenant = console_tenants(user=user).select_related("plan").filter(slug=slug).first()

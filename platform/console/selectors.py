@@ -1,13 +1,19 @@
-"""Dashboard reads, all from the daily usage roll-ups (never the raw records)."""
+"""The console's reads: usage from the daily roll-ups (never the raw records), where a
+tenant stands against its quotas, and the deployments with their replicas' state."""
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
+from typing import NamedTuple
 
 from django.db.models import QuerySet, Sum
 
+from serving.models import ModelDeployment
 from tenants.models import ApiKey, Tenant, UsageRollup
+from tenants.quotas import quota_usage
 from tenants.rollups import histogram_merge, histogram_percentile
+from tenants.selectors import tenant_limits
 
 MAX_SERIES = 5
 
@@ -134,7 +140,14 @@ def model_load(*, date_range: DateRange) -> list[dict]:
     )
 
 
+USAGE_CSV_HEADER = [
+    "date", "model", "source", "api_key", "requests", "prompt_tokens", "completion_tokens",
+    "cached_tokens", "errors",
+]  # fmt: skip
+
+
 def usage_csv_rows(*, date_range: DateRange, tenant: Tenant) -> list[list]:
+    """The rows under ``USAGE_CSV_HEADER``, one per daily roll-up."""
     key_names = dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name"))
     rows = daily_rollups(date_range=date_range, tenant=tenant).order_by("period_start", "model")
     return [
@@ -151,3 +164,45 @@ def usage_csv_rows(*, date_range: DateRange, tenant: Tenant) -> list[list]:
         ]
         for row in rows
     ]
+
+
+class QuotaRow(NamedTuple):
+    name: str
+    used: int
+    limit: int | None  # None: unlimited
+    percent: int | None  # of the limit, at most 100; None when there is no limit
+
+
+def _percent(used: float | None, limit: int | None) -> int | None:
+    if not limit:
+        return None
+    return min(100, round(100 * (used or 0) / limit))
+
+
+def quota_rows(*, tenant: Tenant) -> list[QuotaRow]:
+    """Where the tenant stands against each of its limits now."""
+    usage = quota_usage(tenant=tenant)
+    limits = tenant_limits(tenant=tenant)
+    rows = [
+        ("Requests / minute", usage.requests_this_minute, limits.requests_per_minute),
+        ("Tokens / minute", usage.tokens_this_minute, limits.tokens_per_minute),
+        ("Concurrent requests", usage.concurrent_requests, limits.max_concurrent_requests),
+        ("Tokens this month", usage.month_tokens, limits.monthly_token_budget),
+    ]
+    return [
+        QuotaRow(name, round(used or 0), limit, _percent(used, limit)) for name, used, limit in rows
+    ]
+
+
+def deployments_list() -> list[ModelDeployment]:
+    return list(ModelDeployment.objects.order_by("name"))
+
+
+def deployments_changing(*, deployments: Iterable[ModelDeployment]) -> bool:
+    """Whether a replica of any of ``deployments`` is loading a model, or has a load or unload
+    sent that the engine has not yet answered (``serving.replica_control`` records both)."""
+    return any(
+        state.get("state") == "loading" or state.get("control", {}).get("state") == "sent"
+        for deployment in deployments
+        for state in (deployment.replicas or {}).values()
+    )

@@ -1,0 +1,81 @@
+"""The console's reads that hold a rule: how full each quota is, and when the platform page
+follows a deployment that is changing."""
+
+import pytest
+from django.core.cache import cache
+
+from console import selectors
+from serving.models import ModelDeployment
+from tenants import quotas
+from tests.tenants.racers import tenant_with
+
+MINUTE_START = 1_800_000_000.0 - (1_800_000_000.0 % 60)
+
+
+@pytest.fixture
+def frozen_quotas(monkeypatch):
+    """Counters from a clean cache, read at one instant (no minute rolls over mid-test)."""
+    cache.clear()
+    monkeypatch.setattr(quotas, "_now", lambda: MINUTE_START + 1)
+    yield
+    cache.clear()
+
+
+@pytest.mark.django_db
+def test_quota_rows_show_use_against_each_limit(frozen_quotas):
+    tenant = tenant_with(requests_per_minute=4, max_concurrent_requests=1)
+    for _ in range(2):
+        ticket = quotas.admission_acquire(tenant=tenant, api_key=None, estimated_tokens=10)
+        quotas.admission_release(ticket=ticket, actual_tokens=10)
+
+    rows = {row.name: row for row in selectors.quota_rows(tenant=tenant)}
+
+    assert list(rows) == [
+        "Requests / minute", "Tokens / minute", "Concurrent requests", "Tokens this month",
+    ]  # fmt: skip
+    assert rows["Requests / minute"] == selectors.QuotaRow("Requests / minute", 2, 4, 50)
+    assert rows["Concurrent requests"] == selectors.QuotaRow("Concurrent requests", 0, 1, 0)
+    # no limit: no share of one to show
+    assert rows["Tokens / minute"].limit is None and rows["Tokens / minute"].percent is None
+
+
+@pytest.mark.django_db
+def test_a_quota_used_past_a_lowered_limit_shows_full_and_a_zero_limit_shows_none(
+    frozen_quotas,
+):
+    tenant = tenant_with(requests_per_minute=3)
+    for _ in range(3):
+        ticket = quotas.admission_acquire(tenant=tenant, api_key=None, estimated_tokens=1)
+        quotas.admission_release(ticket=ticket, actual_tokens=1)
+    tenant.requests_per_minute, tenant.max_concurrent_requests = 1, 0
+
+    rows = {row.name: row for row in selectors.quota_rows(tenant=tenant)}
+
+    assert rows["Requests / minute"].used == 3 and rows["Requests / minute"].percent == 100
+    assert rows["Concurrent requests"].percent is None
+
+
+def _deployment(**replicas: dict) -> ModelDeployment:
+    return ModelDeployment(name="m", endpoints=list(replicas), replicas=replicas)
+
+
+@pytest.mark.parametrize(
+    ("replica", "changing"),
+    [
+        ({"state": "loading", "state_detail": "loading /models/x"}, True),
+        ({"state": "ready", "control": {"action": "load", "state": "sent"}}, True),
+        ({"state": "ready", "control": {"action": "load", "ok": True, "message": "ready"}}, False),
+        ({"state": "unloaded"}, False),
+        ({"error": "no answer"}, False),
+    ],
+)
+def test_a_deployment_is_changing_while_a_replica_loads_or_a_control_is_unanswered(
+    replica, changing
+):
+    idle = _deployment(a={"state": "ready"})
+    assert selectors.deployments_changing(deployments=[idle, _deployment(b=replica)]) is changing
+
+
+def test_no_deployments_or_no_replica_state_is_not_changing():
+    assert selectors.deployments_changing(deployments=[]) is False
+    assert selectors.deployments_changing(deployments=[ModelDeployment(name="m")]) is False
