@@ -11,6 +11,7 @@ By default the engine gets CPU 0 to itself and Daphne and the clients share the 
 when the engine owns a GPU host; ``--engine-cpus ''`` lets all three share every CPU.
 
     .venv/bin/python bench/gateway_overhead.py [--model models/demo-chat] [--max-tokens 64]
+        [--baseline GIT_REF]  # also a commit's web tier, alternating: before and after
 """
 
 import argparse
@@ -162,22 +163,65 @@ async def _gateway(base: str, key: str, num: int, concurrency: int, max_tokens: 
     return run
 
 
-def _setup_platform(endpoint: str) -> str:
-    """Migrate a fresh embedded database, register the engine, return an API key."""
-    import django
+SETUP = """
+import django, sys
+django.setup()
+from django.core.management import call_command
+from serving.services import deployment_register
+from tenants import services
+from tenants.models import Plan
+call_command("migrate", interactive=False, verbosity=0)
+plan = Plan.objects.create(slug="bench", name="Bench")
+tenant = services.tenant_create(slug="bench", plan=plan)
+deployment_register(name=sys.argv[2], endpoints=[sys.argv[1]])
+print(services.api_key_create(tenant=tenant, name="bench")[1])
+"""
 
-    django.setup()
-    from django.core.management import call_command
 
-    from serving.services import deployment_register
-    from tenants import services
-    from tenants.models import Plan
+@dataclass
+class Gateway:
+    """One web tier under test: a Daphne from a source tree, with its own embedded database."""
 
-    call_command("migrate", interactive=False, verbosity=0)
-    plan = Plan.objects.create(slug="bench", name="Bench")
-    tenant = services.tenant_create(slug="bench", plan=plan)
-    deployment_register(name=MODEL_NAME, endpoints=[endpoint])
-    return services.api_key_create(tenant=tenant, name="bench")[1]
+    name: str
+    source: Path
+    port: int
+    env: dict[str, str]
+    key: str = ""
+    process: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _gateway_env(base_env: dict[str, str], source: Path, var_dir: str) -> dict[str, str]:
+    paths = os.pathsep.join([str(source / "platform"), str(source)])
+    return {**base_env, "VAR_DIR": var_dir, "PYTHONPATH": paths}
+
+
+def _start_gateway(gateway: Gateway, endpoint: str, cpus: set[int] | None) -> None:
+    """Migrate its fresh database, register the engine, make a key, start its Daphne."""
+    setup = subprocess.run(
+        [sys.executable, "-c", SETUP, endpoint, MODEL_NAME],
+        env=gateway.env, cwd=gateway.source, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    gateway.key = setup.stdout.strip().splitlines()[-1]
+    gateway.process = subprocess.Popen(
+        [sys.executable, "-m", "config.webserver", "-p", str(gateway.port),
+         "config.asgi:application"],
+        env=gateway.env, cwd=gateway.source, stderr=subprocess.DEVNULL,
+        preexec_fn=_pinned_to(cpus),
+    )  # fmt: skip
+
+
+def _checkout(ref: str) -> Path:
+    """A worktree of ``ref`` beside this one (the same virtual environment runs it)."""
+    folder = Path(tempfile.mkdtemp(prefix="gateway-bench-baseline-"))
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(folder), ref],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return folder
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -233,6 +277,12 @@ def main() -> None:
         help="CPUs the engine is pinned to (the web tier and this client get the others), as "
         "when the engine owns a GPU host; '' shares every CPU between all three",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="GIT_REF",
+        help="also run the web tier of this commit (a git worktree) on the same engine, "
+        "alternating with this tree's, and print both: a change's before and after in one run",
+    )
     args = parser.parse_args()
     engine_cpus = {int(cpu) for cpu in args.engine_cpus.split(",") if cpu}
     web_cpus = set(range(os.cpu_count() or 1)) - engine_cpus or None
@@ -241,9 +291,7 @@ def main() -> None:
     endpoint = f"ipc://{work}/engine.sock"
     env = {
         **os.environ,
-        "VAR_DIR": work,
         "DJANGO_SETTINGS_MODULE": "config.settings",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), str(ROOT)]),
         "LOG_LEVEL": "WARNING",
         # as deployed: DEBUG keeps every query's SQL and runs one more to render it
         "DEBUG": "0",
@@ -252,45 +300,64 @@ def main() -> None:
     }
     for name in ("DATABASE_URL", "REDIS_URL"):
         env.pop(name, None)
-    os.environ.clear()
-    os.environ.update(env)
-    key = _setup_platform(endpoint)
+    gateways = [Gateway("gateway", ROOT, args.port, _gateway_env(env, ROOT, f"{work}/ours"))]
+    baseline_tree = None
+    if args.baseline:
+        baseline_tree = _checkout(args.baseline)
+        baseline_env = _gateway_env(env, baseline_tree, f"{work}/baseline")
+        gateways.append(
+            Gateway(f"@{args.baseline}"[:8], baseline_tree, args.port + 1, baseline_env)
+        )
+    for gateway in gateways:
+        os.makedirs(gateway.env["VAR_DIR"], exist_ok=True)
 
     engine = subprocess.Popen(
         [sys.executable, "-m", "inference_engine", "--model", args.model, "--endpoint", endpoint,
          "--served-model-name", MODEL_NAME, "--log-level", "WARNING",
          "--threads", args.engine_threads],
-        env=env,
+        env=gateways[0].env,
         preexec_fn=_pinned_to(engine_cpus),
     )  # fmt: skip
-    daphne = subprocess.Popen(
-        [sys.executable, "-m", "config.webserver", "-p", str(args.port), "config.asgi:application"],
-        env=env,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=_pinned_to(web_cpus),
-    )
     if engine_cpus and web_cpus:
         os.sched_setaffinity(0, web_cpus)  # this process is the clients of both paths
-    base = f"http://127.0.0.1:{args.port}"
+    rows = []
     try:
-        _wait_http(f"{base}/health/live", 60)
+        for gateway in gateways:
+            _start_gateway(gateway, endpoint, web_cpus if engine_cpus else None)
+        for gateway in gateways:
+            _wait_http(f"{gateway.base}/health/live", 60)
         asyncio.run(_direct(endpoint, 4, 4, 8))  # warm-up: engine ready, caches primed
-        asyncio.run(_gateway(base, key, 4, 4, 8))
-        rows = []
-        for round_ in range(args.rounds):  # alternating, so a noisy spell hits both paths
+        for gateway in gateways:
+            asyncio.run(_gateway(gateway.base, gateway.key, 4, 4, 8))
+        for round_ in range(args.rounds):  # alternating, so a noisy spell hits every path
             for concurrency, num in ((1, args.single), (64, args.requests)):
                 direct = asyncio.run(_direct(endpoint, num, concurrency, args.max_tokens))
-                cpu_before = _cpu_seconds(daphne.pid)
-                gateway = asyncio.run(_gateway(base, key, num, concurrency, args.max_tokens))
-                cpu_after = _cpu_seconds(daphne.pid)
-                if cpu_before is not None and cpu_after is not None:
-                    gateway.server_cpu = cpu_after - cpu_before
-                rows.append((round_ + 1, concurrency, direct, gateway))
+                served = {}
+                # every other round the other way round, so that no tree always goes first
+                for gateway in gateways if round_ % 2 == 0 else gateways[::-1]:
+                    cpu_before = _cpu_seconds(gateway.process.pid)
+                    run = asyncio.run(
+                        _gateway(gateway.base, gateway.key, num, concurrency, args.max_tokens)
+                    )
+                    cpu_after = _cpu_seconds(gateway.process.pid)
+                    if cpu_before is not None and cpu_after is not None:
+                        run.server_cpu = cpu_after - cpu_before
+                    served[gateway.name] = run
+                ordered = {gateway.name: served[gateway.name] for gateway in gateways}
+                rows.append((round_ + 1, concurrency, direct, ordered))
     finally:
-        for process in (daphne, engine):
+        for process in [g.process for g in gateways if g.process] + [engine]:
             process.terminate()
             process.wait(timeout=30)
+        if baseline_tree is not None:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline_tree)],
+                check=False,
+            )
+    _report(args, rows, engine_cpus, web_cpus)
 
+
+def _report(args, rows, engine_cpus, web_cpus) -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     print(f"\nmachine: {machine}, Python {platform.python_version()}")
     if engine_cpus and web_cpus:
@@ -300,39 +367,42 @@ def main() -> None:
     print(f"model: {args.model}, {args.max_tokens} tokens per request, greedy, ignore_eos")
     header = f"{'round':>5} {'streams':>7} {'path':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
     print(header + f"{'ITL p50':>8} {'ITL p99':>8} {'tok/s':>8}  Daphne CPU per request")
-    added: dict[int, list[float]] = {}
-    ratios: dict[int, list[float]] = {}
-    cpu_per_token: dict[int, list[float]] = {}
-    for round_, concurrency, direct, gateway in rows:
-        for name, run in (("direct", direct), ("gateway", gateway)):
+    added: dict[tuple[str, int], list[float]] = {}
+    ratios: dict[tuple[str, int], list[float]] = {}
+    cpu_per_token: dict[tuple[str, int], list[float]] = {}
+    for round_, concurrency, direct, served in rows:
+        for name, run in (("direct", direct), *served.items()):
             ttft = f"{_pct(run.ttft, 0.5):>7.1f}ms {_pct(run.ttft, 0.99):>7.1f}ms"
             itl = f"{_pct(run.itl, 0.5):>6.1f}ms {_pct(run.itl, 0.99):>6.1f}ms"
             tok_s = run.tokens / run.seconds
             cpu = ""
             if run.server_cpu is not None:
                 cpu = f"  {run.server_cpu / run.requests * 1000:.2f}ms"
-                cpu_per_token.setdefault(concurrency, []).append(run.server_cpu / run.tokens)
+                per_token = run.server_cpu / run.tokens
+                cpu_per_token.setdefault((name, concurrency), []).append(per_token)
             print(f"{round_:>5} {concurrency:>7} {name:>8} {ttft} {itl} {tok_s:>8.0f}{cpu}")
-        added.setdefault(concurrency, []).append(
-            (statistics.median(gateway.ttft) - statistics.median(direct.ttft)) * 1000
-        )
-        ratios.setdefault(concurrency, []).append(
-            (gateway.tokens / gateway.seconds) / (direct.tokens / direct.seconds)
-        )
+        for name, run in served.items():
+            added.setdefault((name, concurrency), []).append(
+                (statistics.median(run.ttft) - statistics.median(direct.ttft)) * 1000
+            )
+            ratios.setdefault((name, concurrency), []).append(
+                (run.tokens / run.seconds) / (direct.tokens / direct.seconds)
+            )
     print(f"\nmedian of {args.rounds} rounds (each round's figures in brackets):")
-    for concurrency in added:
-        each_added = ", ".join(f"{a:+.1f}" for a in added[concurrency])
-        each_ratio = ", ".join(f"{r:.2f}" for r in ratios[concurrency])
+    for (name, concurrency), values in added.items():
+        each_added = ", ".join(f"{a:+.1f}" for a in values)
+        each_ratio = ", ".join(f"{r:.2f}" for r in ratios[name, concurrency])
         print(
-            f"{concurrency:>3} streams: gateway adds "
-            f"{statistics.median(added[concurrency]):+.1f} ms TTFT p50 [{each_added}]; "
-            f"throughput gateway/direct {statistics.median(ratios[concurrency]):.2f} "
+            f"{name:>8}, {concurrency:>2} streams: adds "
+            f"{statistics.median(values):+.1f} ms TTFT p50 [{each_added}]; "
+            f"throughput vs direct {statistics.median(ratios[name, concurrency]):.2f} "
             f"[{each_ratio}]"
         )
-    for concurrency, values in cpu_per_token.items():
+    for (name, concurrency), values in cpu_per_token.items():
         print(
-            f"{concurrency:>3} streams: Daphne spent {statistics.median(values) * 1e6:.0f} us of "
-            "CPU per streamed token (the request's own work included)"
+            f"{name:>8}, {concurrency:>2} streams: Daphne spent "
+            f"{statistics.median(values) * 1e6:.0f} us of CPU per streamed token "
+            "(the request's own work included)"
         )
 
 

@@ -14,6 +14,8 @@ Per-minute limits use a sliding-window counter (the previous minute's count weig
 much of it still overlaps the last 60 seconds, plus the current minute's), which avoids the
 double burst a fixed window allows at its edge.
 
+A request holds one concurrency lease per engine sequence it fans out to (prompts × n).
+
 Tokens per minute and the month are *reserved* on admission (prompt estimate plus
 ``max_tokens``) and reconciled with the engine's real counts by ``admission_release``.
 The month counter is seeded from the usage records when the cache has none, so a cache
@@ -49,7 +51,7 @@ def _now() -> float:
     return time.time()
 
 
-HOPELESS_KINDS = frozenset({"request_too_large", "budget_too_small"})
+HOPELESS_KINDS = frozenset({"request_too_large", "budget_too_small", "too_many_sequences"})
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class QuotaExceeded(Exception):
             f"limit of {self.limit}",
             "budget_too_small": f"the monthly token budget: this request alone needs more than "
             f"the budget of {self.limit}",
+            "too_many_sequences": f"concurrent requests: this request alone runs more "
+            f"sequences (prompts × n) than the limit of {self.limit}",
         }[self.kind]
         return f"Rate limit reached for {owner} on {what}. Please try again in {self.retry_after}s."
 
@@ -204,10 +208,13 @@ class _Admission:
         self._record_window(kind, limit, limit - used, until_next_window)
         return key
 
-    def concurrency(self, scope: _Scope, limit: int | None) -> None:
+    def concurrency(self, scope: _Scope, limit: int | None, num_sequences: int) -> None:
+        """Hold one lease per engine sequence against the concurrency limit."""
         if limit is None:
             return
-        slot = slot_acquire(name=scope.key("slots"), limit=limit)
+        if num_sequences > limit:
+            raise self._refuse("too_many_sequences", scope, limit, 1)
+        slot = slot_acquire(name=scope.key("slots"), limit=limit, size=num_sequences)
         if slot is None:
             raise self._refuse("concurrency", scope, limit, 1)
         self.slots.append(slot)
@@ -272,15 +279,18 @@ def admission_acquire(
     api_key: ApiKey | None = None,
     estimated_tokens: int,
     likely_tokens: int | None = None,
+    num_sequences: int = 1,
 ) -> AdmissionTicket:
     """Admit one request that may use up to ``estimated_tokens`` (prompt plus max tokens),
     or raise ``QuotaExceeded`` having changed nothing. Any other error also propagates having
     changed nothing (as far as the failing cache allows). ``likely_tokens`` (default: the
     same) is what it will probably use: a request is refused for good (``is_hopeless``) only
     when that alone is past a limit; the budgets hold ``estimated_tokens`` (a per-minute limit
-    at most its whole self) until the request settles with its real count."""
-    if estimated_tokens < 0:
-        raise ValueError("estimated_tokens must be >= 0")
+    at most its whole self) until the request settles with its real count. A request fanned
+    out to ``num_sequences`` engine sequences (prompts × n) counts that many against the
+    concurrency limits."""
+    if estimated_tokens < 0 or num_sequences < 1:
+        raise ValueError("estimated_tokens must be >= 0 and num_sequences >= 1")
     attempt = _Admission(_now())
     ticket = AdmissionTicket(
         tenant_id=tenant.pk,
@@ -299,7 +309,7 @@ def admission_acquire(
             )
             if tokens_key and limits.tokens_per_minute < estimated_tokens:
                 ticket.counter_reservations[tokens_key] = limits.tokens_per_minute
-            attempt.concurrency(scope, limits.max_concurrent_requests)
+            attempt.concurrency(scope, limits.max_concurrent_requests, num_sequences)
             ticket.token_counters.extend(key for key in (month_key, tokens_key) if key)
     except BaseException:
         attempt.rollback()

@@ -1,8 +1,10 @@
 """Concurrency slots as leases: a slot that nobody renews frees itself.
 
 A scope (a tenant, an API key) has a set of slot ids, each with the time its lease runs out.
-Acquiring drops the expired leases, counts the live ones and adds a new one if that count is
-under the limit, in one atomic step; releasing removes the slot's id. While a request runs,
+Acquiring drops the expired leases, counts the live ones and adds the new slot's if that
+count leaves room for them, in one atomic step; releasing removes them. A slot may be several
+leases under one id (``size``: an API request fanned out to prompts × ``n`` engine sequences
+holds one per sequence). While a request runs,
 one renewer thread per process extends every slot the process holds, all in one call per
 store, every third of a lease. So a long stream keeps its slot, and the slots of a process
 that dies (killed between acquire and release) expire within one lease, however hard the
@@ -53,9 +55,9 @@ class _Store(Protocol):
 
     def key_for(self, name: str) -> str: ...
 
-    def acquire(self, key: str, slot_id: str, limit: int, lease: float) -> bool: ...
+    def acquire(self, key: str, members: list[str], limit: int, lease: float) -> bool: ...
 
-    def release(self, key: str, slot_id: str) -> None: ...
+    def release(self, key: str, members: list[str]) -> None: ...
 
     def renew(self, slots: "list[Slot]", lease: float) -> list[bool]:
         """Extend each slot's lease; False for a slot whose lease had already run out."""
@@ -66,26 +68,37 @@ class _Store(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class Slot:
-    """One held concurrency slot: one id in one scope's set."""
+    """One held concurrency slot: ``size`` leases of one id in one scope's set."""
 
     key: str  # the store's key of the scope's set
     slot_id: str
     lease_seconds: float
     store: _Store
+    size: int = 1
+
+    @property
+    def members(self) -> list[str]:
+        """The set's entries this slot holds, one per lease."""
+        if self.size == 1:
+            return [self.slot_id]
+        return [f"{self.slot_id}:{i}" for i in range(self.size)]
 
 
-# KEYS[1]: the scope's set. ARGV: limit, lease (ms), slot id. Returns 1 (admitted) or 0.
+# KEYS[1]: the scope's set. ARGV: limit, lease (ms), the slot's members. Returns 1 (admitted)
+# or 0.
 _ACQUIRE = Script(
     None,
     b"""
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+if redis.call('ZCARD', KEYS[1]) + #ARGV - 2 > tonumber(ARGV[1]) then
   return 0
 end
 local lease = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + lease, ARGV[3])
+for i = 3, #ARGV do
+  redis.call('ZADD', KEYS[1], now + lease, ARGV[i])
+end
 if redis.call('PTTL', KEYS[1]) < lease then
   redis.call('PEXPIREAT', KEYS[1], now + lease + 1)
 end
@@ -93,8 +106,8 @@ return 1
 """,
 )
 
-# KEYS: the sets, one per slot. ARGV: lease (ms), then the slot ids in KEYS' order.
-# Returns 1 per slot renewed, 0 per slot whose lease had run out (it stays gone).
+# KEYS: the sets, one per member. ARGV: lease (ms), then the members in KEYS' order.
+# Returns 1 per member renewed, 0 per member whose lease had run out (it stays gone).
 _RENEW = Script(
     None,
     b"""
@@ -159,16 +172,19 @@ class _RedisStore(_StoreIdentity):
     def key_for(self, name: str) -> str:
         return self._backend.make_key(name)
 
-    def acquire(self, key: str, slot_id: str, limit: int, lease: float) -> bool:
-        return bool(_ACQUIRE(keys=[key], args=[limit, _ms(lease), slot_id], client=self._client()))
+    def acquire(self, key: str, members: list[str], limit: int, lease: float) -> bool:
+        args = [limit, _ms(lease), *members]
+        return bool(_ACQUIRE(keys=[key], args=args, client=self._client()))
 
-    def release(self, key: str, slot_id: str) -> None:
-        self._client().zrem(key, slot_id)
+    def release(self, key: str, members: list[str]) -> None:
+        self._client().zrem(key, *members)
 
     def renew(self, slots: "list[Slot]", lease: float) -> list[bool]:
-        keys = [slot.key for slot in slots]
-        args = [_ms(lease), *(slot.slot_id for slot in slots)]
-        return [bool(renewed) for renewed in _RENEW(keys=keys, args=args, client=self._client())]
+        keys = [slot.key for slot in slots for _ in range(slot.size)]
+        args = [_ms(lease), *(member for slot in slots for member in slot.members)]
+        renewed = iter(_RENEW(keys=keys, args=args, client=self._client()))
+        # a slot's members share one expiry: renewed together, or all run out
+        return [all([bool(next(renewed)) for _ in range(slot.size)]) for slot in slots]
 
     def count(self, key: str) -> int:
         return int(_COUNT(keys=[key], client=self._client()))
@@ -192,21 +208,22 @@ class _LocalStore(_StoreIdentity):
     def key_for(self, name: str) -> str:
         return name  # the cache makes its own key
 
-    def acquire(self, key: str, slot_id: str, limit: int, lease: float) -> bool:
+    def acquire(self, key: str, members: list[str], limit: int, lease: float) -> bool:
         now = time.time()
         with self._lock:
             leases = self._live(key, now)
-            if len(leases) >= limit:
+            if len(leases) + len(members) > limit:
                 return False
-            leases[slot_id] = now + lease
+            leases.update(dict.fromkeys(members, now + lease))
             self._save(key, leases, now)
             return True
 
-    def release(self, key: str, slot_id: str) -> None:
+    def release(self, key: str, members: list[str]) -> None:
         now = time.time()
         with self._lock:
             leases = self._live(key, now)
-            if leases.pop(slot_id, None) is not None:
+            held = [member for member in members if leases.pop(member, None) is not None]
+            if held:
                 self._save(key, leases, now)
 
     def renew(self, slots: "list[Slot]", lease: float) -> list[bool]:
@@ -218,9 +235,12 @@ class _LocalStore(_StoreIdentity):
                 leases = by_key.get(slot.key)
                 if leases is None:
                     leases = by_key[slot.key] = self._live(slot.key, now)
-                is_live = slot.slot_id in leases
-                if is_live:
-                    leases[slot.slot_id] = now + lease
+                is_live = all(member in leases for member in slot.members)
+                for member in slot.members:
+                    if is_live:
+                        leases[member] = now + lease
+                    else:
+                        leases.pop(member, None)
                 renewed.append(is_live)
             for key, leases in by_key.items():
                 self._save(key, leases, now)
@@ -349,26 +369,30 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def slot_acquire(*, name: str, limit: int) -> Slot | None:
-    """Take a slot in the scope ``name`` (a cache key) if fewer than ``limit`` are held, and
-    keep it renewed until ``slot_release``; None if the scope is full. If the store fails, any
-    slot the attempt may have taken is given back before the error propagates."""
+def slot_acquire(*, name: str, limit: int, size: int = 1) -> Slot | None:
+    """Take a slot of ``size`` leases in the scope ``name`` (a cache key) if the leases held
+    there leave room for them under ``limit``, and keep it renewed until ``slot_release``;
+    None if the scope is full. If the store fails, any lease the attempt may have taken is
+    given back before the error propagates."""
+    if size < 1:
+        raise ValueError("a slot holds at least one lease")
     store = _store()
     slot = Slot(
         key=store.key_for(name),
         slot_id=uuid.uuid4().hex,
         lease_seconds=lease_seconds(),
         store=store,
+        size=size,
     )
     try:
-        if not store.acquire(slot.key, slot.slot_id, limit, slot.lease_seconds):
+        if not store.acquire(slot.key, slot.members, limit, slot.lease_seconds):
             return None
         renewer.add(slot)
     except BaseException:
         # The script may have run before the connection failed: give back what it took.
         renewer.discard(slot)
         try:
-            store.release(slot.key, slot.slot_id)
+            store.release(slot.key, slot.members)
         except Exception:
             logger.exception("could not give back a concurrency slot; its lease will expire")
         raise
@@ -379,10 +403,10 @@ def slot_release(slot: Slot) -> None:
     """Give the slot back. Idempotent. If the store fails, the error propagates and the
     slot, no longer renewed, expires within a lease."""
     renewer.discard(slot)
-    slot.store.release(slot.key, slot.slot_id)
+    slot.store.release(slot.key, slot.members)
 
 
 def slot_count(*, name: str) -> int:
-    """The live leases in the scope ``name``."""
+    """The live leases in the scope ``name`` (a slot of ``size`` n counts n)."""
     store = _store()
     return store.count(store.key_for(name))

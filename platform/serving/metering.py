@@ -64,6 +64,7 @@ async def metered(
     source: str,
     estimated_tokens: int,
     likely_tokens: int | None = None,
+    num_sequences: int = 1,
     api_key: ApiKey | None = None,
     user: AbstractBaseUser | None = None,
     on_finish: Callable[[Meter], None] | None = None,
@@ -73,10 +74,11 @@ async def metered(
     ``precondition`` runs on the worker thread just before admission; what it raises
     propagates with nothing admitted or recorded (the API checks its cached authorization
     there, saving a thread trip of its own). ``estimated_tokens`` is the most the request may
-    use, ``likely_tokens`` what it probably will (see ``quotas.admission_acquire``)."""
+    use, ``likely_tokens`` what it probably will, ``num_sequences`` how many engine sequences
+    it runs (see ``quotas.admission_acquire``)."""
     started_at = time.time()
     admission = asyncio.ensure_future(
-        _admit(precondition, tenant, api_key, estimated_tokens, likely_tokens)
+        _admit(precondition, tenant, api_key, estimated_tokens, likely_tokens, num_sequences)
     )
     try:
         ticket = await asyncio.shield(admission)
@@ -154,6 +156,7 @@ def _admit(
     api_key: ApiKey | None,
     estimated_tokens: int,
     likely_tokens: int | None,
+    num_sequences: int,
 ) -> quotas.AdmissionTicket:
     if precondition is not None:
         precondition()
@@ -162,6 +165,7 @@ def _admit(
         api_key=api_key,
         estimated_tokens=estimated_tokens,
         likely_tokens=likely_tokens,
+        num_sequences=num_sequences,
     )
 
 

@@ -205,6 +205,7 @@ class Run:
             source=caller.source,
             estimated_tokens=reservation.tokens,
             likely_tokens=reservation.likely_tokens,
+            num_sequences=len(self.spec.requests),
             on_finish=self._on_finish,
             precondition=caller.precondition,
         )
@@ -218,12 +219,20 @@ class Run:
             return RunError(
                 "rate_limit_exceeded", str(exc), retry_after=exc.retry_after, windows=exc.windows
             )
+        model = self.caller.deployment.name
+        if exc.kind == "too_many_sequences":
+            return RunError(
+                "request_too_large",
+                f"Request too large for {model} on concurrent requests: Limit {exc.limit}, "
+                f"Requested {len(self.spec.requests)} sequences (prompts × n). Send fewer "
+                "prompts or a smaller n.",
+            )
         limit = "tokens per min (TPM)" if exc.kind == "request_too_large" else "monthly tokens"
         return RunError(
             "request_too_large",
-            f"Request too large for {self.caller.deployment.name} on {limit}: Limit "
-            f"{exc.limit}, Requested {self._reservation.likely_tokens}. The input or output "
-            "tokens must be reduced in order to run successfully.",
+            f"Request too large for {model} on {limit}: Limit {exc.limit}, Requested "
+            f"{self._reservation.likely_tokens}. The input or output tokens must be reduced "
+            "in order to run successfully.",
         )
 
     async def _send(self) -> None:

@@ -282,3 +282,25 @@ async def test_no_ready_replica_is_refused_with_nothing_recorded(run_world):  # 
         await run.start()
     assert (refused.value.code, refused.value.retry_after) == ("engine_unavailable", 5)
     assert await run_world.records() == []
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=4)
+async def test_a_fanned_out_run_counts_each_sequence_against_concurrency(run_world):  # noqa: F811
+    with pytest.raises(RunError) as refused:
+        await Run(spec("run-5", n=5), run_world.caller()).start()
+    assert refused.value.code == "request_too_large"
+    assert "Limit 4, Requested 5 sequences" in refused.value.message
+
+    four = Run(spec("run-4", n=4), run_world.caller())
+    starting = asyncio.create_task(four.start())
+    sent = [await run_world.fake.generates.get() for _ in range(4)]
+    for identity, request in sent:
+        done = GenerateDelta(request.request_id, "", [], finish_reason=FinishReason.STOP)
+        await run_world.fake.send(identity, ResponseType.OUTPUTS, [done])
+    await starting
+    with pytest.raises(RunError) as refused:
+        await Run(spec("run-1"), run_world.caller()).start()
+    assert refused.value.code == "rate_limit_exceeded"
+
+    await four.aclose()
+    await assert_released(run_world)

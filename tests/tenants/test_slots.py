@@ -172,6 +172,42 @@ def test_a_lost_lease_is_not_renewed_back(store):
     quotas.admission_release(ticket=ticket, actual_tokens=1)  # late, and harmless
 
 
+def test_a_fanned_out_request_holds_a_lease_per_sequence(store):
+    tenant = _tenant(max_concurrent_requests=256)
+    fanned = quotas.admission_acquire(tenant=tenant, estimated_tokens=1, num_sequences=255)
+    assert _held(tenant) == 255
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        quotas.admission_acquire(tenant=tenant, estimated_tokens=1, num_sequences=2)
+    assert refused.value.kind == "concurrency" and not refused.value.is_hopeless
+    assert _is_admitted(tenant)  # the 256th
+
+    quotas.admission_release(ticket=fanned, actual_tokens=1)
+    assert _held(tenant) == 0
+    full = quotas.admission_acquire(tenant=tenant, estimated_tokens=1, num_sequences=256)
+    assert _held(tenant) == 256
+    quotas.admission_release(ticket=full, actual_tokens=1)
+
+
+def test_more_sequences_than_the_limit_is_hopeless(store):
+    tenant = _tenant(max_concurrent_requests=4)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        quotas.admission_acquire(tenant=tenant, estimated_tokens=1, num_sequences=5)
+    assert (refused.value.kind, refused.value.is_hopeless) == ("too_many_sequences", True)
+    assert _held(tenant) == 0
+
+
+@override_settings(QUOTA_SLOT_LEASE_SECONDS=RENEWED_LEASE)
+def test_every_lease_of_a_fanned_out_slot_is_renewed(store):
+    tenant = _tenant(max_concurrent_requests=3)
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=1, num_sequences=3)
+
+    time.sleep(RENEWED_LEASE * 2)
+    assert _held(tenant) == 3
+    assert not _is_admitted(tenant)
+    quotas.admission_release(ticket=ticket, actual_tokens=1)
+    assert _held(tenant) == 0
+
+
 # Across processes: only with the suite's shared Redis and PostgreSQL (REDIS_URL set).
 needs_shared_redis = pytest.mark.skipif(
     not os.environ.get("REDIS_URL"), reason="needs REDIS_URL: slots shared across processes"
