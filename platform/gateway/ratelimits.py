@@ -14,9 +14,7 @@ def format_reset(seconds: float) -> str:
     return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
 
 
-def ratelimit_headers(
-    windows: dict[str, Window], retry_after: int | None = None
-) -> dict[str, str]:
+def ratelimit_headers(windows: dict[str, Window], retry_after: int | None = None) -> dict[str, str]:
     """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``, and ``Retry-After`` for a
     refusal."""
     headers = {}
