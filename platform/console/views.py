@@ -201,6 +201,7 @@ def platform(request: HttpRequest) -> HttpResponse:
             tokens_chart=charts.stacked_bars(summary.days, summary.tokens_by, "tokens"),
             top_tenants=selectors.top_tenants(date_range=date_range),
             model_load=selectors.model_load(date_range=date_range),
+            fairness=selectors.fairness_rows(date_range=date_range),
             deployments=deployments,
             refresh_seconds=(
                 REFRESH_SECONDS if selectors.deployments_changing(deployments=deployments) else None

@@ -79,3 +79,44 @@ def test_a_deployment_is_changing_while_a_replica_loads_or_a_control_is_unanswer
 def test_no_deployments_or_no_replica_state_is_not_changing():
     assert selectors.deployments_changing(deployments=[]) is False
     assert selectors.deployments_changing(deployments=[ModelDeployment(name="m")]) is False
+
+
+@pytest.mark.django_db
+def test_fairness_compares_each_tenants_service_with_its_weight_within_its_tier():
+    from datetime import UTC, datetime
+
+    from tenants import rollups, services
+    from tenants.models import Plan, UsageRecord
+    from tests.usage_records import usage_record_add
+
+    standard = Plan.objects.create(slug="standard", name="Standard", share=1.0)
+    double = Plan.objects.create(slug="double", name="Double", share=2.0)
+    batch = Plan.objects.create(
+        slug="nightly", name="Nightly", service_tier=Plan.ServiceTier.BATCH, share=3.0
+    )
+    now = datetime.now(UTC)
+    served = {"light": (100, 50), "heavy": (300, 150), "night": (10, 5)}
+    plans = {"light": standard, "heavy": double, "night": batch}
+    for slug, (prompt, completion) in served.items():
+        tenant = services.tenant_create(slug=slug, plan=plans[slug])
+        key, _ = services.api_key_create(tenant=tenant, name="k")
+        usage_record_add(
+            request_id=slug, tenant=tenant, api_key=key, model="m",
+            source=UsageRecord.Source.API, status="ok", started_at=now, finished_at=now,
+            prompt_tokens=prompt, completion_tokens=completion, time_to_first_token_ms=40.0,
+        )  # fmt: skip
+    services.tenant_create(slug="idle", plan=double)  # served nothing: not in the table
+    rollups.rollup_pending()
+
+    rows = selectors.fairness_rows(date_range=selectors.DateRange(now.date(), now.date()))
+
+    assert [(r.tenant.slug, r.tier, r.weight, r.served) for r in rows] == [
+        ("heavy", "Standard", 2.0, 600),  # prompt + 2 × completion
+        ("light", "Standard", 1.0, 200),
+        ("night", "Batch", 3.0, 20),  # a tier of its own, after the higher priority
+    ]
+    heavy, light, night = rows
+    assert (heavy.served_percent, heavy.entitled_percent) == (75.0, pytest.approx(200 / 3))
+    assert (light.served_percent, light.entitled_percent) == (25.0, pytest.approx(100 / 3))
+    assert (night.served_percent, night.entitled_percent) == (100.0, 100.0)
+    assert heavy.ttft_p50 is not None and heavy.ttft_p50 >= 40.0
