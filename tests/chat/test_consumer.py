@@ -15,6 +15,7 @@ from tenants import quotas
 from tenants import services as tenant_services
 from tenants.models import Tenant, UsageRecord
 from tests.chat.conftest import MODEL_NAME, Chat, engine_paused, open_chat, session_cookie
+from tests.gateway.conftest import MAX_MODEL_LEN
 
 LONG_REPLY_TOKENS = 200
 
@@ -566,3 +567,44 @@ async def test_a_reply_left_streaming_by_a_dead_process_is_marked_interrupted(
         (orphaned_reply.pk, "error", "interrupted")
     ]
     assert len(messages) == 4
+
+
+async def test_max_tokens_unset_lets_a_reply_run_to_the_context(chat_world, async_db):
+    """The API's rule: no max tokens means up to the model's context length, where the engine
+    stops the reply with finish reason "length"."""
+    conversation = chat_world["conversation"]
+    await _configure(conversation, max_tokens=None)
+    await sync_to_async(conversation.refresh_from_db)()
+    assert conversation.max_tokens is None
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Tell me a long story")
+    done, _ = await chat.receive_until("done", "error")
+    await chat.close()
+
+    assert done["type"] == "done" and done["finish_reason"] == "length"
+    usage = done["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
+
+
+async def test_max_tokens_above_the_context_is_a_clear_error(chat_world, async_db):
+    conversation = chat_world["conversation"]
+    await _configure(conversation, max_tokens=MAX_MODEL_LEN + 1)
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="hi")
+    error, _ = await chat.receive_until("done", "error")
+    await chat.close()
+
+    assert error["type"] == "error" and error["code"] == "context_length_exceeded"
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
+    assert "max tokens" in error["message"]
+    assert await _records(chat_world["tenant"]) == []  # refused before admission
+
+
+async def test_a_settings_frame_clears_max_tokens_with_null(chat_world, async_db):
+    conversation = chat_world["conversation"]
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="settings", max_tokens=None)
+    frame, _ = await chat.receive_until("settings", "error")
+    await chat.close()
+
+    assert frame["type"] == "settings" and frame["settings"]["max_tokens"] is None
