@@ -87,6 +87,7 @@ INSTALLED_APPS = [
     "gateway",
     "chat",
     "console",
+    "batches",
 ]
 
 MIDDLEWARE = [

@@ -20,7 +20,9 @@ Twisted also spools every body whole (to a temporary file past 100 kB) before Da
 request on, so an application's size limit would come after the bytes were stored. The same
 subclass enforces ``GATEWAY_MAX_BODY_BYTES`` as the body arrives: a ``Content-Length`` over
 it, or a chunked body that grows past it, is read to its end and thrown away, never stored,
-and answered with a 413 in OpenAI's error format.
+and answered with a 413 in OpenAI's error format. The one exception is an upload to
+``POST /v1/files``, whose limit is the files' own (``batches.storage.max_file_bytes``, 100 MB
+by default) plus room for the multipart framing; the view checks the file itself.
 """
 
 from __future__ import annotations
@@ -46,6 +48,24 @@ def max_body_bytes() -> int:
         return int(os.environ.get("GATEWAY_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
 
 
+FILES_UPLOAD_TARGET = b"/v1/files"
+MULTIPART_FRAMING_BYTES = 64 * 1024
+
+
+def upload_body_bytes() -> int:
+    """The body limit of a file upload: the largest file plus its multipart framing."""
+    try:
+        from batches.storage import max_file_bytes
+
+        return max_file_bytes() + MULTIPART_FRAMING_BYTES
+    except Exception:  # noqa: BLE001 - settings not configured (yet)
+        return max_body_bytes()
+
+
+def is_file_upload(method: bytes, target: bytes) -> bool:
+    return method == b"POST" and target.split(b"?", 1)[0] == FILES_UPLOAD_TARGET
+
+
 class RawBodyRequest(http_protocol.WebRequest):
     """Daphne's request with Twisted's form parsing off (the body reaches the application
     exactly as the client sent it) and the body size limit enforced before anything is
@@ -58,6 +78,10 @@ class RawBodyRequest(http_protocol.WebRequest):
         self.is_too_large = False
 
     def gotLength(self, length: int | None) -> None:  # noqa: N802 - Twisted's name
+        # the request line is parsed by now, on the channel, before any of the body
+        method, target = getattr(self.channel, "_command", b""), getattr(self.channel, "_path", b"")
+        if is_file_upload(method, target):
+            self.body_limit = max(self.body_limit, upload_body_bytes())
         if length is not None and length > self.body_limit:
             self._discard_body()
             return

@@ -1,0 +1,71 @@
+"""A batch input file, checked line by line as OpenAI checks it on upload."""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+MAX_REQUESTS = 50_000  # OpenAI's limit on the requests of one batch
+
+
+class InputLineError(ValueError):
+    """The first line of an input file that is not a valid batch request."""
+
+    def __init__(self, line_number: int, reason: str) -> None:
+        super().__init__(f"Line {line_number}: {reason}")
+        self.line_number = line_number
+
+
+@dataclass(frozen=True)
+class InputLine:
+    line_number: int  # 1-based, as an editor counts
+    custom_id: str
+    url: str
+    body: dict
+
+
+def parse_line(raw: bytes, line_number: int) -> InputLine:
+    try:
+        item = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise InputLineError(line_number, "not a JSON object.") from None
+    if not isinstance(item, dict):
+        raise InputLineError(line_number, "not a JSON object.")
+    custom_id = item.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise InputLineError(line_number, "'custom_id' must be a non-empty string.")
+    if item.get("method") != "POST":
+        raise InputLineError(line_number, "'method' must be \"POST\".")
+    url = item.get("url")
+    if url not in ENDPOINTS:
+        raise InputLineError(line_number, f"'url' must be one of {', '.join(ENDPOINTS)}.")
+    body = item.get("body")
+    if not isinstance(body, dict):
+        raise InputLineError(line_number, "'body' must be a JSON object.")
+    return InputLine(line_number=line_number, custom_id=custom_id, url=url, body=body)
+
+
+def parse_lines(raw_lines: Iterable[bytes]) -> list[InputLine]:
+    """Every request of a file, in order; blank lines are skipped. Raises ``InputLineError``
+    for the first bad line, a ``custom_id`` seen before, or one request too many."""
+    lines: list[InputLine] = []
+    custom_ids: set[str] = set()
+    for line_number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        line = parse_line(raw, line_number)
+        if line.custom_id in custom_ids:
+            raise InputLineError(line_number, f"duplicate custom_id '{line.custom_id}'.")
+        if len(lines) == MAX_REQUESTS:
+            raise InputLineError(line_number, f"a batch holds at most {MAX_REQUESTS} requests.")
+        custom_ids.add(line.custom_id)
+        lines.append(line)
+    if not lines:
+        raise InputLineError(1, "the file holds no requests.")
+    return lines
+
+
+def encode_lines(items: Iterable[object]) -> bytes:
+    """JSONL: one compact JSON document a line."""
+    return b"".join(msgspec.json.encode(item) + b"\n" for item in items)

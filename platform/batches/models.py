@@ -1,0 +1,122 @@
+"""Files and batches with OpenAI's ids (``file-…``, ``batch_…``), and one row per request
+line of a batch, keyed by ``(batch, custom_id)``, so that running a batch can resume where it
+stopped and never runs a line twice.
+
+Models stay thin: writes live in ``batches.services``, reads in ``batches.selectors``."""
+
+import secrets
+
+from django.db import models
+from django.utils import timezone
+
+from tenants.models import Tenant
+
+
+def new_file_id() -> str:
+    return f"file-{secrets.token_hex(12)}"
+
+
+def new_batch_id() -> str:
+    return f"batch_{secrets.token_hex(12)}"
+
+
+class File(models.Model):
+    """An uploaded or generated file; its bytes live in the files storage under
+    ``storage_name``, never under a name the client chose."""
+
+    class Purpose(models.TextChoices):
+        BATCH = "batch", "Batch input"
+        BATCH_OUTPUT = "batch_output", "Batch output"
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_file_id, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="files")
+    purpose = models.CharField(max_length=16, choices=Purpose.choices)
+    filename = models.CharField(max_length=255)
+    bytes = models.PositiveBigIntegerField()
+    num_lines = models.PositiveIntegerField(default=0)
+    storage_name = models.CharField(max_length=255)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "-created_at", "-id"])]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class Batch(models.Model):
+    class Status(models.TextChoices):
+        VALIDATING = "validating"
+        FAILED = "failed"
+        IN_PROGRESS = "in_progress"
+        FINALIZING = "finalizing"
+        COMPLETED = "completed"
+        EXPIRED = "expired"
+        CANCELLING = "cancelling"
+        CANCELLED = "cancelled"
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_batch_id, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="batches")
+    endpoint = models.CharField(max_length=64)
+    # a plain id, not a key: OpenAI lets a tenant delete the input file of a batch
+    input_file_id = models.CharField(max_length=40)
+    completion_window = models.CharField(max_length=8, default="24h")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.VALIDATING)
+    metadata = models.JSONField(null=True, blank=True)
+    # validation errors, as OpenAI's ``errors.data`` list
+    errors = models.JSONField(null=True, blank=True)
+    output_file = models.ForeignKey(
+        File, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    error_file = models.ForeignKey(
+        File, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    num_total = models.PositiveIntegerField(default=0)
+    num_completed = models.PositiveIntegerField(default=0)
+    num_failed = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "-created_at", "-id"])]
+        verbose_name_plural = "batches"
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class BatchRequest(models.Model):
+    """One line of a batch's input: pending until it is run, then its response or error in
+    the shape of a line of OpenAI's output or error file."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        FAILED = "failed"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="requests")
+    custom_id = models.CharField(max_length=512)
+    line_number = models.PositiveIntegerField()
+    body = models.JSONField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    request_id = models.CharField(max_length=64, blank=True)
+    response = models.JSONField(null=True, blank=True)  # {"status_code", "request_id", "body"}
+    error = models.JSONField(null=True, blank=True)  # {"code", "message"}
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["batch", "custom_id"], name="batch_request_custom_id")
+        ]
+        indexes = [models.Index(fields=["batch", "status", "line_number"])]
+
+    def __str__(self) -> str:
+        return f"{self.batch_id}:{self.custom_id}"

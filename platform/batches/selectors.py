@@ -1,0 +1,64 @@
+"""Reads. Every selector takes the tenant and filters by it: another tenant's id is
+``DoesNotExist``, exactly like an id that never existed."""
+
+from collections.abc import AsyncIterator
+
+from asgiref.sync import sync_to_async
+from django.db.models import Model, Q, QuerySet
+
+from batches.models import Batch, File
+from batches.storage import file_storage
+
+READ_CHUNK_BYTES = 256 * 1024
+
+
+def file_get(*, tenant_id: int, file_id: str) -> File:
+    return File.objects.get(tenant_id=tenant_id, pk=file_id)
+
+
+def batch_get(*, tenant_id: int, batch_id: str) -> Batch:
+    return Batch.objects.get(tenant_id=tenant_id, pk=batch_id)
+
+
+def _page(
+    queryset: QuerySet, *, after: str | None, limit: int, newest_first: bool = True
+) -> tuple[list[Model], bool]:
+    """One page of ``queryset`` in creation order, starting after the object with id
+    ``after`` (OpenAI's cursor), and whether more follow. Unknown cursor: DoesNotExist."""
+    sign = "-" if newest_first else ""
+    queryset = queryset.order_by(f"{sign}created_at", f"{sign}id")
+    if after is not None:
+        cursor = queryset.get(pk=after)
+        op = "lt" if newest_first else "gt"
+        queryset = queryset.filter(
+            Q(**{f"created_at__{op}": cursor.created_at})
+            | Q(created_at=cursor.created_at, **{f"id__{op}": cursor.id})
+        )
+    items = list(queryset[: limit + 1])
+    return items[:limit], len(items) > limit
+
+
+def files_list(
+    *, tenant_id: int, purpose: str | None, after: str | None, limit: int, newest_first: bool
+) -> tuple[list[File], bool]:
+    queryset = File.objects.filter(tenant_id=tenant_id)
+    if purpose:
+        queryset = queryset.filter(purpose=purpose)
+    return _page(queryset, after=after, limit=limit, newest_first=newest_first)
+
+
+def batches_list(*, tenant_id: int, after: str | None, limit: int) -> tuple[list[Batch], bool]:
+    return _page(Batch.objects.filter(tenant_id=tenant_id), after=after, limit=limit)
+
+
+async def file_chunks(*, file: File) -> AsyncIterator[bytes]:
+    """The file's bytes, read a chunk at a time off the event loop."""
+    stream = await sync_to_async(file_storage().open, thread_sensitive=False)(
+        file.storage_name, "rb"
+    )
+    read = sync_to_async(stream.read, thread_sensitive=False)
+    try:
+        while chunk := await read(READ_CHUNK_BYTES):
+            yield chunk
+    finally:
+        await sync_to_async(stream.close, thread_sensitive=False)()

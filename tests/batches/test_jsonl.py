@@ -1,0 +1,54 @@
+import pytest
+
+from batches.jsonl import InputLineError, parse_lines
+from tests.batches.conftest import jsonl, request_line
+
+
+def _error(raw: bytes) -> InputLineError:
+    with pytest.raises(InputLineError) as caught:
+        parse_lines(raw.splitlines(keepends=True))
+    return caught.value
+
+
+def test_every_request_is_read_in_order_and_blank_lines_are_skipped():
+    raw = jsonl([request_line("a")]) + b"\n  \n" + jsonl([request_line("b", url="/v1/completions")])
+
+    lines = parse_lines(raw.splitlines(keepends=True))
+
+    assert [(line.custom_id, line.line_number, line.url) for line in lines] == [
+        ("a", 1, "/v1/chat/completions"),
+        ("b", 4, "/v1/completions"),
+    ]
+    assert lines[0].body["max_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "reason"),
+    [
+        (b"{not json", "not a JSON object"),
+        (b"[1, 2]", "not a JSON object"),
+        (jsonl([request_line("")]), "custom_id"),
+        (jsonl([request_line(7)]), "custom_id"),
+        (jsonl([request_line("x", method="GET")]), "method"),
+        (jsonl([request_line("x", url="/v1/embeddings")]), "url"),
+        (jsonl([request_line("x", body="hello")]), "body"),
+    ],
+)
+def test_the_first_bad_line_is_named_by_its_number(bad_line, reason):
+    raw = jsonl([request_line("a"), request_line("b")]) + bad_line.strip() + b"\n"
+    raw += jsonl([request_line("c", method="GET")])
+
+    error = _error(raw)
+
+    assert error.line_number == 3
+    assert str(error).startswith("Line 3:") and reason in str(error)
+
+
+def test_a_custom_id_may_appear_once_per_file():
+    error = _error(jsonl([request_line("a"), request_line("b"), request_line("a")]))
+
+    assert error.line_number == 3 and "duplicate custom_id 'a'" in str(error)
+
+
+def test_a_file_without_requests_is_refused():
+    assert "no requests" in str(_error(b"\n\n"))

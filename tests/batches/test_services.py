@@ -1,0 +1,176 @@
+"""Files and batches through their services and selectors, on the real database and a
+temporary files folder."""
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.utils import timezone
+
+from batches import selectors, services
+from batches.models import Batch, BatchRequest, File
+from tests.batches.conftest import jsonl, request_line
+
+pytestmark = pytest.mark.django_db
+
+
+def _upload(tenant, lines: list[dict], name: str = "input.jsonl") -> File:
+    return services.file_create(
+        tenant=tenant, upload=SimpleUploadedFile(name, jsonl(lines)), purpose="batch"
+    )
+
+
+def _batch(tenant, file: File, endpoint: str = "/v1/chat/completions") -> Batch:
+    return services.batch_create(
+        tenant=tenant, input_file_id=file.id, endpoint=endpoint, completion_window="24h"
+    )
+
+
+def test_an_upload_is_stored_under_its_id_not_its_name(tenant, file_storage_dir):
+    file = _upload(tenant, [request_line("a"), request_line("b")], name="../../evil.jsonl")
+
+    assert file.id.startswith("file-") and file.num_lines == 2
+    stored = file_storage_dir / str(tenant.pk) / f"{file.id}.jsonl"
+    assert stored.read_bytes() == jsonl([request_line("a"), request_line("b")])
+    assert file.bytes == stored.stat().st_size and file.filename == "evil.jsonl"
+    assert stored.stat().st_mode & 0o077 == 0
+
+
+def test_a_bad_line_stores_nothing(tenant, file_storage_dir):
+    with pytest.raises(services.InvalidRequest) as caught:
+        _upload(tenant, [request_line("a"), request_line("b", method="PUT")])
+
+    assert "Line 2" in caught.value.message and caught.value.param == "file"
+    assert not File.objects.exists()
+    assert not list(file_storage_dir.rglob("*.jsonl"))
+
+
+def test_a_file_over_the_limit_is_refused(tenant, file_storage_dir, settings):
+    settings.FILES_MAX_BYTES = 100
+
+    with pytest.raises(services.FileTooLarge):
+        _upload(tenant, [request_line("a"), request_line("b")])
+
+
+def test_only_batch_files_are_taken(tenant, file_storage_dir):
+    with pytest.raises(services.InvalidRequest) as caught:
+        services.file_create(
+            tenant=tenant,
+            upload=SimpleUploadedFile("x.jsonl", jsonl([request_line("a")])),
+            purpose="fine-tune",
+        )
+    assert caught.value.param == "purpose"
+
+
+def test_deleting_a_file_removes_its_bytes(
+    tenant, file_storage_dir, django_capture_on_commit_callbacks
+):
+    file = _upload(tenant, [request_line("a")])
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.file_delete(file=file)
+
+    assert not File.objects.exists() and not list(file_storage_dir.rglob("*.jsonl"))
+
+
+def test_another_tenants_ids_do_not_exist(tenant, other_tenant, file_storage_dir):
+    file = _upload(tenant, [request_line("a")])
+    batch = _batch(tenant, file)
+
+    with pytest.raises(File.DoesNotExist):
+        selectors.file_get(tenant_id=other_tenant.pk, file_id=file.id)
+    with pytest.raises(Batch.DoesNotExist):
+        selectors.batch_get(tenant_id=other_tenant.pk, batch_id=batch.id)
+    with pytest.raises(services.InvalidRequest):
+        _batch(other_tenant, file)
+    assert selectors.files_list(
+        tenant_id=other_tenant.pk, purpose=None, after=None, limit=10, newest_first=True
+    ) == ([], False)
+
+
+def test_a_new_batch_waits_to_be_validated(tenant, file_storage_dir):
+    file = _upload(tenant, [request_line("a"), request_line("b")])
+
+    batch = _batch(tenant, file)
+
+    assert batch.id.startswith("batch_") and batch.status == Batch.Status.VALIDATING
+    assert batch.num_total == 2 and batch.input_file_id == file.id
+    assert batch.expires_at - batch.created_at == timezone.timedelta(hours=24)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("endpoint", "/v1/embeddings"),
+        ("completion_window", "1h"),
+        ("metadata", {"k": 1}),
+        ("metadata", {str(n): "v" for n in range(17)}),
+        ("input_file_id", "file-missing"),
+    ],
+)
+def test_a_batch_request_with_a_bad_field_names_it(tenant, file_storage_dir, field, value):
+    file = _upload(tenant, [request_line("a")])
+    fields = {
+        "input_file_id": file.id,
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        "metadata": None,
+    } | {field: value}
+
+    with pytest.raises(services.InvalidRequest) as caught:
+        services.batch_create(tenant=tenant, **fields)
+
+    assert caught.value.param == field
+
+
+def test_validation_makes_one_pending_request_per_line_once(tenant, file_storage_dir):
+    file = _upload(tenant, [request_line("a"), request_line("b")])
+    batch = _batch(tenant, file)
+
+    batch = services.batch_validate(batch=batch)
+    again = services.batch_validate(batch=batch)
+
+    assert batch.status == again.status == Batch.Status.IN_PROGRESS
+    assert batch.in_progress_at is not None
+    rows = BatchRequest.objects.filter(batch=batch).order_by("line_number")
+    assert [(r.custom_id, r.status, r.tenant_id) for r in rows] == [
+        ("a", "pending", tenant.pk),
+        ("b", "pending", tenant.pk),
+    ]
+
+
+def test_a_line_for_another_endpoint_fails_the_batch(tenant, file_storage_dir):
+    file = _upload(tenant, [request_line("a"), request_line("b", url="/v1/completions")])
+
+    batch = services.batch_validate(batch=_batch(tenant, file))
+
+    assert batch.status == Batch.Status.FAILED and batch.failed_at is not None
+    assert batch.errors[0]["code"] == "mismatched_endpoint" and batch.errors[0]["line"] == 2
+    assert not BatchRequest.objects.exists()
+
+
+def test_a_running_batch_can_be_cancelled_and_a_finished_one_not(tenant, file_storage_dir):
+    file = _upload(tenant, [request_line("a")])
+    batch = services.batch_cancel(batch=_batch(tenant, file))
+    assert batch.status == Batch.Status.CANCELLING and batch.cancelling_at is not None
+    assert services.batch_cancel(batch=batch).status == Batch.Status.CANCELLING
+
+    done = _batch(tenant, file)
+    Batch.objects.filter(pk=done.pk).update(status=Batch.Status.COMPLETED)
+    with pytest.raises(services.Conflict):
+        services.batch_cancel(batch=done)
+
+
+def test_batches_are_paged_newest_first_after_a_cursor(tenant, file_storage_dir):
+    file = _upload(tenant, [request_line("a")])
+    moment = timezone.now()
+    created = []
+    for _ in range(5):
+        batch = _batch(tenant, file)
+        Batch.objects.filter(pk=batch.pk).update(created_at=moment)  # ties break by id
+        created.append(batch.id)
+    newest_first = sorted(created, reverse=True)
+
+    first, has_more = selectors.batches_list(tenant_id=tenant.pk, after=None, limit=2)
+    rest, has_more_after = selectors.batches_list(tenant_id=tenant.pk, after=first[-1].id, limit=10)
+
+    assert [b.id for b in first] == newest_first[:2] and has_more
+    assert [b.id for b in rest] == newest_first[2:] and not has_more_after
