@@ -5,8 +5,9 @@ import functools
 from collections.abc import Awaitable, Callable
 
 import msgspec
-from django.core.exceptions import ObjectDoesNotExist
+from django.core.exceptions import ObjectDoesNotExist, RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
 from batches import objects, selectors, services
@@ -81,7 +82,10 @@ def _cursor(request: HttpRequest) -> str | None:
 @database_worker
 def _upload(request: HttpRequest, api_key: ApiKey) -> dict:
     # parsing the multipart body reads it whole: off the event loop
-    upload = request.FILES.get("file")
+    try:
+        upload = request.FILES.get("file")
+    except (MultiPartParserError, RequestDataTooBig) as exc:
+        raise invalid(f"The multipart body could not be read: {exc}", param="file") from exc
     if upload is None:
         raise invalid("Send the file as the multipart field 'file'.", param="file")
     file = services.file_create(

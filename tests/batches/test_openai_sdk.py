@@ -125,6 +125,20 @@ def test_another_tenants_key_gets_404_for_every_id(platform):
     assert owner.files.retrieve(file.id).id == file.id
 
 
+def test_a_broken_multipart_body_is_a_400(platform):
+    response = httpx.post(
+        f"{platform.base}/v1/files",
+        content=b"--b\r\nContent-Disposition: form-data; name=file\r\n\r\nno end",
+        headers={
+            "Authorization": f"Bearer {platform.key}",
+            "Content-Type": "multipart/form-data; boundary=",
+        },
+    )
+
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "file"
+
+
 def test_files_need_a_key(platform):
     response = httpx.get(f"{platform.base}/v1/files")
 
