@@ -1,13 +1,10 @@
 """Where files' bytes live: the ``files`` storage when ``STORAGES`` names one (any Django
 storage backend in production), else ``var/files/``, owner-only."""
 
-import os
-
 from django.conf import settings
 from django.core.files.storage import FileSystemStorage, Storage, storages
 
 STORAGE_ALIAS = "files"
-DEFAULT_MAX_FILE_BYTES = 100 * 1024 * 1024
 
 
 def file_storage() -> Storage:
@@ -22,7 +19,4 @@ def file_storage() -> Storage:
 
 def max_file_bytes() -> int:
     """The largest file ``POST /v1/files`` takes: ``FILES_MAX_BYTES``, default 100 MB."""
-    configured = getattr(settings, "FILES_MAX_BYTES", None)
-    if configured is None:
-        configured = os.environ.get("FILES_MAX_BYTES", DEFAULT_MAX_FILE_BYTES)
-    return int(configured)
+    return settings.FILES_MAX_BYTES
