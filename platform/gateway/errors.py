@@ -77,12 +77,16 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 def from_run_error(exc: RunError) -> ApiError:
-    """A run's refusal or failure as OpenAI answers it, with its ``Retry-After`` and, for a
-    rate limit, the ``x-ratelimit-*`` headers."""
+    """A run's refusal or failure as OpenAI answers it, with its ``Retry-After``, for a rate
+    limit the ``x-ratelimit-*`` headers, and for a run admitted before it failed the
+    ``x-request-id`` its usage record is filed under."""
+    headers = ratelimit_headers(exc.windows, exc.retry_after)
+    if exc.request_id is not None:
+        headers["x-request-id"] = exc.request_id
     return ApiError(
         RUN_ERROR_STATUS.get(exc.code, 503),
         exc.message,
         code=exc.code,
         param=exc.param,
-        headers=ratelimit_headers(exc.windows, exc.retry_after),
+        headers=headers,
     )

@@ -58,7 +58,8 @@ class RunError(Exception):
     replica, or the engine was lost), ``context_length_exceeded``, ``rate_limit_exceeded``
     (``windows`` and ``retry_after`` say where the limits stand), ``request_too_large`` (no
     wait would admit it), or an engine error (``ENGINE_ERRORS``). ``param`` names the
-    caller's field at fault, where one is."""
+    caller's field at fault, where one is; ``request_id`` the usage record of a run that was
+    admitted before it failed (None: refused unadmitted, nothing recorded)."""
 
     def __init__(
         self,
@@ -75,6 +76,7 @@ class RunError(Exception):
         self.retry_after = retry_after
         self.windows = windows or {}
         self.param = param
+        self.request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ class Run:
             await self._send()
         except BaseException as exc:
             await self.aclose(exc)
+            if isinstance(exc, RunError) and self.meter is not None:
+                exc.request_id = self.spec.request_id
             raise
 
     async def _route(self) -> tuple[str, int]:

@@ -4,6 +4,8 @@ request that cannot reach an engine is still metered."""
 import pytest
 from django.core.cache import cache
 
+from gateway.errors import from_run_error
+from serving.runs import RunError
 from serving.services import deployment_register
 from tenants import services
 from tenants.models import Plan, UsageRecord
@@ -105,3 +107,19 @@ def test_an_unreachable_engine_gets_503_before_admission(client, key):
 def test_a_disabled_deployment_is_not_found(client, key):
     deployment_register(name="dead", endpoints=["ipc:///tmp/x.sock"], is_enabled=False)
     _error(_post(client, key), 404)
+
+
+def test_a_run_that_failed_after_admission_names_its_usage_record():
+    failed = RunError("engine_unavailable", "gone", retry_after=5)
+    failed.request_id = "chatcmpl-1"
+    response = from_run_error(failed).response()
+    assert (response.status_code, response["x-request-id"], response["Retry-After"]) == (
+        503,
+        "chatcmpl-1",
+        "5",
+    )
+    assert (
+        not from_run_error(RunError("engine_unavailable", "none"))
+        .response()
+        .has_header("x-request-id")
+    )

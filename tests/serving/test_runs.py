@@ -91,6 +91,7 @@ async def test_a_refusal_records_nothing_and_says_when_to_retry(run_world):  # n
     assert refused.value.code == "rate_limit_exceeded"
     assert refused.value.retry_after >= 1
     assert refused.value.windows["requests"].remaining == 0
+    assert refused.value.request_id is None  # not admitted, so no record to name
     assert [r.request_id for r in await run_world.records()] == ["run-next"]
 
 
@@ -229,6 +230,7 @@ async def test_an_engine_error_before_the_first_token(
         "no",
         retry_after,
     )
+    assert raised.value.request_id == "run-1"  # admitted: its record is filed under it
     record = await record_of(run_world)
     assert (record.status, record.error_code) == (status, str(error))
     await assert_released(run_world)
@@ -281,6 +283,7 @@ async def test_no_ready_replica_is_refused_with_nothing_recorded(run_world):  # 
     with pytest.raises(RunError) as refused:
         await run.start()
     assert (refused.value.code, refused.value.retry_after) == ("engine_unavailable", 5)
+    assert refused.value.request_id is None
     assert await run_world.records() == []
 
 
