@@ -6,12 +6,16 @@ reaches only the supervisor, which then stops the children in order), forwards S
 SIGTERM as a graceful SIGTERM to every child, and kills what is still alive after a grace
 period. A child that exits on its own is restarted, as systemd's ``Restart=always`` or
 supervisord would: after 1 s, then 2, 4, ... up to 30 s while it keeps dying, and from 1 s again
-once it has stayed up for a minute. Only a stop signal stops the platform. Each child's
-restarts and last exit code are written to ``status_file`` (JSON) for the web tier's metrics
-and console. On Linux each child also gets PR_SET_PDEATHSIG, so even a supervisor killed with
-SIGKILL leaves no orphan behind.
+once it has stayed up for a minute. What a dead child leaves behind in its process group (a
+Celery worker's beat and pool processes outlive a SIGKILL of the worker) gets SIGTERM at once
+and SIGKILL when the child is restarted, as systemd's ``KillMode=control-group`` does, so a
+restart never runs beside a copy of the old one. Only a stop signal stops the platform. Each
+child's restarts and last exit code are written to ``status_file`` (JSON) for the web tier's
+metrics and console. On Linux each child also gets PR_SET_PDEATHSIG, so even a supervisor
+killed with SIGKILL leaves no child behind.
 """
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -71,6 +75,12 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    """Signal every process left in a child's group (each child leads its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
 def _child_setup(cpus: frozenset[int] | None):
     def setup() -> None:
         _die_with_parent()
@@ -117,6 +127,8 @@ class Supervisor:
         logger.info("starting %s%s: %s", spec.name, pinned, " ".join(spec.argv))
         state = self.states.setdefault(spec.name, ChildState())
         state.started_at, state.restart_at = time.monotonic(), None
+        if spec.name in self.children:
+            _signal_group(self.children[spec.name].pid, signal.SIGKILL)
         self.children[spec.name] = subprocess.Popen(
             spec.argv,
             env={**os.environ, **spec.env},
@@ -152,6 +164,7 @@ class Supervisor:
         state.last_exit_code = code
         delay = restart_delay(state.consecutive_failures)
         state.restart_at = now + delay
+        _signal_group(self.children[name].pid, signal.SIGTERM)
         logger.error(
             "%s exited with code %s; restarting it in %.0f s (restart %d)",
             name,
@@ -191,3 +204,5 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+        for child in self.children.values():
+            _signal_group(child.pid, signal.SIGKILL)

@@ -143,3 +143,51 @@ Supervisor([ProcessSpec("child", child)]).run()
     while _alive(child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child_pid)
+
+
+def _parent_of_a_sleeper(pid_file) -> list[str]:
+    """A child that starts a grandchild of its own (as Celery starts its beat and pool),
+    writes the grandchild's pid to ``pid_file`` and sleeps."""
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    return [sys.executable, "-c", code]
+
+
+def _dies(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _grandchild(pid_file) -> int:
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
+def test_what_a_killed_child_left_behind_dies_before_it_is_restarted(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    supervisor = Supervisor([ProcessSpec("parent", _parent_of_a_sleeper(pid_file))])
+    thread, result = _run_in_thread(supervisor)
+    try:
+        _wait_started(supervisor, 1)
+        first, orphan = supervisor.children["parent"].pid, _grandchild(pid_file)
+        pid_file.unlink()
+
+        os.kill(first, signal.SIGKILL)  # its grandchild lives on, an orphan
+        deadline = time.monotonic() + 20
+        while supervisor.children["parent"].pid == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        replacement = _grandchild(pid_file)
+
+        # no second copy of what the child ran (a second Celery beat sends every task twice)
+        assert _dies(orphan) and _alive(replacement)
+    finally:
+        supervisor._on_signal(signal.SIGTERM, None)
+        thread.join(timeout=20)
+    assert result == [0] and _dies(replacement)
