@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from django.db.models import QuerySet, Sum
 
+from gateway.metrics import supervisor_status
 from serving.models import ModelDeployment
 from tenants.models import ApiKey, Tenant, UsageRollup
 from tenants.quotas import quota_usage
@@ -197,6 +198,27 @@ def quota_rows(*, tenant: Tenant) -> list[QuotaRow]:
 
 def deployments_list() -> list[ModelDeployment]:
     return list(ModelDeployment.objects.order_by("name"))
+
+
+class ProcessRow(NamedTuple):
+    name: str
+    is_running: bool  # False: it died and waits to be restarted
+    restarts: int
+    last_exit_code: int | None
+
+
+def supervised_processes() -> list[ProcessRow]:
+    """``make run``'s processes as its supervisor last reported them; none under another
+    process manager (systemd, compose), whose own status tools show them."""
+    return [
+        ProcessRow(
+            name,
+            bool(status.get("running")),
+            status.get("restarts", 0),
+            status.get("last_exit_code"),
+        )
+        for name, status in supervisor_status().items()
+    ]
 
 
 def deployments_changing(*, deployments: Iterable[ModelDeployment]) -> bool:

@@ -24,7 +24,7 @@ from tenants import services
 from tenants.models import ApiKey, Membership, Tenant
 from tenants.selectors import tenant_api_keys, tenant_memberships
 
-REFRESH_SECONDS = 3  # while a model loads or unloads, the platform page follows it
+REFRESH_SECONDS = 3  # while a model loads or a process restarts, the platform page follows it
 
 
 def _range_form(request: HttpRequest) -> forms.DateRangeForm:
@@ -190,6 +190,10 @@ def platform(request: HttpRequest) -> HttpResponse:
     date_range = range_form.date_range()
     summary = selectors.usage_summary(date_range=date_range, group_by="tenant")
     deployments = selectors.deployments_list()
+    processes = selectors.supervised_processes()
+    is_changing = selectors.deployments_changing(deployments=deployments) or not all(
+        process.is_running for process in processes
+    )
     return render(
         request,
         "console/platform.html",
@@ -203,9 +207,8 @@ def platform(request: HttpRequest) -> HttpResponse:
             model_load=selectors.model_load(date_range=date_range),
             fairness=selectors.fairness_rows(date_range=date_range),
             deployments=deployments,
-            refresh_seconds=(
-                REFRESH_SECONDS if selectors.deployments_changing(deployments=deployments) else None
-            ),
+            processes=processes,
+            refresh_seconds=REFRESH_SECONDS if is_changing else None,
         ),
         status=status,
     )

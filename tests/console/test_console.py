@@ -286,3 +286,32 @@ def test_platform_console_lists_tenants_models_and_manages_deployments(client, p
         == 302
     )
     assert not ModelDeployment.objects.filter(name="x").exists()
+
+
+def test_platform_console_shows_a_down_replica_and_a_restarting_engine(
+    client, people, settings, tmp_path
+):
+    settings.VAR_DIR = tmp_path
+    ModelDeployment.objects.create(
+        name="demo-chat",
+        endpoints=["tcp://h:1"],
+        health="down",
+        replicas={"tcp://h:1": {"error": "no answer"}},
+    )
+    client.force_login(people["staff"])
+    page = client.get(reverse("console:platform")).content.decode()
+    assert "Down" in page and "no answer" in page
+    assert "Processes" not in page  # no supervisor here: nothing to show
+
+    (tmp_path / "supervisor.json").write_text(
+        '{"engine": {"running": false, "restarts": 2, "last_exit_code": -9, "pid": 7},'
+        ' "daphne": {"running": true, "restarts": 0, "last_exit_code": null, "pid": 8}}'
+    )
+    page = client.get(reverse("console:platform")).content.decode()
+    rows = re.findall(
+        r"<tr><td>(\w+)</td><td><span class=\"pill \w+\">(\w+)</span></td>"
+        r"<td>(\d+)</td><td>([^<]*)</td></tr>",
+        page,
+    )
+    assert rows == [("engine", "restarting", "2", "-9"), ("daphne", "running", "0", "–")]
+    assert 'http-equiv="refresh"' in page  # followed until it is back
