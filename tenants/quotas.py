@@ -280,6 +280,7 @@ def admission_acquire(
     estimated_tokens: int,
     likely_tokens: int | None = None,
     num_sequences: int = 1,
+    counts_per_minute: bool = True,
 ) -> AdmissionTicket:
     """Admit one request that may use up to ``estimated_tokens`` (prompt plus max tokens),
     or raise ``QuotaExceeded`` having changed nothing. Any other error also propagates having
@@ -288,7 +289,9 @@ def admission_acquire(
     when that alone is past a limit; the budgets hold ``estimated_tokens`` (a per-minute limit
     at most its whole self) until the request settles with its real count. A request fanned
     out to ``num_sequences`` engine sequences (prompts × n) counts that many against the
-    concurrency limits."""
+    concurrency limits. A request that does not ``counts_per_minute`` (a batch line: OpenAI keeps
+    batches in a pool of their own) skips the per-minute limits; the monthly budget and the
+    concurrency limits hold for it all the same."""
     if estimated_tokens < 0 or num_sequences < 1:
         raise ValueError("estimated_tokens must be >= 0 and num_sequences >= 1")
     attempt = _Admission(_now())
@@ -303,10 +306,12 @@ def admission_acquire(
         for scope in _scopes(tenant, api_key):
             limits = scope.limits
             month_key = attempt.month(scope, tenant, api_key, estimated_tokens, likely_tokens)
-            attempt.per_minute(scope, "requests", limits.requests_per_minute, 1)
-            tokens_key = attempt.per_minute(
-                scope, "tokens", limits.tokens_per_minute, estimated_tokens, likely_tokens
-            )
+            tokens_key = None
+            if counts_per_minute:
+                attempt.per_minute(scope, "requests", limits.requests_per_minute, 1)
+                tokens_key = attempt.per_minute(
+                    scope, "tokens", limits.tokens_per_minute, estimated_tokens, likely_tokens
+                )
             if tokens_key and limits.tokens_per_minute < estimated_tokens:
                 ticket.counter_reservations[tokens_key] = limits.tokens_per_minute
             attempt.concurrency(scope, limits.max_concurrent_requests, num_sequences)

@@ -9,7 +9,7 @@ import secrets
 from django.db import models
 from django.utils import timezone
 
-from tenants.models import Tenant
+from tenants.models import ApiKey, Tenant
 
 
 def new_file_id() -> str:
@@ -57,6 +57,10 @@ class Batch(models.Model):
 
     id = models.CharField(primary_key=True, max_length=40, default=new_batch_id, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="batches")
+    # the key that created it, which its lines are metered under (None: it was deleted)
+    api_key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     endpoint = models.CharField(max_length=64)
     # a plain id, not a key: OpenAI lets a tenant delete the input file of a batch
     input_file_id = models.CharField(max_length=40)
@@ -71,6 +75,10 @@ class Batch(models.Model):
     error_file = models.ForeignKey(
         File, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # the worker running the batch holds it until ``lease_until``, renewing it as it goes; a
+    # lease left to expire (a killed worker) lets the sweep start another
+    runner = models.CharField(max_length=32, blank=True)
+    lease_until = models.DateTimeField(null=True, blank=True)
     num_total = models.PositiveIntegerField(default=0)
     num_completed = models.PositiveIntegerField(default=0)
     num_failed = models.PositiveIntegerField(default=0)
@@ -92,12 +100,22 @@ class Batch(models.Model):
         return self.id
 
 
+# a batch not yet ended: a runner has work left on it
+ACTIVE_STATUSES = (
+    Batch.Status.VALIDATING,
+    Batch.Status.IN_PROGRESS,
+    Batch.Status.CANCELLING,
+    Batch.Status.FINALIZING,
+)
+
+
 class BatchRequest(models.Model):
     """One line of a batch's input: pending until it is run, then its response or error in
     the shape of a line of OpenAI's output or error file."""
 
     class Status(models.TextChoices):
         PENDING = "pending"
+        RUNNING = "running"  # sent to the engine; one a dead worker left is run again
         COMPLETED = "completed"
         FAILED = "failed"
 
@@ -107,6 +125,8 @@ class BatchRequest(models.Model):
     line_number = models.PositiveIntegerField()
     body = models.JSONField()
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    # the usage record's (and the response's id), kept when a line is run again after a
+    # worker died: a record the dead run already wrote is not written twice
     request_id = models.CharField(max_length=64, blank=True)
     response = models.JSONField(null=True, blank=True)  # {"status_code", "request_id", "body"}
     error = models.JSONField(null=True, blank=True)  # {"code", "message"}

@@ -1,12 +1,14 @@
-"""Reads. Every selector takes the tenant and filters by it: another tenant's id is
-``DoesNotExist``, exactly like an id that never existed."""
+"""Reads. Every selector of a tenant's objects takes the tenant and filters by it: another
+tenant's id is ``DoesNotExist``, exactly like an id that never existed. The runner's reads
+(``batches_unattended``, ``batch_requests_pending``) are the platform's own, across tenants."""
 
 from collections.abc import AsyncIterator
 
 from asgiref.sync import sync_to_async
 from django.db.models import Model, Q, QuerySet
+from django.utils import timezone
 
-from batches.models import Batch, File
+from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage
 
 READ_CHUNK_BYTES = 256 * 1024
@@ -62,3 +64,24 @@ async def file_chunks(*, file: File) -> AsyncIterator[bytes]:
             yield chunk
     finally:
         await sync_to_async(stream.close, thread_sensitive=False)()
+
+
+def batches_unattended() -> list[str]:
+    """Batches not yet ended that no runner holds: new ones whose task was lost, and those of
+    a worker that died (its lease ran out)."""
+    now = timezone.now()
+    return list(
+        Batch.objects.filter(status__in=ACTIVE_STATUSES)
+        .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+        .order_by("created_at")
+        .values_list("id", flat=True)
+    )
+
+
+def batch_requests_pending(*, batch: Batch, after_line: int, limit: int) -> list[BatchRequest]:
+    """The batch's next pending lines after ``after_line``, by line number."""
+    return list(
+        BatchRequest.objects.filter(
+            batch=batch, status=BatchRequest.Status.PENDING, line_number__gt=after_line
+        ).order_by("line_number")[:limit]
+    )

@@ -1,21 +1,33 @@
-"""Writes: files uploaded and deleted, batches created, validated and cancelled. Every
-service takes the tenant's object (or the tenant) explicitly; reads live in ``selectors``."""
+"""Writes: files uploaded and deleted, batches created, validated, cancelled, run (a lease
+on the batch, each line claimed and finished on its own) and finished with their output and
+error files. Every service takes the tenant's object (or the tenant) explicitly; reads live
+in ``selectors``."""
 
+import functools
+import logging
 from datetime import timedelta
 
 from django.core.files import File as DjangoFile
 from django.core.files.base import ContentFile
 from django.db import transaction
+from django.db.models import F, Q
 from django.utils import timezone
 
-from batches.jsonl import ENDPOINTS, InputLineError, parse_lines
-from batches.models import Batch, BatchRequest, File
+from batches.jsonl import ENDPOINTS, InputLineError, encode_lines, parse_lines
+from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage, max_file_bytes
-from tenants.models import Tenant
+from tenants.models import ApiKey, Tenant
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 CANCELLABLE = (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS)
+UNFINISHED = (BatchRequest.Status.PENDING, BatchRequest.Status.RUNNING)
+EXPIRED_ERROR = {
+    "code": "batch_expired",
+    "message": "This request could not be executed before the completion window expired.",
+}
+
+logger = logging.getLogger(__name__)
 
 
 class InvalidRequest(Exception):
@@ -127,8 +139,12 @@ def batch_create(
     endpoint: object,
     completion_window: object,
     metadata: object = None,
+    api_key: ApiKey | None = None,
 ) -> Batch:
-    """A batch over one of the tenant's input files, left ``validating`` for the worker."""
+    """A batch over one of the tenant's input files, left ``validating`` for the worker, which
+    is queued once this commits. Its lines are metered under ``api_key`` (the tenant's)."""
+    if api_key is not None and api_key.tenant_id != tenant.pk:
+        raise ValueError("The API key belongs to another tenant.")
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
@@ -144,8 +160,9 @@ def batch_create(
             code="invalid_input_file",
         )
     now = timezone.now()
-    return Batch.objects.create(
+    batch = Batch.objects.create(
         tenant=tenant,
+        api_key=api_key,
         endpoint=endpoint,
         input_file_id=input_file.id,
         completion_window=completion_window,
@@ -154,6 +171,17 @@ def batch_create(
         created_at=now,
         expires_at=now + COMPLETION_WINDOWS[completion_window],
     )
+    transaction.on_commit(functools.partial(_queue_run, batch.id))
+    return batch
+
+
+def _queue_run(batch_id: str) -> None:
+    from batches.tasks import run_batch  # the task runs these services: imported late
+
+    try:
+        run_batch.delay(batch_id)
+    except Exception:  # the batch exists: the sweep starts it once the broker is back
+        logger.exception("could not queue batch %s", batch_id)
 
 
 def _fail(batch: Batch, errors: list[dict]) -> Batch:
@@ -235,3 +263,140 @@ def batch_cancel(*, batch: Batch) -> Batch:
     batch.cancelling_at = timezone.now()
     batch.save(update_fields=["status", "cancelling_at"])
     return batch
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+def batch_claim(*, batch_id: str, runner: str, lease_seconds: float) -> Batch | None:
+    """Take a batch that is not yet ended for ``runner`` until ``lease_seconds`` from now,
+    unless another runner's lease on it still holds (None)."""
+    now = timezone.now()
+    is_taken = (
+        Batch.objects.filter(pk=batch_id, status__in=ACTIVE_STATUSES)
+        .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+        .update(runner=runner, lease_until=now + timedelta(seconds=lease_seconds))
+    )
+    return Batch.objects.select_related("tenant__plan").get(pk=batch_id) if is_taken else None
+
+
+def batch_lease_renew(*, batch: Batch, runner: str, lease_seconds: float) -> str | None:
+    """Extend the runner's lease; the batch's status, or None when the lease was lost."""
+    until = timezone.now() + timedelta(seconds=lease_seconds)
+    if not Batch.objects.filter(pk=batch.pk, runner=runner).update(lease_until=until):
+        return None
+    return Batch.objects.values_list("status", flat=True).get(pk=batch.pk)
+
+
+def batch_release(*, batch: Batch, runner: str) -> None:
+    Batch.objects.filter(pk=batch.pk, runner=runner).update(runner="", lease_until=None)
+
+
+def batch_requests_resume(*, batch: Batch) -> int:
+    """Lines a dead runner left running are pending again, keeping their request ids (a usage
+    record the dead run wrote is then not written twice). Call it holding the lease."""
+    return BatchRequest.objects.filter(batch=batch, status=BatchRequest.Status.RUNNING).update(
+        status=BatchRequest.Status.PENDING
+    )
+
+
+def batch_request_claim(*, request: BatchRequest, request_id: str) -> bool:
+    """Mark a pending line running under ``request_id``, if its batch still takes lines (in
+    progress, not cancelled, within its window)."""
+    return bool(
+        BatchRequest.objects.filter(
+            pk=request.pk,
+            status=BatchRequest.Status.PENDING,
+            batch__status=Batch.Status.IN_PROGRESS,
+            batch__expires_at__gt=timezone.now(),
+        ).update(status=BatchRequest.Status.RUNNING, request_id=request_id)
+    )
+
+
+def batch_request_unclaim(*, request: BatchRequest) -> None:
+    """A running line that never ran to an answer (its batch stopped) is pending again."""
+    BatchRequest.objects.filter(pk=request.pk, status=BatchRequest.Status.RUNNING).update(
+        status=BatchRequest.Status.PENDING
+    )
+
+
+@transaction.atomic
+def batch_request_finish(*, request: BatchRequest, response: dict) -> None:
+    """Write a running line's response (``{"status_code", "request_id", "body"}``) and count
+    it: completed for a 200, failed for any other status."""
+    is_ok = response["status_code"] == 200
+    is_written = BatchRequest.objects.filter(
+        pk=request.pk, status=BatchRequest.Status.RUNNING
+    ).update(
+        status=BatchRequest.Status.COMPLETED if is_ok else BatchRequest.Status.FAILED,
+        response=response,
+        finished_at=timezone.now(),
+    )
+    if is_written:
+        counter = "num_completed" if is_ok else "num_failed"
+        Batch.objects.filter(pk=request.batch_id).update(**{counter: F(counter) + 1})
+
+
+@transaction.atomic
+def batch_finish(*, batch: Batch, runner: str) -> Batch:
+    """End a batch its runner takes no more lines of: ``cancelled`` if it was being
+    cancelled, ``completed`` (through ``finalizing``) once every line has run, ``expired``
+    past its window (each line left in the error file as ``batch_expired``), each with its
+    output and error files. A batch with lines left within its window, or whose lease the
+    runner lost, is left as it is, to be resumed."""
+    batch = Batch.objects.select_for_update().get(pk=batch.pk)
+    if batch.runner != runner or batch.status not in ACTIVE_STATUSES:
+        return batch
+    now = timezone.now()
+    has_unfinished = BatchRequest.objects.filter(batch=batch, status__in=UNFINISHED).exists()
+    if batch.status == Batch.Status.CANCELLING:
+        final = Batch.Status.CANCELLED
+    elif batch.status == Batch.Status.FINALIZING or (
+        batch.status == Batch.Status.IN_PROGRESS and not has_unfinished
+    ):
+        final = Batch.Status.COMPLETED
+    elif batch.expires_at <= now:
+        final = Batch.Status.EXPIRED
+    else:
+        return batch
+    if final == Batch.Status.COMPLETED and batch.status != Batch.Status.FINALIZING:
+        batch.status, batch.finalizing_at = Batch.Status.FINALIZING, now
+        batch.save(update_fields=["status", "finalizing_at"])
+    _results_write(batch, is_expired=final == Batch.Status.EXPIRED)
+    batch.status = final
+    setattr(batch, f"{final}_at", timezone.now())
+    batch.save(update_fields=["status", f"{final}_at", "output_file", "error_file"])
+    return batch
+
+
+def _results_write(batch: Batch, *, is_expired: bool) -> None:
+    """The output file (lines answered 200) and the error file (every other answer, and the
+    lines an expired batch never ran), in OpenAI's batch output format, by line number."""
+    output, errors = [], []
+    requests = BatchRequest.objects.filter(batch=batch).order_by("line_number")
+    for request in requests.iterator(chunk_size=1000):
+        line = {
+            "id": f"batch_req_{request.pk}",
+            "custom_id": request.custom_id,
+            "response": request.response,
+            "error": request.error,
+        }
+        if request.status == BatchRequest.Status.COMPLETED:
+            output.append(line)
+        elif request.status == BatchRequest.Status.FAILED:
+            errors.append(line)
+        elif is_expired:
+            errors.append({**line, "response": None, "error": EXPIRED_ERROR})
+    if output and batch.output_file_id is None:
+        batch.output_file = _result_file(batch, "output", output)
+    if errors and batch.error_file_id is None:
+        batch.error_file = _result_file(batch, "error", errors)
+
+
+def _result_file(batch: Batch, suffix: str, lines: list[dict]) -> File:
+    return file_create_generated(
+        tenant=batch.tenant,
+        purpose=File.Purpose.BATCH_OUTPUT,
+        filename=f"{batch.id}_{suffix}.jsonl",
+        content=encode_lines(lines),
+    )

@@ -158,6 +158,7 @@ def _batch_create(request: HttpRequest, api_key: ApiKey) -> dict:
         raise invalid("The request body must be a JSON object.")
     batch = services.batch_create(
         tenant=api_key.tenant,
+        api_key=api_key,
         input_file_id=payload.get("input_file_id"),
         endpoint=payload.get("endpoint"),
         completion_window=payload.get("completion_window"),

@@ -201,7 +201,13 @@ CELERY_BEAT_SCHEDULE = {
     "purge-old-usage": {"task": "tenants.purge_old_usage", "schedule": 24 * 3600.0},
     "poll-engine-health": {"task": "serving.poll_engine_health", "schedule": 15.0},
     "purge-old-conversations": {"task": "chat.purge_old_conversations", "schedule": 24 * 3600.0},
+    "sweep-batches": {"task": "batches.sweep_batches", "schedule": 60.0},
 }
+# The Batch API's runner: lines of one batch in flight at once, and how long a worker's hold
+# on a batch lasts unrenewed (a killed worker's batch is resumed that long after, at most
+# one sweep later).
+BATCH_MAX_IN_FLIGHT = int(os.environ.get("BATCH_MAX_IN_FLIGHT", "16"))
+BATCH_LEASE_SECONDS = float(os.environ.get("BATCH_LEASE_SECONDS", "60"))
 # Daphne processes `make run` starts on one listening socket. More than one needs REDIS_URL:
 # quotas, the chat's channel layer and the API's auth generation must be shared.
 WEB_PROCESSES = int(os.environ.get("WEB_PROCESSES", "1"))

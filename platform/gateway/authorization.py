@@ -123,12 +123,7 @@ def _fetch(raw_key: str, model: str) -> Authorization:
     api_key = api_key_for(raw_key)
     deployment = deployment_for_tenant(tenant=api_key.tenant, name=model)
     if deployment is None:
-        raise ApiError(
-            404,
-            f"The model '{model}' does not exist or you do not have access to it.",
-            code="model_not_found",
-            param="model",
-        )
+        raise model_not_found(model)
     return Authorization(
         api_key=api_key,
         deployment=deployment,
@@ -137,6 +132,15 @@ def _fetch(raw_key: str, model: str) -> Authorization:
         fetched_at=time.monotonic(),
         priority=tenant_priority(tenant=api_key.tenant),
         tenant_weight=tenant_share(tenant=api_key.tenant),
+    )
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model '{model}' does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
     )
 
 

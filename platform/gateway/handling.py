@@ -18,10 +18,15 @@ from gateway.errors import ApiError, from_run_error
 from gateway.ratelimits import ratelimit_headers
 from gateway.responses import Responder
 from gateway.validation import GenerationPlan
-from serving.runs import Caller, Run, RunError, RunSpec
+from serving.runs import Caller, Run, RunError
 from tenants.models import UsageRecord
 
 RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
+
+
+def new_response_id(kind: str) -> str:
+    """A new response's id, which its usage record and ``x-request-id`` share."""
+    return RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
 
 
 def read_body(request: HttpRequest) -> bytes:
@@ -81,15 +86,8 @@ async def _serve(
     """Run the request and answer it. Admission first checks that ``auth`` is current
     (unless not ``is_checked``) and raises ``StaleAuthorization`` if not."""
     api_key, deployment = auth.api_key, auth.deployment
-    response_id = RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
-    spec = RunSpec(
-        request_id=response_id,
-        requests=plan.engine_requests(response_id),
-        prompt_tokens=plan.prompt_tokens,
-        max_tokens_name=plan.max_tokens_param,
-        choices_per_prompt=plan.n,
-        priority=plan.priority,
-    )
+    response_id = new_response_id(kind)
+    spec = plan.run_spec(response_id)
     caller = Caller(
         tenant=api_key.tenant,
         deployment=deployment,

@@ -10,6 +10,7 @@ from gateway.errors import invalid
 from gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from inference_engine.protocol import GenerateRequest, InvalidParam, Message, SamplingParams
 from serving.budget import PromptTokens, message_tokens, text_tokens, token_id_tokens
+from serving.runs import RunSpec
 
 MAX_STOP = 4
 MAX_MESSAGES = 1024
@@ -34,6 +35,17 @@ class GenerationPlan:
     prompt_tokens: PromptTokens  # of all the prompts, before the engine counts them
     max_tokens_param: str = "max_tokens"  # what the request called it
     priority: int | None = None  # as asked; the plan's tier is the floor (see serving.runs)
+
+    def run_spec(self, response_id: str) -> RunSpec:
+        """The run of this request; its usage record is filed under ``response_id``."""
+        return RunSpec(
+            request_id=response_id,
+            requests=self.engine_requests(response_id),
+            prompt_tokens=self.prompt_tokens,
+            max_tokens_name=self.max_tokens_param,
+            choices_per_prompt=self.n,
+            priority=self.priority,
+        )
 
     def engine_requests(self, response_id: str) -> list[GenerateRequest]:
         """One engine request per choice, ``n`` of each prompt in a row; a choice's seed is

@@ -69,16 +69,25 @@ async def metered(
     user: AbstractBaseUser | None = None,
     on_finish: Callable[[Meter], None] | None = None,
     precondition: Callable[[], None] | None = None,
+    counts_per_minute: bool = True,
 ) -> AsyncIterator[Meter]:
     """See the module docstring; ``on_finish`` sees the final meter (metrics, logs).
     ``precondition`` runs on the worker thread just before admission; what it raises
     propagates with nothing admitted or recorded (the API checks its cached authorization
     there, saving a thread trip of its own). ``estimated_tokens`` is the most the request may
     use, ``likely_tokens`` what it probably will, ``num_sequences`` how many engine sequences
-    it runs (see ``quotas.admission_acquire``)."""
+    it runs, and whether it ``counts_per_minute`` (see ``quotas.admission_acquire``)."""
     started_at = time.time()
     admission = asyncio.ensure_future(
-        _admit(precondition, tenant, api_key, estimated_tokens, likely_tokens, num_sequences)
+        _admit(
+            precondition,
+            tenant,
+            api_key,
+            estimated_tokens,
+            likely_tokens,
+            num_sequences,
+            counts_per_minute,
+        )
     )
     try:
         ticket = await asyncio.shield(admission)
@@ -157,6 +166,7 @@ def _admit(
     estimated_tokens: int,
     likely_tokens: int | None,
     num_sequences: int,
+    counts_per_minute: bool,
 ) -> quotas.AdmissionTicket:
     if precondition is not None:
         precondition()
@@ -166,6 +176,7 @@ def _admit(
         estimated_tokens=estimated_tokens,
         likely_tokens=likely_tokens,
         num_sequences=num_sequences,
+        counts_per_minute=counts_per_minute,
     )
 
 

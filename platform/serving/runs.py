@@ -91,6 +91,8 @@ class Caller:
     cache_salt: str | None = None  # see serving.selectors.prefix_cache_salt
     priority: int = 1  # the plan tier's engine priority: a request may lower it, never raise it
     tenant_weight: float = 1.0  # the tenant's share under fair scheduling
+    # False for a batch line: the monthly budget and concurrency hold, per-minute limits not
+    counts_per_minute: bool = True
     # runs on the worker thread just before admission; what it raises propagates unadmitted
     precondition: Callable[[], None] | None = None
 
@@ -212,6 +214,7 @@ class Run:
             num_sequences=len(self.spec.requests),
             on_finish=self._on_finish,
             precondition=caller.precondition,
+            counts_per_minute=caller.counts_per_minute,
         )
         try:
             return await self._stack.enter_async_context(admission)

@@ -6,11 +6,31 @@ import pytest
 
 from tests.gateway.conftest import (  # noqa: F401 - fixtures
     MODEL_NAME,
-    daphne_server,
+    Daphne,
     engine,
     platform,
     tiny_model_dir,
 )
+
+
+@pytest.fixture(scope="session")
+def batches_daphne(django_db_setup, django_db_blocker, engine, tmp_path_factory):  # noqa: F811
+    """The gateway tests' live Daphne, kept whole: a runner in the test process reads and
+    writes files where it does."""
+    server = Daphne(tmp_path_factory.mktemp("daphne"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def daphne_server(batches_daphne) -> str:
+    return batches_daphne.base
+
+
+@pytest.fixture
+def shared_files(settings, batches_daphne):
+    """This process's files storage is the live Daphne's."""
+    settings.VAR_DIR = batches_daphne.folder
 
 
 def request_line(custom_id: str, **overrides: object) -> dict:

@@ -169,6 +169,35 @@ def test_key_limits_apply_on_top_of_the_tenants(clock):
     assert quotas.quota_usage(tenant=tenant).requests_this_minute == 3
 
 
+def test_a_batch_line_skips_the_per_minute_limits_but_not_the_budget_or_concurrency(clock):
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant(
+        requests_per_minute=1,
+        tokens_per_minute=100,
+        max_concurrent_requests=2,
+        monthly_token_budget=1000,
+    )
+    online = _admit(tenant, tokens=100)
+
+    def batch_line(tokens: int) -> quotas.AdmissionTicket:
+        return quotas.admission_acquire(
+            tenant=tenant, estimated_tokens=tokens, counts_per_minute=False
+        )
+
+    line = batch_line(500)  # past both per-minute limits, which are already spent
+    with pytest.raises(quotas.QuotaExceeded) as concurrency:
+        batch_line(10)
+    assert concurrency.value.kind == "concurrency"
+    quotas.admission_release(ticket=line, actual_tokens=500)
+    with pytest.raises(quotas.QuotaExceeded) as budget:
+        batch_line(500)  # 100 held online + 500 used + 500 > 1000
+    assert budget.value.kind == "monthly_tokens"
+    usage = quotas.quota_usage(tenant=tenant)
+    assert (usage.requests_this_minute, usage.tokens_this_minute) == (1, 100)  # online only
+    assert usage.month_tokens == 600
+    quotas.admission_release(ticket=online, actual_tokens=100)
+
+
 def test_racing_threads_never_over_admit():
     tenant = _tenant(requests_per_minute=20)
     admitted, refused = [], []

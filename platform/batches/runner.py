@@ -1,0 +1,238 @@
+"""Running a batch: its lines go through the API's own request path (``serving.runs``, parsed
+by ``gateway.validation``, answered by ``gateway.responses.Responder``), so that a line's
+response is what the online API returns for it, at the batch tier, metered with
+``source=batch`` and counted against the monthly budget and concurrency, not the per-minute
+limits.
+
+``batch_run`` (the Celery task's body) takes a lease on the batch, validates it, runs its
+pending lines with at most ``BATCH_MAX_IN_FLIGHT`` in flight, writes each line's result as it
+ends, and finishes the batch (``batches.services.batch_finish``). A killed worker loses no
+finished line: once its lease runs out, the sweep starts another runner, which skips what is
+done and runs again what was left running, under the same request ids.
+
+A cancelled batch takes no new line; lines in flight run to their end. A line refused for a
+while (a rate limit, no ready replica) waits and tries again within the batch's window.
+"""
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from django.conf import settings
+from django.utils import timezone
+
+from batches import selectors, services
+from batches.models import Batch, BatchRequest
+from config.workers import database_worker
+from gateway.authorization import model_not_found
+from gateway.errors import ApiError, from_run_error
+from gateway.handling import new_response_id
+from gateway.responses import Responder
+from gateway.validation import GenerationPlan, plan_chat, plan_completion
+from serving.pool import get_pool
+from serving.runs import Caller, Run, RunError
+from serving.selectors import deployment_for_tenant, prefix_cache_salt
+from tenants.models import ApiKey, Plan, Tenant, UsageRecord
+from tenants.selectors import SERVICE_TIER_PRIORITY, tenant_priority, tenant_share
+
+# a batch's endpoint -> the response kind and the parser of a line's body
+ENDPOINT_PLANS: dict[str, tuple[str, Callable[[bytes], GenerationPlan]]] = {
+    "/v1/chat/completions": ("chat", plan_chat),
+    "/v1/completions": ("completion", plan_completion),
+}
+# a run's refusals that a later try may get past (within the batch's window)
+RETRIED_CODES = frozenset(
+    {"rate_limit_exceeded", "engine_unavailable", "engine_overloaded", "model_loading"}
+)
+PAGE_SIZE = 500  # pending lines read at a time
+
+
+def batch_run(*, batch_id: str) -> str:
+    """Run the batch to its end (or until it is cancelled or expires) unless another runner
+    holds it; the batch's status after, or ``"held"`` when another runner has it."""
+    runner = uuid.uuid4().hex
+    lease_seconds = settings.BATCH_LEASE_SECONDS
+    batch = services.batch_claim(batch_id=batch_id, runner=runner, lease_seconds=lease_seconds)
+    if batch is None:
+        return "held"
+    try:
+        batch = services.batch_validate(batch=batch)
+        services.batch_requests_resume(batch=batch)
+        if batch.status == Batch.Status.IN_PROGRESS:
+            tenant = Tenant.objects.select_related("plan").get(pk=batch.tenant_id)
+            api_key = ApiKey.objects.filter(pk=batch.api_key_id).first()
+            asyncio.run(BatchRun(batch, tenant, api_key, runner).run())
+        return services.batch_finish(batch=batch, runner=runner).status
+    finally:
+        services.batch_release(batch=batch, runner=runner)
+
+
+class BatchRun:
+    """One runner's pass over a batch's pending lines, on one event loop."""
+
+    def __init__(self, batch: Batch, tenant: Tenant, api_key: ApiKey | None, runner: str) -> None:
+        self.batch = batch
+        self.tenant = tenant
+        self.api_key = api_key
+        self.runner = runner
+        self.kind, self.plan_of = ENDPOINT_PLANS[batch.endpoint]
+        self.max_in_flight = settings.BATCH_MAX_IN_FLIGHT
+        self.lease_seconds = settings.BATCH_LEASE_SECONDS
+        self.is_stopping = False  # cancelled, or the lease lost: take no new line
+        self._callers: dict[str, Caller | None] = {}  # model -> its caller (None: no access)
+
+    async def run(self) -> None:
+        heartbeat = asyncio.create_task(self._keep_lease())
+        in_flight: set[asyncio.Task] = set()
+        try:
+            async for request in self._pending():
+                while len(in_flight) >= self.max_in_flight:
+                    done, in_flight = await asyncio.wait(
+                        in_flight, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    _raise_failures(done)
+                if self.is_stopping:
+                    break
+                request_id = request.request_id or new_response_id(self.kind)
+                if not await _claim(request, request_id):
+                    break  # cancelled or expired meanwhile
+                request.request_id = request_id
+                in_flight.add(asyncio.create_task(self._run_line(request)))
+            await asyncio.gather(*in_flight)
+        finally:
+            heartbeat.cancel()
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(heartbeat, *in_flight, return_exceptions=True)
+            get_pool().close()
+
+    async def _pending(self) -> AsyncIterator[BatchRequest]:
+        after_line = 0
+        while page := await _pending_page(self.batch, after_line):
+            for request in page:
+                yield request
+            after_line = page[-1].line_number
+
+    async def _keep_lease(self) -> None:
+        """Renew the lease while the run lasts; stop taking lines once the batch is no longer
+        in progress (cancelled) or the lease could not be renewed."""
+        try:
+            while not self.is_stopping:
+                await asyncio.sleep(self.lease_seconds / 3)
+                status = await _renew(self.batch, self.runner, self.lease_seconds)
+                self.is_stopping = status != Batch.Status.IN_PROGRESS
+        finally:
+            self.is_stopping = True
+
+    async def _run_line(self, request: BatchRequest) -> None:
+        while True:
+            try:
+                response = await self._answer(request)
+                break
+            except RunError as exc:
+                if not self._may_retry(exc):
+                    response = _response(from_run_error(exc), request.request_id)
+                    break
+                await asyncio.sleep(exc.retry_after)
+                if self.is_stopping:
+                    await _unclaim(request)
+                    return
+        await _finish(request, response)
+
+    async def _answer(self, request: BatchRequest) -> dict:
+        """The line's response as the online API gives it (``status_code``, ``request_id``,
+        ``body``); ``RunError`` where the run was refused before it started."""
+        request_id = request.request_id
+        try:
+            plan = self.plan_of(msgspec.json.encode(request.body))
+            caller = await self._caller(plan.model)
+            run = Run(plan.run_spec(request_id), caller)
+            await run.start()
+            responder = Responder(kind=self.kind, plan=plan, run=run, model=caller.deployment.name)
+            try:
+                body = await responder.complete()
+            except BaseException as exc:
+                await run.aclose(exc)
+                raise
+            await run.aclose()
+        except ApiError as exc:
+            return _response(exc, request_id)
+        return {"status_code": 200, "request_id": request_id, "body": msgspec.to_builtins(body)}
+
+    async def _caller(self, model: str) -> Caller:
+        if self.api_key is None:
+            raise ApiError(
+                401, "The API key that created this batch was deleted.", code="invalid_api_key"
+            )
+        if model not in self._callers:
+            self._callers[model] = await _caller_of(self.tenant, self.api_key, model)
+        caller = self._callers[model]
+        if caller is None:
+            raise model_not_found(model)
+        return caller
+
+    def _may_retry(self, exc: RunError) -> bool:
+        if exc.code not in RETRIED_CODES or exc.retry_after is None or self.is_stopping:
+            return False
+        retry_at = timezone.now().timestamp() + exc.retry_after
+        return retry_at < self.batch.expires_at.timestamp()
+
+
+def _response(error: ApiError, request_id: str) -> dict:
+    return {
+        "status_code": error.status,
+        "request_id": request_id,
+        "body": msgspec.to_builtins(error.body()),
+    }
+
+
+def _raise_failures(tasks: set[asyncio.Task]) -> None:
+    """A line that failed outside its run (say, the database went away) ends the pass; its
+    row stays running, for the next runner."""
+    failures = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+    if failures:
+        raise failures[0]
+
+
+@database_worker
+def _caller_of(tenant: Tenant, api_key: ApiKey, model: str) -> Caller | None:
+    deployment = deployment_for_tenant(tenant=tenant, name=model)
+    if deployment is None:
+        return None
+    return Caller(
+        tenant=tenant,
+        deployment=deployment,
+        source=UsageRecord.Source.BATCH,
+        api_key=api_key,
+        cache_salt=prefix_cache_salt(tenant=tenant, deployment=deployment),
+        # the batch tier, or the tenant's own where that is lower still
+        priority=max(tenant_priority(tenant=tenant), SERVICE_TIER_PRIORITY[Plan.ServiceTier.BATCH]),
+        tenant_weight=tenant_share(tenant=tenant),
+        counts_per_minute=False,
+    )
+
+
+@database_worker
+def _pending_page(batch: Batch, after_line: int) -> list[BatchRequest]:
+    return selectors.batch_requests_pending(batch=batch, after_line=after_line, limit=PAGE_SIZE)
+
+
+@database_worker
+def _claim(request: BatchRequest, request_id: str) -> bool:
+    return services.batch_request_claim(request=request, request_id=request_id)
+
+
+@database_worker
+def _unclaim(request: BatchRequest) -> None:
+    services.batch_request_unclaim(request=request)
+
+
+@database_worker
+def _finish(request: BatchRequest, response: dict) -> None:
+    services.batch_request_finish(request=request, response=response)
+
+
+@database_worker
+def _renew(batch: Batch, runner: str, lease_seconds: float) -> str | None:
+    return services.batch_lease_renew(batch=batch, runner=runner, lease_seconds=lease_seconds)

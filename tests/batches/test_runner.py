@@ -1,0 +1,276 @@
+"""Batches run end to end: uploaded and created with the official openai SDK against a live
+Daphne and engine, run by the Celery task in this process (on the live platform's files), read
+back with the SDK."""
+
+import json
+from datetime import timedelta
+
+import httpx
+import openai
+import pytest
+from django.utils import timezone
+
+from batches import services
+from batches.models import Batch, BatchRequest
+from batches.tasks import run_batch, sweep_batches
+from config import celery_app
+from tenants.models import UsageRecord
+from tests.batches.conftest import jsonl, request_line
+from tests.usage_records import usage_record_add
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class WorkerDied(BaseException):
+    """What a killed worker leaves: nothing after the line it was on."""
+
+
+@pytest.fixture
+def eager():
+    celery_app.conf.task_always_eager = True
+    yield
+    celery_app.conf.task_always_eager = False
+
+
+def _create(client: openai.OpenAI, lines: list[dict], endpoint: str = "/v1/chat/completions"):
+    file = client.files.create(
+        file=("requests.jsonl", jsonl(lines), "application/jsonl"), purpose="batch"
+    )
+    return client.batches.create(input_file_id=file.id, endpoint=endpoint, completion_window="24h")
+
+
+def _lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def _batch_records(platform) -> list[UsageRecord]:
+    return [r for r in platform.records() if r.source == UsageRecord.Source.BATCH]
+
+
+def _online(platform, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(
+        f"{platform.base}{path}",
+        json=body,
+        headers={"Authorization": f"Bearer {platform.key}"},
+        timeout=60,
+    )
+
+
+def _same_answer(batch_body: dict, online_body: dict) -> bool:
+    """Equal but for the response's own id and time (and the prefix cache's hits)."""
+
+    def answer(body: dict) -> dict:
+        usage = body["usage"]
+        return {
+            **{k: v for k, v in body.items() if k not in ("id", "created", "usage")},
+            "tokens": (usage["prompt_tokens"], usage["completion_tokens"]),
+        }
+
+    return answer(batch_body) == answer(online_body)
+
+
+def _die_after(monkeypatch, num_lines: int) -> None:
+    """Make the runner die as it takes line ``num_lines + 1`` (one line in flight)."""
+    claim = services.batch_request_claim
+    claims = []
+
+    def claim_or_die(**kwargs) -> bool:
+        if len(claims) == num_lines:
+            raise WorkerDied
+        claims.append(kwargs["request_id"])
+        return claim(**kwargs)
+
+    monkeypatch.setattr(services, "batch_request_claim", claim_or_die)
+
+
+def test_a_batch_runs_every_line_once_as_the_online_api_answers_it(platform, shared_files):
+    client = platform.client()
+    lines = [request_line(f"req-{n}") for n in range(50)]
+    created = _create(client, lines)
+
+    assert run_batch(created.id) == "completed"
+
+    batch = client.batches.retrieve(created.id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed) == (50, 50)
+    assert batch.request_counts.failed == 0 and batch.error_file_id is None
+    assert batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    output = _lines_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(f"req-{n}" for n in range(50))
+    for line in output:
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200
+        assert response["request_id"] == response["body"]["id"]
+        online = _online(platform, request_line(line["custom_id"])["body"])
+        assert _same_answer(response["body"], online.json())
+    records = _batch_records(platform)
+    assert sorted(r.request_id for r in records) == sorted(
+        line["response"]["request_id"] for line in output
+    )
+    assert {r.status for r in records} == {UsageRecord.Status.OK}
+
+
+def test_a_line_the_api_would_refuse_is_answered_with_its_error(platform, shared_files):
+    client = platform.client()
+    bad_body = {**request_line("x")["body"], "max_tokens": "many"}
+    unknown_model = {**request_line("x")["body"], "model": "no-such-model"}
+    lines = [
+        request_line("good"),
+        request_line("bad-body", body=bad_body),
+        request_line("unknown-model", body=unknown_model),
+    ]
+
+    assert run_batch(_create(client, lines).id) == "completed"
+
+    batch = client.batches.list().data[0]
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 2)
+    assert [line["custom_id"] for line in _lines_of(client, batch.output_file_id)] == ["good"]
+    errors = {line["custom_id"]: line for line in _lines_of(client, batch.error_file_id)}
+    for custom_id, body in (("bad-body", bad_body), ("unknown-model", unknown_model)):
+        online = _online(platform, body)
+        response = errors[custom_id]["response"]
+        assert (response["status_code"], response["body"]) == (online.status_code, online.json())
+        assert errors[custom_id]["error"] is None
+    assert len(_batch_records(platform)) == 1  # the refused lines were never admitted
+
+
+def test_a_completions_batch_answers_as_v1_completions(platform, shared_files):
+    client = platform.client()
+    body = {
+        "model": request_line("x")["body"]["model"],
+        "prompt": "Once",
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    lines = [request_line("c", url="/v1/completions", body=body)]
+
+    assert run_batch(_create(client, lines, endpoint="/v1/completions").id) == "completed"
+
+    [line] = _lines_of(client, client.batches.list().data[0].output_file_id)
+    assert line["response"]["body"]["object"] == "text_completion"
+    assert _same_answer(line["response"]["body"], _online(platform, body, "/v1/completions").json())
+
+
+def test_a_batch_cancelled_mid_way_finishes_what_is_in_flight_and_ends_cancelled(
+    platform, shared_files, monkeypatch, settings
+):
+    settings.BATCH_MAX_IN_FLIGHT = 2
+    client = platform.client()
+    created = _create(client, [request_line(f"req-{n}") for n in range(50)])
+    finish = services.batch_request_finish
+    finished = []
+
+    def finish_and_cancel_the_fifth(**kwargs) -> None:
+        finish(**kwargs)
+        finished.append(kwargs["request"].custom_id)
+        if len(finished) == 5:
+            assert client.batches.cancel(created.id).status == "cancelling"
+
+    monkeypatch.setattr(services, "batch_request_finish", finish_and_cancel_the_fifth)
+
+    assert run_batch(created.id) == "cancelled"
+
+    batch = client.batches.retrieve(created.id)
+    assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at
+    assert 5 <= batch.request_counts.completed <= 6  # the one in flight ran to its end
+    output = _lines_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(finished)
+    assert len(_batch_records(platform)) == len(finished)
+    assert not BatchRequest.objects.filter(status=BatchRequest.Status.RUNNING).exists()
+
+
+def test_a_batch_cancelled_before_it_ran_ends_cancelled_with_nothing_run(platform, shared_files):
+    client = platform.client()
+    created = _create(client, [request_line("a"), request_line("b")])
+    client.batches.cancel(created.id)
+
+    assert run_batch(created.id) == "cancelled"
+
+    batch = client.batches.retrieve(created.id)
+    assert batch.output_file_id is None and batch.request_counts.completed == 0
+    assert _batch_records(platform) == []
+
+
+def test_a_batch_whose_worker_died_is_resumed_and_runs_every_line_once(
+    platform, shared_files, monkeypatch, settings, eager
+):
+    settings.BATCH_MAX_IN_FLIGHT = 1
+    client = platform.client()
+    created = _create(client, [request_line(f"req-{n}") for n in range(50)])
+    with monkeypatch.context() as patched:
+        _die_after(patched, 10)
+        with pytest.raises(WorkerDied):
+            run_batch(created.id)
+    # As a worker killed mid-line leaves it: its lease not given back, lines still running,
+    # one of them with its usage record written but not its result.
+    left_running = list(
+        BatchRequest.objects.filter(status=BatchRequest.Status.PENDING).order_by("line_number")[:3]
+    )
+    for n, request in enumerate(left_running):
+        request.status, request.request_id = BatchRequest.Status.RUNNING, f"chatcmpl-dead{n}"
+        request.save(update_fields=["status", "request_id"])
+    now = timezone.now()
+    usage_record_add(
+        request_id="chatcmpl-dead0",
+        tenant=platform.tenant,
+        api_key=Batch.objects.get(pk=created.id).api_key,
+        model="tiny-llama",
+        source=UsageRecord.Source.BATCH,
+        status=UsageRecord.Status.OK,
+        started_at=now,
+        finished_at=now,
+        prompt_tokens=10,
+        completion_tokens=4,
+    )
+    Batch.objects.filter(pk=created.id).update(runner="dead", lease_until=now)
+    assert client.batches.retrieve(created.id).request_counts.completed == 10
+
+    assert sweep_batches() == [created.id]  # the lease ran out: started again
+
+    batch = client.batches.retrieve(created.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 50
+    output = _lines_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(f"req-{n}" for n in range(50))
+    request_ids = [line["response"]["request_id"] for line in output]
+    assert {f"chatcmpl-dead{n}" for n in range(3)} <= set(request_ids)
+    assert sorted(r.request_id for r in _batch_records(platform)) == sorted(request_ids)
+    assert sweep_batches() == []
+
+
+def test_a_batch_past_its_window_expires_with_what_finished(
+    platform, shared_files, monkeypatch, settings, eager
+):
+    settings.BATCH_MAX_IN_FLIGHT = 1
+    client = platform.client()
+    created = _create(client, [request_line("a"), request_line("b"), request_line("c")])
+    with monkeypatch.context() as patched:
+        _die_after(patched, 1)
+        with pytest.raises(WorkerDied):
+            run_batch(created.id)
+    Batch.objects.filter(pk=created.id).update(expires_at=timezone.now())
+
+    assert sweep_batches() == [created.id]
+
+    batch = client.batches.retrieve(created.id)
+    assert batch.status == "expired" and batch.expired_at is not None
+    assert [line["custom_id"] for line in _lines_of(client, batch.output_file_id)] == ["a"]
+    errors = _lines_of(client, batch.error_file_id)
+    assert [(line["custom_id"], line["error"]["code"]) for line in errors] == [
+        ("b", "batch_expired"),
+        ("c", "batch_expired"),
+    ]
+    assert len(_batch_records(platform)) == 1
+
+
+def test_another_runner_leaves_a_held_batch_alone(platform, shared_files):
+    created = _create(platform.client(), [request_line("a")])
+    Batch.objects.filter(pk=created.id).update(
+        runner="alive", lease_until=timezone.now() + timedelta(minutes=1)
+    )
+
+    assert run_batch(created.id) == "held"
+    assert sweep_batches() == []
+    assert Batch.objects.get(pk=created.id).status == Batch.Status.VALIDATING
