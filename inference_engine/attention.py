@@ -5,11 +5,15 @@ passes a ``PagedMetadata`` as the ``paged_metadata`` forward kwarg; transformers
 every attention call. This function writes the step's K/V into the paged cache of
 ``module.layer_idx`` and attends each request over its own blocks, causally:
 
-- short decodes (one new token) are batched in buckets of similar context length: one gather
-  of their blocks into a float32 ``[B, KVH, L, D]`` copy, then two batched matmuls and a
-  masked softmax per bucket (on the CPU this is about twice as fast as a masked bf16 SDPA
-  call, and it accumulates in float32 throughout); long decodes run one unmasked SDPA call
-  each over exactly their tokens, which is faster than padding buckets at that size;
+- the ``torch`` backend keeps each layer's cache block-major, ``[num_blocks, KVH, block_size,
+  D]``, so a block is one contiguous ``[KVH, block_size, D]`` tile; the GPU backends keep it
+  token-major, ``[num_blocks, block_size, KVH, D]`` (``kv_cache_shape``);
+- short decodes (one new token) are batched in buckets of similar context length: one
+  ``index_select`` of their blocks, kept as blocks (``[B, N, KVH, block_size, D]``, no
+  transpose into one long sequence), then batched matmuls per block, a masked softmax over all
+  of a request's blocks, and a sum of the blocks' weighted values, accumulating in float32
+  throughout; long decodes run one unmasked SDPA call each over exactly their tokens, which
+  is faster than padding buckets at that size;
 - prefill chunks run one SDPA call each, over the step's own K/V when nothing precedes them,
   else over their gathered blocks with an offset causal mask;
 - on a GPU (the ``triton`` backend) every request of the step, prefill chunk or decode, goes
@@ -81,9 +85,11 @@ class UnifiedMetadata:
 class PagedMetadata:
     """One step's paged layout, built once by the runner and shared by every layer."""
 
-    key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    key_caches: list[torch.Tensor]  # per layer, in ``kv_cache_shape``'s layout
     value_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T] cache slot of each packed token
+    # [T * KVH] rows of a block-major cache viewed as [-1, head_dim]; None: token-major cache
+    cache_rows: torch.Tensor | None = None
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     long_decodes: LongDecodes | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
@@ -125,6 +131,25 @@ def select_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
+def kv_cache_shape(
+    backend: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """One layer's K (or V) cache: block-major for the ``torch`` backend, whose decode matmuls
+    read a gathered block as it lies; token-major for the GPU kernels, which index slots."""
+    if backend == "torch":
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def block_major_rows(slots: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """The rows that slots ``[T]`` write in a block-major cache viewed as ``[-1, head_dim]``:
+    ``[T * KVH]``, token after token, each token's heads in order."""
+    blocks, offsets = slots // block_size, slots % block_size
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    rows = (blocks * num_kv_heads).unsqueeze(1) + heads.unsqueeze(0)
+    return (rows * block_size + offsets.unsqueeze(1)).view(-1)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -147,8 +172,15 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     flat_shape = (-1, num_kv_heads, head_dim)
-    key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
-    value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v.to(value_cache.dtype))
+    if meta.cache_rows is None:
+        key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
+        value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v.to(value_cache.dtype))
+    else:
+        rows = (-1, head_dim)
+        key_cache.view(rows).index_copy_(0, meta.cache_rows, k.reshape(rows).to(key_cache.dtype))
+        value_cache.view(rows).index_copy_(
+            0, meta.cache_rows, v.reshape(rows).to(value_cache.dtype)
+        )
 
     if meta.unified is not None:
         from inference_engine.triton_attention import paged_attention
@@ -183,6 +215,8 @@ def paged_attention_forward(
         )
         return out.unsqueeze(0), None
 
+    if meta.cache_rows is None:
+        raise RuntimeError("the torch attention backend needs a block-major cache")
     gqa = num_heads != num_kv_heads
     out = torch.empty_like(q)
     for chunk in meta.prefill_chunks:
@@ -192,8 +226,8 @@ def paged_attention_forward(
             chunk_k = k[rows].transpose(0, 1).unsqueeze(0)
             chunk_v = v[rows].transpose(0, 1).unsqueeze(0)
         else:
-            chunk_k = _gather(key_cache, chunk.block_ids, chunk.context_len)
-            chunk_v = _gather(value_cache, chunk.block_ids, chunk.context_len)
+            chunk_k = _gather(key_cache, chunk.block_ids, chunk.context_len).unsqueeze(0)
+            chunk_v = _gather(value_cache, chunk.block_ids, chunk.context_len).unsqueeze(0)
         result = F.scaled_dot_product_attention(
             chunk_q,
             chunk_k.to(q.dtype),
@@ -221,32 +255,32 @@ def _attend_decode_bucket(
 ) -> None:
     """One query token per request over its padded blocks: ``softmax(q K^T) V`` in float32.
 
-    The heads that share a KV head are its query rows (``[B, KVH, G, D]``), so GQA needs no
-    K/V expansion. Padded key positions get ``-inf`` before the softmax, so they weigh 0."""
+    The blocks stay blocks: scores are batched matmuls over ``[B, N, KVH]`` tiles of
+    ``block_size`` keys, read as the gather left them (concatenating a request's blocks into
+    one sequence would copy every key again). The heads that share a KV head are its query
+    rows (``[.., KVH, G, D]``), so GQA needs no K/V expansion. Padded key positions get
+    ``-inf`` before the softmax, so they weigh 0."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    batch = bucket.block_table.shape[0]
+    num_kv_heads = key_cache.shape[1]
+    batch, num_blocks = bucket.block_table.shape
+    group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scaling is None else scaling
-    keys = _gather_heads_first(key_cache, bucket.block_table)
-    values = _gather_heads_first(value_cache, bucket.block_table)
-    queries = q.index_select(0, bucket.query_index).view(batch, num_kv_heads, -1, head_dim)
-    scores = torch.matmul(queries.float(), keys.transpose(-1, -2))  # [B, KVH, G, L]
+    keys = _gather_blocks(key_cache, bucket.block_table)  # [B, N, KVH, block_size, D]
+    values = _gather_blocks(value_cache, bucket.block_table)
+    queries = q.index_select(0, bucket.query_index).view(batch, 1, num_kv_heads, group, head_dim)
+    scores = torch.matmul(queries.float(), keys.transpose(-1, -2))  # [B, N, KVH, G, block_size]
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group, -1)
     scores.mul_(scale).masked_fill_(bucket.padding, float("-inf"))
-    result = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, KVH, G, D]
+    probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, group, num_blocks, -1)
+    result = torch.matmul(probs.permute(0, 3, 1, 2, 4), values).sum(1)  # [B, KVH, G, D]
     out.index_copy_(0, bucket.query_index, result.view(batch, num_heads, head_dim).to(out.dtype))
 
 
-def _gather_heads_first(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The blocks of ``block_table`` (``[B, N]``) as one contiguous float32 ``[B, KVH, N *
-    block_size, D]``: one gather, then one copy that transposes and widens. Batched matmuls
-    over this layout run far faster on the CPU than over the strided bf16 view."""
-    batch, num_blocks = block_table.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    tokens = cache.flatten(1).index_select(0, block_table.view(-1))
-    tokens = tokens.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    shape = (batch, num_kv_heads, num_blocks * block_size, head_dim)
-    heads_first = torch.empty(shape, dtype=torch.float32, device=cache.device)
-    return heads_first.copy_(tokens.transpose(1, 2))
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``block_table`` (``[B, N]``) as float32 ``[B, N, KVH, block_size, D]``:
+    one ``index_select`` of whole blocks, widened where the cache is narrower."""
+    blocks = cache.index_select(0, block_table.view(-1)).view(*block_table.shape, *cache.shape[1:])
+    return blocks.float()
 
 
 def _attend_long_decodes(
@@ -258,30 +292,35 @@ def _attend_long_decodes(
     scaling: float | None,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    keys = key_cache.flatten(1).index_select(0, decodes.block_ids).view(-1, num_kv_heads, head_dim)
-    values = value_cache.flatten(1).index_select(0, decodes.block_ids)
-    values = values.view(-1, num_kv_heads, head_dim)
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    key_blocks = key_cache.index_select(0, decodes.block_ids)  # [sum of blocks, KVH, bs, D]
+    value_blocks = value_cache.index_select(0, decodes.block_ids)
     # the heads that share a KV head become its query rows: no K/V expansion for GQA
     queries = q.index_select(0, torch.tensor(decodes.rows, device=q.device))
-    queries = queries.view(-1, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    queries = queries.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
     for i, (row, length, offset) in enumerate(
         zip(decodes.rows, decodes.context_lens, decodes.token_offsets, strict=True)
     ):
-        tokens = slice(offset, offset + length)
+        blocks = slice(offset // block_size, (offset + length - 1) // block_size + 1)
         result = F.scaled_dot_product_attention(
             queries[i],
-            keys[tokens].transpose(0, 1).unsqueeze(0).to(q.dtype),
-            values[tokens].transpose(0, 1).unsqueeze(0).to(q.dtype),
+            _as_sequence(key_blocks[blocks], length).to(q.dtype),
+            _as_sequence(value_blocks[blocks], length).to(q.dtype),
             scale=scaling,
         )
         out[row] = result.view(num_heads, head_dim)
 
 
+def _as_sequence(blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """Block-major ``[n, KVH, block_size, D]`` as one request's first ``length`` tokens,
+    ``[KVH, length, D]``."""
+    num_kv_heads, head_dim = blocks.shape[1], blocks.shape[3]
+    return blocks.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :length]
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first ``context_len`` cached tokens of one request as ``[1, KVH, L, D]``."""
-    tokens = cache.flatten(1).index_select(0, block_ids).view(-1, *cache.shape[2:])[:context_len]
-    return tokens.transpose(0, 1).unsqueeze(0)
+    """The first ``context_len`` cached tokens of one request as ``[KVH, L, D]``."""
+    return _as_sequence(cache.index_select(0, block_ids), context_len)
 
 
 def register() -> None:

@@ -233,7 +233,7 @@ class ModelRunner:
         # decode graphs pad their batches with requests on one scratch block past the
         # scheduler's, so the Triton backend keeps one
         num_cache_blocks = self.num_blocks + (self.backend == "triton")
-        shape = (num_cache_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = self._cache_shape(num_cache_blocks)
         self.key_caches = [self._empty(shape) for _ in range(self.spec.num_layers)]
         self.value_caches = [self._empty(shape) for _ in range(self.spec.num_layers)]
         logger.info(
@@ -281,6 +281,12 @@ class ModelRunner:
         )
         return output.logits[0]
 
+    def _cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        spec = self.spec
+        return attention.kv_cache_shape(
+            self.backend, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim
+        )
+
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -324,10 +330,7 @@ class ModelRunner:
         lens = np.full(num_requests, num_tokens // num_requests, np.int64)
         lens[: num_tokens % num_requests] += 1
         blocks_per_request = -(-int(lens.max()) // self.block_size)
-        shape = (num_requests * blocks_per_request, self.block_size) + (
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-        )
+        shape = self._cache_shape(num_requests * blocks_per_request)
         self.key_caches = [self._empty(shape) for _ in range(self.spec.num_layers)]
         self.value_caches = [self._empty(shape) for _ in range(self.spec.num_layers)]
         table = np.arange(num_requests * blocks_per_request).reshape(num_requests, -1)
@@ -458,6 +461,9 @@ class ModelRunner:
                 to_device(key_slots + key_pos % block_size),
             )
         else:
+            meta.cache_rows = attention.block_major_rows(
+                meta.slot_mapping, self.block_size, self.spec.num_kv_heads
+            )
             self._plan_cpu_attention(
                 meta, plan.block_table, lens, starts, context_lens, cu_lens, to_device
             )
