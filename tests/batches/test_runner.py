@@ -175,7 +175,10 @@ def test_a_batch_cancelled_mid_way_finishes_what_is_in_flight_and_ends_cancelled
 
     batch = client.batches.retrieve(created.id)
     assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at
-    assert 5 <= batch.request_counts.completed <= 6  # the one in flight ran to its end
+    # what was claimed before the cancel was committed runs to its end: the line in flight
+    # at the fifth finish, and lines claimed while the cancel request itself was under way
+    # (the fifth's finish waits for it on a worker thread; the other runs on); nothing after
+    assert 5 <= batch.request_counts.completed <= 5 + 2 * settings.BATCH_MAX_IN_FLIGHT
     output = _lines_of(client, batch.output_file_id)
     assert sorted(line["custom_id"] for line in output) == sorted(finished)
     assert len(_batch_records(platform)) == len(finished)
