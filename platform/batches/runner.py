@@ -32,9 +32,9 @@ from gateway.responses import Responder
 from gateway.validation import GenerationPlan, plan_chat, plan_completion
 from serving.pool import get_pool
 from serving.runs import Caller, Run, RunError
-from serving.selectors import deployment_for_tenant, prefix_cache_salt
+from serving.selectors import deployment_for_tenant
 from tenants.models import ApiKey, Plan, Tenant, UsageRecord
-from tenants.selectors import SERVICE_TIER_PRIORITY, tenant_priority, tenant_share
+from tenants.selectors import SERVICE_TIER_PRIORITY
 
 # a batch's endpoint -> the response kind and the parser of a line's body
 ENDPOINT_PLANS: dict[str, tuple[str, Callable[[bytes], GenerationPlan]]] = {
@@ -200,15 +200,13 @@ def _caller_of(tenant: Tenant, api_key: ApiKey, model: str) -> Caller | None:
     deployment = deployment_for_tenant(tenant=tenant, name=model)
     if deployment is None:
         return None
-    return Caller(
+    return Caller.of_tenant(
         tenant=tenant,
         deployment=deployment,
         source=UsageRecord.Source.BATCH,
         api_key=api_key,
-        cache_salt=prefix_cache_salt(tenant=tenant, deployment=deployment),
         # the batch tier, or the tenant's own where that is lower still
-        priority=max(tenant_priority(tenant=tenant), SERVICE_TIER_PRIORITY[Plan.ServiceTier.BATCH]),
-        tenant_weight=tenant_share(tenant=tenant),
+        priority_floor=SERVICE_TIER_PRIORITY[Plan.ServiceTier.BATCH],
         counts_per_minute=False,
     )
 

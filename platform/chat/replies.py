@@ -20,9 +20,8 @@ from chat.selectors import engine_messages
 from inference_engine.protocol import GenerateRequest, SamplingParams
 from serving.budget import message_tokens
 from serving.runs import Caller, Run, RunError, RunSpec
-from serving.selectors import deployment_for_tenant, prefix_cache_salt
+from serving.selectors import deployment_for_tenant
 from tenants.models import UsageRecord
-from tenants.selectors import tenant_priority, tenant_share
 
 # a run's error codes -> (the chat's code, what to tell the user; None: the run's message)
 CHAT_ERRORS: dict[str, tuple[str, str | None]] = {
@@ -98,14 +97,8 @@ def _caller_and_messages(
             f"The model '{conversation.model}' is not available to your organization. "
             "Choose another model in the settings.",
         )
-    caller = Caller(
-        tenant=tenant,
-        deployment=deployment,
-        source=UsageRecord.Source.CHAT,
-        user=user,
-        cache_salt=prefix_cache_salt(tenant=tenant, deployment=deployment),
-        priority=tenant_priority(tenant=tenant),
-        tenant_weight=tenant_share(tenant=tenant),
+    caller = Caller.of_tenant(
+        tenant=tenant, deployment=deployment, source=UsageRecord.Source.CHAT, user=user
     )
     return caller, engine_messages(conversation=conversation, before_id=reply.pk)
 

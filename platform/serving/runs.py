@@ -29,12 +29,14 @@ from django.contrib.auth.models import AbstractBaseUser
 
 from inference_engine.client import AsyncEngineClient, EngineUnavailable
 from inference_engine.protocol import ErrorCode, FinishReason, GenerateDelta, GenerateRequest, Usage
-from serving.budget import ContextExceeded, PromptTokens, reserve
+from serving.budget import ContextExceeded, PromptTokens, Reservation, reserve
 from serving.metering import Meter, metered
 from serving.models import ModelDeployment
 from serving.pool import NoReadyReplica, get_pool
+from serving.selectors import prefix_cache_salt
 from tenants.models import ApiKey, Tenant, UsageRecord
 from tenants.quotas import QuotaExceeded, Window
+from tenants.selectors import tenant_priority, tenant_share
 
 NO_REPLICA_RETRY_AFTER_SECONDS = 5
 ENGINE_BUSY_RETRY_AFTER_SECONDS = 1
@@ -96,6 +98,30 @@ class Caller:
     # runs on the worker thread just before admission; what it raises propagates unadmitted
     precondition: Callable[[], None] | None = None
 
+    @classmethod
+    def of_tenant(
+        cls,
+        *,
+        tenant: Tenant,
+        deployment: ModelDeployment,
+        source: str,
+        priority_floor: int = 0,
+        **fields: object,
+    ) -> "Caller":
+        """The caller for ``tenant`` on ``deployment``, with its prefix cache salt, its plan
+        tier's priority (no higher than ``priority_floor``'s number says) and its weight read
+        from the database: call it on a worker thread. (The API reads the same from its
+        cached authorization instead.)"""
+        return cls(
+            tenant=tenant,
+            deployment=deployment,
+            source=source,
+            cache_salt=prefix_cache_salt(tenant=tenant, deployment=deployment),
+            priority=max(tenant_priority(tenant=tenant), priority_floor),
+            tenant_weight=tenant_share(tenant=tenant),
+            **fields,
+        )
+
 
 @dataclass
 class RunSpec:
@@ -143,6 +169,7 @@ class Run:
         self._streams: list[AsyncIterator[GenerateDelta]] = []
         self._first: list[GenerateDelta] = []
         self._prompt_usage: dict[int, tuple[int, int]] = {}  # choice -> (prompt, cached)
+        self._reservation: Reservation | None = None  # once the budget is decided
         self._stack = contextlib.AsyncExitStack()
         self._is_closed = False
 
@@ -154,7 +181,7 @@ class Run:
         try:
             endpoint, max_context = await self._route()
             self._budget(max_context)
-            self.meter = await self._admit(max_context)
+            self.meter = await self._admit()
             pool = get_pool()
             self._stack.enter_context(pool.track(endpoint))
             self._client = pool.client(endpoint)
@@ -200,7 +227,7 @@ class Run:
                 param=spec.max_tokens_name,
             ) from exc
 
-    async def _admit(self, max_context: int) -> Meter:
+    async def _admit(self) -> Meter:
         caller, reservation = self.caller, self._reservation
         admission = metered(
             request_id=self.spec.request_id,
