@@ -4,6 +4,7 @@ import functools
 
 import msgspec
 
+from batches import schemas as batch_schemas
 from gateway import schemas
 
 REF = "#/components/schemas/{name}"
@@ -13,8 +14,8 @@ def _body(name: str) -> dict:
     return {"content": {"application/json": {"schema": {"$ref": REF.format(name=name)}}}}
 
 
-def _responses(ok: str, *, stream: bool = False) -> dict:
-    ok_body = _body(ok)
+def _responses(ok: str | dict, *, stream: bool = False) -> dict:
+    ok_body = _body(ok) if isinstance(ok, str) else ok
     if stream:
         ok_body["content"]["text/event-stream"] = {
             "schema": {"type": "string", "description": "data: <chunk JSON> events, then [DONE]"}
@@ -23,7 +24,7 @@ def _responses(ok: str, *, stream: bool = False) -> dict:
         "400": "invalid request (param names the field)",
         "401": "missing or invalid API key",
         "403": "inactive organization",
-        "404": "unknown model",
+        "404": "unknown model, file or batch",
         "413": "body too large",
         "429": "rate limited (Retry-After, x-ratelimit-* headers)",
         "503": "engine overloaded or unavailable (Retry-After)",
@@ -45,6 +46,7 @@ def document() -> bytes:
             schemas.Completion,
             schemas.ModelList,
             schemas.ErrorResponse,
+            *batch_schemas.SCHEMAS,
         ],
         ref_template=REF,
     )
@@ -88,6 +90,95 @@ def document() -> bytes:
                     "responses": _responses("Model"),
                 }
             },
+            **_files_and_batches(),
         },
     }
     return msgspec.json.encode(doc)
+
+
+def _path_id(name: str) -> dict:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _query(name: str, schema: dict) -> dict:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+def _files_and_batches() -> dict:
+    """OpenAI's Files and Batch APIs (``batches.views``)."""
+    after = _query("after", {"type": "string"})
+    file_id, batch_id = _path_id("file_id"), _path_id("batch_id")
+    upload = {
+        "content": {"multipart/form-data": {"schema": {"$ref": REF.format(name="FileUpload")}}}
+    }
+    jsonl = {"content": {"application/jsonl": {"schema": {"type": "string"}}}}
+    return {
+        "/files": {
+            "post": {
+                "operationId": "createFile",
+                "requestBody": {"required": True, **upload},
+                "responses": _responses("FileObject"),
+            },
+            "get": {
+                "operationId": "listFiles",
+                "parameters": [
+                    _query("purpose", {"type": "string"}),
+                    after,
+                    _query("limit", {"type": "integer", "minimum": 1, "maximum": 10000}),
+                    _query("order", {"type": "string", "enum": ["asc", "desc"]}),
+                ],
+                "responses": _responses("FileList"),
+            },
+        },
+        "/files/{file_id}": {
+            "get": {
+                "operationId": "retrieveFile",
+                "parameters": [file_id],
+                "responses": _responses("FileObject"),
+            },
+            "delete": {
+                "operationId": "deleteFile",
+                "parameters": [file_id],
+                "responses": _responses("FileDeleted"),
+            },
+        },
+        "/files/{file_id}/content": {
+            "get": {
+                "operationId": "downloadFile",
+                "parameters": [file_id],
+                "responses": _responses(jsonl),
+            }
+        },
+        "/batches": {
+            "post": {
+                "operationId": "createBatch",
+                "requestBody": {"required": True, **_body("BatchCreateRequest")},
+                "responses": _responses("BatchObject"),
+            },
+            "get": {
+                "operationId": "listBatches",
+                "parameters": [
+                    after,
+                    _query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                ],
+                "responses": _responses("BatchList"),
+            },
+        },
+        "/batches/{batch_id}": {
+            "get": {
+                "operationId": "retrieveBatch",
+                "parameters": [batch_id],
+                "responses": _responses("BatchObject"),
+            }
+        },
+        "/batches/{batch_id}/cancel": {
+            "post": {
+                "operationId": "cancelBatch",
+                "parameters": [batch_id],
+                "responses": {
+                    **_responses("BatchObject"),
+                    "409": {"description": "the batch has ended", **_body("ErrorResponse")},
+                },
+            }
+        },
+    }
