@@ -19,6 +19,7 @@ LIMIT_FIELDSET = (
             "tokens_per_minute",
             "max_concurrent_requests",
             "monthly_token_budget",
+            "max_queued_batch_tokens",
         )
     },
 )
@@ -41,6 +42,7 @@ class PlanAdmin(admin.ModelAdmin):
         (None, {"fields": ("name", "slug", "allowed_models")}),
         LIMIT_FIELDSET,
         ("Scheduling in the engine", {"fields": ("service_tier", "share")}),
+        ("Batches", {"fields": ("batch_price_factor",)}),
     )
 
 

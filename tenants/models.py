@@ -4,6 +4,8 @@ Models stay thin: writes live in ``tenants.services``, reads in ``tenants.select
 A limit left empty (NULL) means "no limit" everywhere.
 """
 
+from decimal import Decimal
+
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
@@ -42,6 +44,20 @@ class Plan(models.Model):
         help_text="Each tenant's weight under fair scheduling: 2 is served twice as much as 1 "
         "when both wait.",
     )
+    batch_price_factor = models.DecimalField(
+        max_digits=4,
+        decimal_places=2,
+        default=Decimal("0.50"),
+        validators=[MinValueValidator(Decimal("0")), MaxValueValidator(Decimal("1"))],
+        help_text="What a batch token costs against an online one (OpenAI's Batch API: 0.50); "
+        "the console's billed tokens weigh batch usage by it.",
+    )
+    max_queued_batch_tokens = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="The most input tokens the tenant's unfinished batches may hold; a batch "
+        "that would pass it is refused. Empty: no limit.",
+    )
 
     def __str__(self) -> str:
         return self.name
@@ -57,6 +73,7 @@ class Tenant(models.Model):
     tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
     max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
     monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    max_queued_batch_tokens = models.PositiveBigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

@@ -38,6 +38,13 @@ def tenant_limits(*, tenant: Tenant) -> Limits:
     return Limits(**values)
 
 
+def tenant_queued_batch_tokens_limit(*, tenant: Tenant) -> int | None:
+    """The most input tokens the tenant's unfinished batches may hold (None: no limit)."""
+    if tenant.max_queued_batch_tokens is not None:
+        return tenant.max_queued_batch_tokens
+    return tenant.plan.max_queued_batch_tokens
+
+
 def api_key_limits(*, api_key: ApiKey) -> Limits:
     """The key's own limits, enforced in addition to its tenant's."""
     return Limits(**{name: getattr(api_key, name) for name in LIMIT_FIELDS})

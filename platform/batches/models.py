@@ -34,6 +34,8 @@ class File(models.Model):
     filename = models.CharField(max_length=255)
     bytes = models.PositiveBigIntegerField()
     num_lines = models.PositiveIntegerField(default=0)
+    # an input file's likely input tokens (batches.estimate), for the queued batch tokens limit
+    num_input_tokens = models.PositiveBigIntegerField(default=0)
     storage_name = models.CharField(max_length=255)
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -82,6 +84,8 @@ class Batch(models.Model):
     num_total = models.PositiveIntegerField(default=0)
     num_completed = models.PositiveIntegerField(default=0)
     num_failed = models.PositiveIntegerField(default=0)
+    # its input file's, held against the tenant's queued batch tokens until the batch ends
+    num_input_tokens = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField()
     in_progress_at = models.DateTimeField(null=True, blank=True)

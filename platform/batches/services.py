@@ -10,13 +10,15 @@ from datetime import timedelta
 from django.core.files import File as DjangoFile
 from django.core.files.base import ContentFile
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F, Q, Sum
 from django.utils import timezone
 
+from batches.estimate import line_input_tokens
 from batches.jsonl import ENDPOINTS, InputLineError, encode_lines, parse_lines
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage, max_file_bytes
 from tenants.models import ApiKey, Tenant
+from tenants.selectors import tenant_queued_batch_tokens_limit
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -44,6 +46,11 @@ class FileTooLarge(InvalidRequest):
 
 class Conflict(InvalidRequest):
     """The object's state forbids the change (cancelling a finished batch)."""
+
+
+class QueueFull(InvalidRequest):
+    """The tenant's unfinished batches hold too many tokens for another now; it may be
+    created once some have ended."""
 
 
 def file_create(*, tenant: Tenant, upload: DjangoFile, purpose: str) -> File:
@@ -74,6 +81,7 @@ def file_create(*, tenant: Tenant, upload: DjangoFile, purpose: str) -> File:
         filename=(upload.name or "file.jsonl")[:255],
         bytes=upload.size,
         num_lines=len(lines),
+        num_input_tokens=sum(line_input_tokens(line) for line in lines),
     )
     return _file_save(file, upload)
 
@@ -132,6 +140,36 @@ def _check_metadata(metadata: object) -> dict[str, str] | None:
     return metadata
 
 
+def queued_batch_tokens(*, tenant: Tenant) -> int:
+    """The input tokens of the tenant's batches that have not ended."""
+    queued = Batch.objects.filter(tenant=tenant, status__in=ACTIVE_STATUSES).aggregate(
+        tokens=Sum("num_input_tokens")
+    )
+    return queued["tokens"] or 0
+
+
+def _check_queued_tokens(tenant: Tenant, num_tokens: int) -> None:
+    limit = tenant_queued_batch_tokens_limit(tenant=tenant)
+    if limit is None:
+        return
+    if num_tokens > limit:
+        raise InvalidRequest(
+            f"The batch holds about {num_tokens} input tokens; your organization's limit on "
+            f"queued batch tokens is {limit}. Split the input file.",
+            param="input_file_id",
+            code="token_limit_exceeded",
+        )
+    queued = queued_batch_tokens(tenant=tenant)
+    if queued + num_tokens > limit:
+        raise QueueFull(
+            f"Enqueued token limit reached: your unfinished batches hold about {queued} input "
+            f"tokens, and this one about {num_tokens} more; the limit is {limit}. Try again "
+            "once some in-progress batches have ended.",
+            code="token_limit_exceeded",
+        )
+
+
+@transaction.atomic
 def batch_create(
     *,
     tenant: Tenant,
@@ -142,7 +180,9 @@ def batch_create(
     api_key: ApiKey | None = None,
 ) -> Batch:
     """A batch over one of the tenant's input files, left ``validating`` for the worker, which
-    is queued once this commits. Its lines are metered under ``api_key`` (the tenant's)."""
+    is queued once this commits. Its lines are metered under ``api_key`` (the tenant's).
+    Refused when its input tokens would take the tenant's unfinished batches past their limit:
+    ``QueueFull`` for now, ``InvalidRequest`` when the batch alone is over it."""
     if api_key is not None and api_key.tenant_id != tenant.pk:
         raise ValueError("The API key belongs to another tenant.")
     if endpoint not in ENDPOINTS:
@@ -159,6 +199,9 @@ def batch_create(
             param="input_file_id",
             code="invalid_input_file",
         )
+    # one creation at a time per tenant, so that two cannot both pass the queued tokens limit
+    tenant = Tenant.objects.select_for_update().select_related("plan").get(pk=tenant.pk)
+    _check_queued_tokens(tenant, input_file.num_input_tokens)
     now = timezone.now()
     batch = Batch.objects.create(
         tenant=tenant,
@@ -168,6 +211,7 @@ def batch_create(
         completion_window=completion_window,
         metadata=checked_metadata,
         num_total=input_file.num_lines,
+        num_input_tokens=input_file.num_input_tokens,
         created_at=now,
         expires_at=now + COMPLETION_WINDOWS[completion_window],
     )

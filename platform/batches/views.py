@@ -56,6 +56,8 @@ def _api(*methods: str) -> Callable[[View], View]:
                 ).response()
             except services.FileTooLarge as exc:
                 return ApiError(413, exc.message, param=exc.param, code=exc.code).response()
+            except services.QueueFull as exc:
+                return ApiError(429, exc.message, param=exc.param, code=exc.code).response()
             except services.Conflict as exc:
                 return ApiError(409, exc.message, param=exc.param, code=exc.code).response()
             except services.InvalidRequest as exc:
