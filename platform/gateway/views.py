@@ -1,5 +1,6 @@
 """Thin async views: each one hands the request to a service and returns its response."""
 
+import asyncio
 import functools
 import hmac
 
@@ -15,6 +16,8 @@ from gateway.errors import ApiError
 from gateway.handling import serve_generation
 from gateway.schemas import Model, ModelList
 from gateway.validation import plan_chat, plan_completion
+from serving.models import ModelDeployment
+from serving.pool import get_pool
 from serving.selectors import deployments_for_tenant
 from tenants.models import ApiKey
 
@@ -43,16 +46,26 @@ async def completions(request: HttpRequest) -> HttpResponse:
 
 
 @database_worker
-def _models_of(tenant) -> list[Model]:
+def _deployments_of(tenant) -> list[ModelDeployment]:
+    return list(deployments_for_tenant(tenant=tenant))
+
+
+async def _models_of(tenant) -> list[Model]:
+    """The tenant's models that can serve now (a ready replica), each with the context length
+    a request gets: the deployment's own limit, else what its engine serves."""
+    deployments = await _deployments_of(tenant)
+    pool = get_pool()
+    lengths = await asyncio.gather(*(pool.ready_max_model_len(d.endpoints) for d in deployments))
     return [
         Model(
             id=d.name,
             object="model",
             created=int(d.created_at.timestamp()),
             owned_by=d.owned_by,
-            max_model_len=d.max_context,
+            max_model_len=d.max_context or engine_len,
         )
-        for d in deployments_for_tenant(tenant=tenant)
+        for d, engine_len in zip(deployments, lengths, strict=True)
+        if engine_len is not None
     ]
 
 
@@ -92,8 +105,16 @@ async def live(request: HttpRequest) -> HttpResponse:
     return _json({"status": "ok"})
 
 
+def _has_metrics_token(request: HttpRequest) -> bool:
+    token = settings.METRICS_BEARER_TOKEN
+    return bool(token) and hmac.compare_digest(
+        request.headers.get("Authorization", ""), f"Bearer {token}"
+    )
+
+
 async def ready(request: HttpRequest) -> HttpResponse:
-    report = await health.readiness()
+    """Which models are degraded or down is named to the metrics token's bearer only."""
+    report = await health.readiness(names_models=_has_metrics_token(request))
     return _json(report, status=200 if report["status"] == "ok" else 503)
 
 
@@ -101,9 +122,7 @@ async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
     """With ``METRICS_BEARER_TOKEN`` set, only its bearer may scrape. Without one, the
     embedded mode shows everything, and a production server shows no tenant names."""
     token = settings.METRICS_BEARER_TOKEN
-    if token and not hmac.compare_digest(
-        request.headers.get("Authorization", ""), f"Bearer {token}"
-    ):
+    if token and not _has_metrics_token(request):
         return ApiError(401, "Metrics need the metrics bearer token.").response()
     with_tenants = bool(token) or settings.IS_EMBEDDED
     return HttpResponse(

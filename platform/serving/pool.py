@@ -66,6 +66,17 @@ class EnginePool:
         stats = await self._recent_stats(endpoint)
         return stats.max_model_len if stats is not None and stats.max_model_len else None
 
+    async def ready_max_model_len(self, endpoints: list[str]) -> int | None:
+        """The context length the deployment's ready replicas serve (the smallest, should
+        they differ); None when none of them is ready."""
+        all_stats = await asyncio.gather(*(self._recent_stats(ep) for ep in endpoints))
+        lengths = [
+            stats.max_model_len
+            for stats in all_stats
+            if stats is not None and stats.ready and stats.max_model_len
+        ]
+        return min(lengths, default=None)
+
     async def choose(self, endpoints: list[str]) -> str:
         """The least-loaded ready replica; raises ``NoReadyReplica``."""
         if len(endpoints) == 1:

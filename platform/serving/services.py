@@ -18,9 +18,14 @@ def deployment_register(
     max_context: int | None = None,
     is_enabled: bool = True,
 ) -> ModelDeployment:
-    """Create or update the deployment called ``name``."""
+    """Create or update the deployment called ``name``. Its health is unknown until the next
+    poll: what was polled before (say, before ``make run`` restarted its engine) no longer
+    says anything about these endpoints."""
     deployment = ModelDeployment.objects.filter(name=name).first() or ModelDeployment(name=name)
     deployment.endpoints = endpoints
+    deployment.health = ModelDeployment.Health.UNKNOWN
+    deployment.replicas = {}
+    deployment.checked_at = None
     deployment.description = description or deployment.description
     deployment.max_context = max_context
     deployment.is_enabled = is_enabled

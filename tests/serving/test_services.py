@@ -72,3 +72,14 @@ def test_a_deployment_is_disabled_and_enabled_by_id(deployment):
     assert ModelDeployment.objects.get(pk=deployment.pk).is_enabled
     with pytest.raises(ModelDeployment.DoesNotExist):
         services.deployment_set_enabled(deployment_id=None, is_enabled=False)
+
+
+def test_registering_again_forgets_what_was_polled_before(deployment):
+    # make run registers its engine at every start: the last run's "down" must not show
+    ModelDeployment.objects.filter(pk=deployment.pk).update(
+        health=ModelDeployment.Health.DOWN, replicas={"tcp://h:1": {"error": "no answer"}}
+    )
+    services.deployment_register(name="m", endpoints=["tcp://h:1", "tcp://h:2"])
+    deployment.refresh_from_db()
+    assert deployment.health == ModelDeployment.Health.UNKNOWN
+    assert deployment.replicas == {} and deployment.checked_at is None
