@@ -9,7 +9,8 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from config.demo import CREATE_SUPERUSER_HINT, demo_bootstrap
+from config.banner import banner_lines
+from config.demo import DemoCredentials, demo_bootstrap
 from config.placement import Placement, available_cpus, plan_placement
 from config.supervisor import ProcessSpec, Supervisor, python_path_env
 from serving.services import deployment_register
@@ -43,16 +44,10 @@ class Command(BaseCommand):
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
             processes.append(self._engine(env, placement))
-        if not settings.IS_EMBEDDED:
-            self.stdout.write(
-                f"Admin:   {base_url}/admin/  (no demo user: {CREATE_SUPERUSER_HINT})"
-            )
-        elif not options["no_demo"]:
+        credentials = None
+        if settings.IS_EMBEDDED and not options["no_demo"]:
             credentials = demo_bootstrap()
-            self.stdout.write(f"Admin:   {base_url}/admin/")
-            self.stdout.write(f"  login: {credentials.username} / {credentials.password}")
-            self.stdout.write(f"API key: {credentials.api_key}")
-            self.stdout.write(f"API:     {base_url}/v1  (OpenAI-compatible)")
+        self._banner(base_url, credentials)
         self.stdout.flush()
         web = self._web(options["host"], options["port"], env)
         if settings.RUN_WORKER:
@@ -79,6 +74,11 @@ class Command(BaseCommand):
         exit_code = Supervisor(processes, status_file=status_file).run()
         if exit_code:
             raise CommandError(f"The platform stopped (exit code {exit_code}).")
+
+    def _banner(self, base_url: str, credentials: DemoCredentials | None) -> None:
+        """Every address a person opens, and what to sign in with."""
+        for line in banner_lines(base_url, credentials):
+            self.stdout.write(line)
 
     def _web(self, host: str, port: int, env: dict[str, str]) -> list[ProcessSpec]:
         """One Daphne on host:port, or ``WEB_PROCESSES`` of them sharing one listening socket

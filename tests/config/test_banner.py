@@ -1,0 +1,41 @@
+"""`make run`'s banner: every address a person opens, with the login to open them with."""
+
+import io
+
+import pytest
+from django.core.management import call_command
+
+from config.management.commands import runplatform
+
+pytestmark = pytest.mark.django_db
+
+ADDRESSES = ("/chat/", "/console/", "/admin/", "/v1 ", "/v1/openapi.json", "/health/ready")
+
+
+@pytest.fixture
+def embedded(settings, tmp_path):
+    settings.VAR_DIR = tmp_path
+    settings.IS_EMBEDDED = True  # whatever DATABASE_URL this suite runs with
+    settings.RUN_ENGINE = settings.RUN_WORKER = False
+    return settings
+
+
+def _banner(monkeypatch, *args: str) -> str:
+    monkeypatch.setattr(runplatform.Supervisor, "run", lambda self: 0)
+    out = io.StringIO()
+    call_command("runplatform", "--port", "8123", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_the_banner_lists_every_address_and_the_login(embedded, monkeypatch):
+    output = _banner(monkeypatch)
+    for address in ADDRESSES:
+        assert f"http://127.0.0.1:8123{address}" in output, address
+    assert "login: admin / " in output and "API key: sk-" in output
+
+
+def test_without_the_demo_the_banner_still_lists_the_addresses(embedded, monkeypatch):
+    output = _banner(monkeypatch, "--no-demo")
+    for address in ADDRESSES:
+        assert f"http://127.0.0.1:8123{address}" in output, address
+    assert "sk-" not in output and "createsuperuser" in output
