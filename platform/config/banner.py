@@ -19,7 +19,7 @@ def banner_lines(base_url: str, credentials: DemoCredentials | None) -> list[str
     for name, path, what in PAGES:
         lines.append(f"  {name + ':':<{width}} {base_url}{path}  ({what})")
     if credentials is None:
-        lines.append(f"  Sign in: no demo user in production: {CREATE_SUPERUSER_HINT}")
+        lines.append(f"  Sign in with your own user (none yet? {CREATE_SUPERUSER_HINT})")
     else:
         lines.append(f"  login: {credentials.username} / {credentials.password}")
         lines.append(f"API key: {credentials.api_key}")
