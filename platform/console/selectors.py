@@ -64,6 +64,8 @@ def _label(row: UsageRollup, group_by: str, key_names: dict[int, str]) -> str:
         return key_names.get(row.api_key_id, "deleted key")
     if group_by == "tenant":
         return row.tenant.slug
+    if group_by == "source":
+        return row.get_source_display()
     return row.model
 
 

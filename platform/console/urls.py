@@ -1,6 +1,6 @@
-from django.urls import path
+from django.urls import include, path
 
-from console import views
+from console import batches, views
 
 app_name = "console"
 
@@ -12,4 +12,5 @@ urlpatterns = [
     path("t/<slug:slug>/usage.csv", views.usage_csv, name="usage-csv"),
     path("t/<slug:slug>/keys/", views.keys, name="keys"),
     path("t/<slug:slug>/members/", views.members, name="members"),
+    path("t/<slug:slug>/batches/", include(batches.urlpatterns)),
 ]

@@ -17,7 +17,7 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from console import charts, forms, permissions, selectors
+from console import batches_selectors, charts, forms, permissions, selectors
 from serving import services as serving_services
 from serving.models import ModelDeployment
 from tenants import services
@@ -73,7 +73,7 @@ def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     status = _refuse_range(request, range_form) if range_form.errors else 200
     date_range = range_form.date_range()
     group_by = request.GET.get("group", "model")
-    if group_by not in ("model", "key"):
+    if group_by not in ("model", "key", "source"):
         group_by = "model"
     summary = selectors.usage_summary(date_range=date_range, tenant=tenant, group_by=group_by)
     return render(
@@ -88,6 +88,7 @@ def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             tokens_chart=charts.stacked_bars(summary.days, summary.tokens_by, "tokens"),
             requests_chart=charts.stacked_bars(summary.days, summary.requests_by, "requests"),
             quota_rows=selectors.quota_rows(tenant=tenant),
+            batch_usage=batches_selectors.batch_usage(date_range=date_range, tenant=tenant),
         ),
         status=status,
     )
@@ -204,6 +205,7 @@ def platform(request: HttpRequest) -> HttpResponse:
             summary=summary,
             tokens_chart=charts.stacked_bars(summary.days, summary.tokens_by, "tokens"),
             top_tenants=selectors.top_tenants(date_range=date_range),
+            batch_usage=batches_selectors.batch_usage(date_range=date_range),
             model_load=selectors.model_load(date_range=date_range),
             fairness=selectors.fairness_rows(date_range=date_range),
             deployments=deployments,

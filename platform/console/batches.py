@@ -1,0 +1,78 @@
+"""The console's Batches page: a tenant's batches with their progress and counts, their
+output and error files to download, and cancel after a confirmation. Thin views over
+``console.batches_selectors`` and ``batches.services``; who may see a tenant is the rest of
+the console's rule (``console.views.tenant_page``)."""
+
+from django.contrib import messages
+from django.http import FileResponse, Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.urls import path
+
+from batches import selectors, services
+from batches.models import Batch, File
+from batches.storage import file_storage
+from console import batches_selectors
+from console.views import _context, tenant_page
+from tenants.models import Tenant
+
+REFRESH_SECONDS = 5  # while a batch runs, its page follows it
+
+
+@tenant_page
+def batches(request: HttpRequest, tenant: Tenant) -> HttpResponse:
+    rows = batches_selectors.tenant_batches(tenant=tenant)
+    return render(
+        request,
+        "console/batches.html",
+        _context(
+            request,
+            tenant,
+            rows=rows,
+            refresh_seconds=REFRESH_SECONDS if any(row.is_active for row in rows) else None,
+        ),
+    )
+
+
+def _batch(tenant: Tenant, batch_id: str) -> Batch:
+    try:
+        return selectors.batch_get(tenant_id=tenant.pk, batch_id=batch_id)
+    except Batch.DoesNotExist:
+        raise Http404("No such batch") from None
+
+
+@tenant_page
+def batch_cancel(request: HttpRequest, tenant: Tenant, batch_id: str) -> HttpResponse:
+    """GET asks to confirm; POST cancels: lines not yet started are not run."""
+    batch = _batch(tenant, batch_id)
+    if request.method != "POST":
+        return render(
+            request, "console/batches_cancel.html", _context(request, tenant, batch=batch)
+        )
+    try:
+        services.batch_cancel(batch=batch)
+    except services.Conflict as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, f"Cancelling {batch.id}: lines already running finish.")
+    return redirect("console:batches", slug=tenant.slug)
+
+
+@tenant_page
+def batch_file(request: HttpRequest, tenant: Tenant, file_id: str) -> FileResponse:
+    try:
+        file = selectors.file_get(tenant_id=tenant.pk, file_id=file_id)
+    except File.DoesNotExist:
+        raise Http404("No such file") from None
+    return FileResponse(
+        file_storage().open(file.storage_name, "rb"),
+        as_attachment=True,
+        filename=file.filename,
+        content_type="application/jsonl",
+    )
+
+
+urlpatterns = [
+    path("", batches, name="batches"),
+    path("<str:batch_id>/cancel/", batch_cancel, name="batch-cancel"),
+    path("files/<str:file_id>/", batch_file, name="batch-file"),
+]

@@ -1,0 +1,201 @@
+"""The console's Batches page (status, progress, counts, result files, cancel after a
+confirmation) and batch usage in the dashboards, weighed by the plan's batch price factor."""
+
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.urls import reverse
+
+from batches import services as batch_services
+from batches.models import Batch
+from console import batches_selectors, selectors
+from tenants import rollups, services
+from tenants.models import Plan, UsageRecord
+from tests.batches.conftest import jsonl, request_line
+from tests.console.test_console import people  # noqa: F401 - fixture
+from tests.usage_records import usage_record_add
+
+pytestmark = pytest.mark.django_db
+
+
+def _batch(tenant, num_lines: int = 4) -> Batch:
+    file = batch_services.file_create(
+        tenant=tenant,
+        upload=SimpleUploadedFile(
+            "in.jsonl", jsonl([request_line(f"r{n}") for n in range(num_lines)])
+        ),
+        purpose="batch",
+    )
+    return batch_services.batch_create(
+        tenant=tenant,
+        input_file_id=file.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
+
+
+def _finished(tenant) -> Batch:
+    """A batch whose one line completed and one failed, with its output and error files."""
+    batch = batch_services.batch_validate(batch=_batch(tenant, num_lines=2))
+    first, second = batch.requests.order_by("line_number")
+    for request, status in ((first, 200), (second, 400)):
+        batch_services.batch_request_claim(request=request, request_id=f"id-{request.pk}")
+        batch_services.batch_request_finish(
+            request=request, response={"status_code": status, "request_id": "x", "body": {}}
+        )
+    assert batch_services.batch_claim(batch_id=batch.id, runner="r", lease_seconds=60)
+    return batch_services.batch_finish(batch=batch, runner="r")
+
+
+@pytest.fixture
+def file_storage_dir(settings, tmp_path):
+    settings.VAR_DIR = tmp_path
+
+
+@pytest.fixture
+def manager(client, people):  # noqa: F811
+    """A client logged in as one of the tenant's admins."""
+    client.force_login(people["admin_a"])
+    return client
+
+
+def test_the_page_shows_each_batch_with_progress_counts_and_files(
+    manager, tenant, other_tenant, file_storage_dir
+):
+    running = batch_services.batch_validate(batch=_batch(tenant))
+    Batch.objects.filter(pk=running.pk).update(num_completed=2, num_failed=1)
+    done = _finished(tenant)
+    theirs = _batch(other_tenant)
+
+    response = manager.get(reverse("console:batches", args=[tenant.slug]))
+
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert running.id in page and done.id in page and theirs.id not in page
+    assert 'aria-valuenow="75"' in page and "3 / 4" in page and "2 completed · 1 failed" in page
+    assert "job=nightly" in page
+    assert reverse("console:batch-cancel", args=[tenant.slug, running.id]) in page
+    assert reverse("console:batch-cancel", args=[tenant.slug, done.id]) not in page
+    for file_id in (done.output_file_id, done.error_file_id):
+        assert reverse("console:batch-file", args=[tenant.slug, file_id]) in page
+    assert response.context["refresh_seconds"]  # it follows the running batch
+
+
+def test_a_result_file_downloads_for_its_tenant_only(
+    manager, tenant, other_tenant, file_storage_dir
+):
+    done = _finished(tenant)
+    theirs = _finished(other_tenant)
+
+    response = manager.get(reverse("console:batch-file", args=[tenant.slug, done.output_file_id]))
+
+    assert response.status_code == 200
+    assert f'filename="{done.id}_output.jsonl"' in response["Content-Disposition"]
+    [line] = b"".join(response.streaming_content).splitlines()
+    assert b'"custom_id":"r0"' in line
+    for slug, file_id in (
+        (tenant.slug, theirs.output_file_id),
+        (other_tenant.slug, theirs.output_file_id),
+    ):
+        assert manager.get(reverse("console:batch-file", args=[slug, file_id])).status_code == 404
+
+
+def test_cancel_asks_first_then_cancels(manager, tenant, file_storage_dir):
+    batch = _batch(tenant)
+    url = reverse("console:batch-cancel", args=[tenant.slug, batch.id])
+
+    asked = manager.get(url)
+    assert asked.status_code == 200 and b"Cancel the batch" in asked.content
+    assert Batch.objects.get(pk=batch.pk).status == Batch.Status.VALIDATING
+
+    answered = manager.post(url, follow=True)
+    assert Batch.objects.get(pk=batch.pk).status == Batch.Status.CANCELLING
+    assert f"Cancelling {batch.id}" in answered.content.decode()
+
+    again = manager.post(url, follow=True)  # cancelling already: nothing changes
+    assert again.status_code == 200
+
+
+def test_an_ended_batch_cannot_be_cancelled(manager, tenant, file_storage_dir):
+    done = _finished(tenant)
+
+    answered = manager.post(
+        reverse("console:batch-cancel", args=[tenant.slug, done.id]), follow=True
+    )
+
+    assert "Cannot cancel a batch with status" in answered.content.decode()
+    assert Batch.objects.get(pk=done.pk).status == Batch.Status.COMPLETED
+
+
+def test_another_tenants_batch_is_a_404(client, people, tenant, other_tenant, file_storage_dir):  # noqa: F811
+    theirs = _batch(other_tenant)
+    client.force_login(people["admin_a"])
+
+    assert (
+        client.post(reverse("console:batch-cancel", args=[tenant.slug, theirs.id])).status_code
+        == 404
+    )
+    assert client.get(reverse("console:batches", args=[other_tenant.slug])).status_code == 404
+    client.force_login(people["member"])
+    assert client.get(reverse("console:batches", args=[tenant.slug])).status_code == 404
+    assert Batch.objects.get(pk=theirs.pk).status == Batch.Status.VALIDATING
+
+
+def _usage(tenant, source: str, tokens: int, n: int) -> None:
+    api_key, _ = services.api_key_create(tenant=tenant, name=f"{source}-{n}")
+    now = datetime.now(UTC)
+    usage_record_add(
+        request_id=f"{tenant.slug}-{source}-{n}",
+        tenant=tenant,
+        api_key=api_key,
+        model="m",
+        source=source,
+        status="ok",
+        started_at=now,
+        finished_at=now,
+        prompt_tokens=tokens // 2,
+        completion_tokens=tokens - tokens // 2,
+    )
+
+
+def test_batch_usage_is_billed_at_the_plans_factor(tenant, other_tenant):
+    tenant.plan.batch_price_factor = Decimal("0.50")
+    tenant.plan.save()
+    other_plan = Plan.objects.create(slug="full", name="Full", batch_price_factor=Decimal("1"))
+    other_tenant.plan = other_plan
+    other_tenant.save()
+    _usage(tenant, UsageRecord.Source.BATCH, 1000, 1)
+    _usage(tenant, UsageRecord.Source.BATCH, 500, 2)
+    _usage(tenant, UsageRecord.Source.API, 300, 3)
+    _usage(tenant, UsageRecord.Source.CHAT, 100, 4)
+    _usage(other_tenant, UsageRecord.Source.BATCH, 200, 5)
+    rollups.rollup_pending()
+    today = datetime.now(UTC).date()
+    date_range = selectors.DateRange(today, today)
+
+    mine = batches_selectors.batch_usage(date_range=date_range, tenant=tenant)
+    everyone = batches_selectors.batch_usage(date_range=date_range)
+
+    assert (mine.batch_requests, mine.batch_tokens, mine.other_tokens) == (2, 1500, 400)
+    assert mine.billed_tokens == 400 + 750 and mine.price_factor == Decimal("0.50")
+    assert everyone.batch_tokens == 1700 and everyone.billed_tokens == 400 + 750 + 200
+
+
+def test_the_dashboards_show_batch_usage_and_group_by_source(client, people, tenant):  # noqa: F811
+    _usage(tenant, UsageRecord.Source.BATCH, 1000, 1)
+    _usage(tenant, UsageRecord.Source.API, 300, 2)
+    rollups.rollup_pending()
+    client.force_login(people["admin_a"])
+
+    dashboard = client.get(reverse("console:dashboard", args=[tenant.slug]), {"group": "source"})
+
+    assert dashboard.status_code == 200
+    assert dashboard.context["batch_usage"].billed_tokens == 300 + 500
+    assert set(dashboard.context["summary"].tokens_by) == {"Batch", "API"}
+    assert "batch at 50%" in dashboard.content.decode()
+    client.force_login(people["staff"])
+    platform = client.get(reverse("console:platform"))
+    assert platform.context["batch_usage"].batch_tokens == 1000
