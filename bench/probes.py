@@ -287,16 +287,20 @@ def hostile_bodies(document: dict, model: str) -> list[Probe]:
                         category="invalid_utf8",
                     )
                 )
-            # valid JSON, but no Unicode string: served or refused, never a 500
-            probes.append(
-                Probe(
-                    f"{name}: lone surrogate escape",
-                    path,
-                    _encode(_with_text(base, name, RAW), b'"a\\ud800b"'),
-                    must_refuse=False,
-                    category="lone_surrogate",
+            # valid JSON, but no Unicode string: a 400 naming the field
+            for label, raw in (
+                ("high", b'"a\\ud800b"'),
+                ("low", b'"\\udfff"'),
+                ("reversed pair", b'"\\ude00\\ud83d"'),
+            ):
+                probes.append(
+                    Probe(
+                        f"{name}: lone surrogate escape, {label}",
+                        path,
+                        _encode(_with_text(base, name, RAW), raw),
+                        category="lone_surrogate",
+                    )
                 )
-            )
         depth = 100_000
         for label, raw in (
             ("array", b"[" * depth + b"]" * depth),
@@ -325,21 +329,18 @@ def hostile_bodies(document: dict, model: str) -> list[Probe]:
             "multipart/form-data; boundary=x",
             "application/xml",
             "application/json-patch+json",
-            "application/json; charset=utf-16",
             "\u00e9/\u00e9",
         ):
-            body = _encode(base)
-            if content_type.endswith("utf-16"):
-                body = json.dumps(base).encode("utf-16")
             probes.append(
                 Probe(
                     f"content type {content_type!r}",
                     path,
-                    body,
+                    _encode(base),
                     content_type=content_type,
                     category="content_type",
                 )
             )
+        probes += _charset_probes(path, base)
         probes.append(
             Probe(
                 "no content type, not JSON",
@@ -350,6 +351,38 @@ def hostile_bodies(document: dict, model: str) -> list[Probe]:
             )
         )
     return probes
+
+
+def _charset_probes(path: str, base: dict) -> list[Probe]:
+    """Bodies in odd charsets: a known charset is decoded (served or refused for what the
+    body says), an unknown one or a bytes codec is a 415, undecodable bytes a 400."""
+    text = _with_text(base, "user", "caf\u00e9 \u00bd")
+    served = [
+        ("latin-1", json.dumps(text, ensure_ascii=False).encode("latin-1")),
+        ("ISO-8859-1", json.dumps(text, ensure_ascii=False).encode("latin-1")),
+        ("cp1252", json.dumps(text, ensure_ascii=False).encode("cp1252")),
+        ("utf-16", json.dumps(text, ensure_ascii=False).encode("utf-16")),
+        ("utf-8", json.dumps(text, ensure_ascii=False).encode()),
+    ]
+    refused = [
+        ("nope", _encode(base)),
+        ("base64", _encode(base)),
+        ("zlib", _encode(base)),
+        ("utf-16", _encode(base) + b" "),  # an odd number of bytes
+        ("utf-8", json.dumps(text, ensure_ascii=False).encode("latin-1")),
+    ]
+    return [
+        Probe(
+            f"charset={charset} ({'served' if is_served else 'refused'})",
+            path,
+            body,
+            content_type=f"application/json; charset={charset}",
+            must_refuse=not is_served,
+            category="charset",
+        )
+        for is_served, cases in ((True, served), (False, refused))
+        for charset, body in cases
+    ]
 
 
 def _with_text(base: dict, name: str, value: str) -> dict:
@@ -432,12 +465,18 @@ def odd_requests(model: str) -> list[Probe]:
     for label, value in (
         ("bytes ff", b"Bearer sk-\xff\xfe"),
         ("10k chars", ("Bearer sk-" + "a" * 10_000).encode()),
+        ("100 KB", ("Bearer sk-" + "a" * 100_000).encode()),
+        ("1 MB", ("Bearer sk-" + "a" * 1_000_000).encode()),
         ("no scheme", b"sk-abc"),
         ("basic", b"Basic " + base64.b64encode(b"a:b")),
     ):
         probes.append(
             Probe(f"Authorization {label}", CHAT_PATH, body, headers={"Authorization": value})
         )
+    many = {f"X-Pad-{i}": "p" * 1000 for i in range(40)}
+    probes.append(Probe("40 headers of 1 KB", CHAT_PATH, body, headers=many))
+    probes.append(Probe("a 50 KB cookie", CHAT_PATH, body, headers={"Cookie": "c=" + "x" * 50_000}))
+    probes.append(Probe("request line of 20 KB", f"/v1/models/{'m' * 20_000}", b"", method="GET"))
     return probes
 
 

@@ -30,7 +30,8 @@ Server → client frames:
   "finish_reason": "stop" | "length" | "abort" | "", "usage": {"prompt_tokens",
   "completion_tokens", "cached_tokens"}}``: the reply ended and is saved.
 - ``{"type": "error", "code": str, "message": str, "retry_after"?: int, "message_id"?: int}``:
-  a frame was refused (``invalid_frame``, ``unknown_type``, ``invalid_request``, ``busy``;
+  a frame was refused (``invalid_frame``, ``unknown_type``, ``invalid_request`` (also for
+  text with a lone surrogate, ``"\\ud800"``, in any field), ``busy``;
   ``unauthenticated`` when the user was signed out since connecting (logged out, deactivated,
   password changed), and the socket closes with 4401; ``forbidden`` when access to the
   conversation was lost, and it closes with 4403; a reply being generated then stops), or
@@ -64,6 +65,7 @@ from chat.models import Conversation, Message
 from chat.payloads import message_payload, settings_payload
 from chat.replies import ChatError, ReplyOutcome, generate_reply
 from chat.selectors import SESSION_TENANT_KEY
+from config.json_text import describe_lone_surrogate, lone_surrogate_path
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +133,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if len(text_data) > MAX_FRAME_CHARS:
             await self._error("invalid_frame", f"A frame may be at most {MAX_FRAME_CHARS} chars.")
             return
+        if (path := lone_surrogate_path(text_data)) is not None:
+            # valid JSON, but no text any database or tokenizer takes: refused, whatever field
+            await self._error("invalid_request", describe_lone_surrogate(path))
+            return
         try:
-            # msgspec, not json: it refuses lone surrogates ("\ud800"), which no database
-            # can store, and nesting past its depth limit
+            # msgspec, not json: it refuses nesting past its depth limit (and lone surrogates)
             frame = msgspec.json.decode(text_data)
         except (msgspec.DecodeError, RecursionError):
             await self._error("invalid_frame", "A frame must be a JSON object.")

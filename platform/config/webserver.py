@@ -23,6 +23,12 @@ it, or a chunked body that grows past it, is read to its end and thrown away, ne
 and answered with a 413 in OpenAI's error format. The one exception is an upload to
 ``POST /v1/files``, whose limit is the files' own (``batches.storage.max_file_bytes``, 100 MB
 by default) plus room for the multipart framing; the view checks the file itself.
+
+Twisted's channel takes a request line or header line of at most 16 KiB, and 16 KiB of head
+in all. Past either it drops the connection without a word (a line too long) or writes a bare
+400 and closes while the client is still sending, so the client reads a reset instead.
+``HeadLimitedChannel`` answers both as HTTP servers do, 414 for a request line and 431 for
+headers, in OpenAI's error format, and half-closes: the client reads the answer to its end.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import sys
 
 from daphne import http_protocol
 from daphne.cli import CommandLineInterface
+from twisted.web import http
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -100,16 +107,9 @@ class RawBodyRequest(http_protocol.WebRequest):
         if not self.is_too_large:
             super().process()
             return
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"The request body exceeds {self.body_limit} bytes.",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "request_too_large",
-                }
-            }
-        ).encode()
+        body = _error_body(
+            f"The request body exceeds {self.body_limit} bytes.", "request_too_large"
+        )
         self.handle_reply(
             {
                 "type": "http.response.start",
@@ -126,10 +126,58 @@ class RawBodyRequest(http_protocol.WebRequest):
         self.content = io.BytesIO()
 
 
+def _error_body(message: str, code: str) -> bytes:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
+# how long a connection refused for its head may take to read the answer and close
+REFUSED_HEAD_LINGER_SECONDS = 5
+
+
+class HeadLimitedChannel(http.HTTPChannel):
+    """Twisted's HTTP channel, answering a request line or head past its limits (see the
+    module docstring) with 414 or 431 instead of a dropped connection."""
+
+    def lineLengthExceeded(self, line: bytes) -> None:  # noqa: N802 - Twisted's name
+        if self._receivedHeaderSize == 0:  # nothing of this request counted yet: its first line
+            self._refuse_head(414, "URI Too Long", "The request line is too long.")
+        else:
+            self._refuse_head(431, "Request Header Fields Too Large", "A header is too long.")
+
+    def lineReceived(self, line: bytes) -> None:  # noqa: N802 - Twisted's name
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            message = f"The request's headers exceed {self.totalHeadersSize} bytes."
+            self._refuse_head(431, "Request Header Fields Too Large", message)
+            return
+        super().lineReceived(line)
+
+    def _refuse_head(self, status: int, reason: str, message: str) -> None:
+        code = "request_header_fields_too_large" if status == 431 else "request_uri_too_long"
+        body = _error_body(message, code)
+        head = (
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        # Read on and drop what the client still sends: closing with unread bytes would
+        # reset the connection, and the client would lose the answer.
+        self.dataReceived = self.lineReceived = lambda data: None
+        self.transport.write(head + body)
+        # a transport that cannot half-close (none of Daphne's, today) closes
+        getattr(self.transport, "loseWriteConnection", self.transport.loseConnection)()
+        self.setTimeout(REFUSED_HEAD_LINGER_SECONDS)
+
+
+def _head_limited_channel(factory: http.HTTPFactory) -> http._GenericHTTPChannelProtocol:
+    return http._GenericHTTPChannelProtocol(HeadLimitedChannel())
+
+
 def use_raw_body_requests() -> None:
-    """Make every connection Daphne accepts from now on build ``RawBodyRequest``s (its
-    ``HTTPFactory`` reads the module's ``WebRequest`` for each new connection)."""
+    """Make every connection Daphne accepts from now on a ``HeadLimitedChannel`` that builds
+    ``RawBodyRequest``s (its ``HTTPFactory`` reads the module's ``WebRequest`` for each new
+    connection)."""
     http_protocol.WebRequest = RawBodyRequest
+    http_protocol.HTTPFactory.protocol = _head_limited_channel
 
 
 def main(argv: list[str] | None = None) -> None:

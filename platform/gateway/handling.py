@@ -8,12 +8,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
-from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 
 from gateway import authorization, metrics
 from gateway.auth import aapi_key_for, bearer_key
+from gateway.bodies import json_body
 from gateway.errors import ApiError, from_run_error
 from gateway.ratelimits import ratelimit_headers
 from gateway.responses import Responder
@@ -29,27 +28,6 @@ def new_response_id(kind: str) -> str:
     return RESPONSE_ID_PREFIX[kind] + uuid.uuid4().hex
 
 
-def read_body(request: HttpRequest) -> bytes:
-    limit = settings.GATEWAY_MAX_BODY_BYTES
-    length = request.headers.get("Content-Length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
-    content_type = request.content_type or ""
-    if content_type and content_type != "application/json":
-        raise ApiError(
-            415, "Send the request body as application/json.", code="unsupported_media_type"
-        )
-    try:
-        body = request.body
-    except RequestDataTooBig as exc:
-        raise ApiError(
-            413, f"The request body exceeds {limit} bytes.", code="request_too_large"
-        ) from exc
-    if len(body) > limit:
-        raise ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
-    return body
-
-
 async def serve_generation(
     request: HttpRequest, kind: str, plan_of: Callable[[bytes], GenerationPlan]
 ) -> HttpResponse:
@@ -57,7 +35,7 @@ async def serve_generation(
     try:
         raw_key = bearer_key(request)
         try:
-            plan = plan_of(read_body(request))
+            plan = plan_of(json_body(request))
         except ApiError:
             await aapi_key_for(raw_key)  # a wrong key is a 401 whatever the body
             raise

@@ -372,6 +372,33 @@ async def test_malformed_frames_get_an_error_and_the_socket_stays_usable(
     assert await _messages(chat_world["conversation"]) == []
 
 
+@pytest.mark.parametrize(
+    ("frame", "field"),
+    [
+        ('{"type": "send", "content": "hi \\ud800"}', "content"),
+        ('{"type": "settings", "system_prompt": "be \\udfff nice"}', "system_prompt"),
+        ('{"type": "settings", "model": "\\ud800"}', "model"),
+        ('{"type": "edit", "message_id": 1, "content": "x\\udc00"}', "content"),
+        ('{"type": "send", "content": "ok", "\\ud800": 1}', "\\ud800"),
+    ],
+)
+async def test_a_lone_surrogate_in_any_field_is_refused_naming_it(
+    chat_world, async_db, frame, field
+):
+    """Valid JSON that holds no Unicode text: an error frame naming the field (it crashed the
+    socket with 1011 once, saving it), and the socket stays open."""
+    connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
+    await chat.send_raw(frame)
+    error = await chat.receive()
+    assert error["type"] == "error" and error["code"] == "invalid_request", error
+    assert f"'{field}'" in error["message"] and "surrogate" in error["message"]
+    await chat.send(type="settings", system_prompt="Still here \ud83d\ude00.")
+    settings = await chat.receive()
+    await chat.close()
+    assert settings["settings"]["system_prompt"] == "Still here \ud83d\ude00."
+    assert await _messages(chat_world["conversation"]) == []
+
+
 async def test_a_binary_frame_gets_an_error(chat_world, async_db):
     connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
     await chat.communicator.send_to(bytes_data=b"\x00\x01")

@@ -1,10 +1,13 @@
-"""The web server's request: a body past the limit is never stored."""
+"""The web server's request: a body past the limit is never stored; a head past the limits
+is answered 414 or 431 (Twisted's own channel dropped the connection)."""
 
+import json
 from types import SimpleNamespace
 
+from twisted.internet.testing import StringTransport
 from twisted.web.test.requesthelper import DummyChannel
 
-from config.webserver import RawBodyRequest
+from config.webserver import HeadLimitedChannel, RawBodyRequest, use_raw_body_requests
 
 
 def _request(limit: int) -> RawBodyRequest:
@@ -38,3 +41,60 @@ def test_a_body_within_the_limit_is_kept_whole():
     request.gotLength(1000)
     request.handleContentChunk(b"x" * 1000)
     assert not request.is_too_large and request.content.tell() == 1000
+
+
+class _HalfClosingTransport(StringTransport):
+    is_write_closed = False
+
+    def loseWriteConnection(self) -> None:  # noqa: N802 - Twisted's name
+        self.is_write_closed = True
+
+
+def _channel_fed(*pieces: bytes) -> tuple[HeadLimitedChannel, _HalfClosingTransport]:
+    channel, transport = HeadLimitedChannel(), _HalfClosingTransport()
+    channel.makeConnection(transport)
+    for piece in pieces:
+        channel.dataReceived(piece)
+    return channel, transport
+
+
+def _answer(transport: StringTransport) -> tuple[bytes, dict]:
+    head, _, body = transport.value().partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], json.loads(body)["error"]
+
+
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+
+
+def test_a_100_kb_header_is_a_431_and_what_follows_is_read_and_dropped():
+    huge = b"Authorization: Bearer " + b"a" * 100_000 + b"\r\n"
+    channel, transport = _channel_fed(HEAD, huge[:50_000], huge[50_000:], b"\r\n{}")
+    status, error = _answer(transport)
+    assert status == b"HTTP/1.1 431 Request Header Fields Too Large"
+    assert error["code"] == "request_header_fields_too_large" and error["type"]
+    # half-closed, not closed: the client reads the answer, then closes
+    assert transport.is_write_closed and not transport.disconnecting
+    assert not channel.requests or not channel.requests[0].finished
+    channel.dataReceived(b"more of the same" * 1000)
+    assert transport.value().count(b"HTTP/1.1") == 1
+
+
+def test_many_headers_past_the_heads_limit_are_a_431_not_a_bare_400():
+    headers = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(40))
+    _, transport = _channel_fed(HEAD + headers + b"\r\n")
+    status, error = _answer(transport)
+    assert status.startswith(b"HTTP/1.1 431 ") and "exceed" in error["message"]
+
+
+def test_a_request_line_past_the_limit_is_a_414():
+    _, transport = _channel_fed(b"GET /v1/models/" + b"m" * 20_000 + b" HTTP/1.1\r\n")
+    status, error = _answer(transport)
+    assert status == b"HTTP/1.1 414 URI Too Long" and error["code"] == "request_uri_too_long"
+
+
+def test_the_web_server_builds_head_limited_channels():
+    from daphne import http_protocol
+
+    use_raw_body_requests()
+    factory = http_protocol.HTTPFactory(server=None)
+    assert isinstance(factory.buildProtocol(None)._channel, HeadLimitedChannel)

@@ -2,9 +2,13 @@
 error format, the key checked before the body, hopeless requests a 400 (never a 429 to
 retry), and the server serving on afterwards."""
 
+import asyncio
+import json
+
 import httpx
 import pytest
 
+from bench import probes
 from tenants.models import UsageRecord
 from tests.gateway.conftest import MAX_MODEL_LEN, MODEL_NAME
 
@@ -142,3 +146,77 @@ def test_one_tenant_cannot_probe_anothers_prompts_through_the_prefix_cache(platf
     body["prompt"] = prompt + " shared"
     cached(other_key)
     assert cached(platform.key) > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages[0].content"),
+        (CHAT, {"stop": ["ok", "\udfff"]}, "stop[1]"),
+        (CHAT, {"user": "a\ud800"}, "user"),
+        (COMPLETIONS, {"prompt": "x \udc00 y"}, "prompt"),
+    ],
+)
+def test_a_lone_surrogate_in_any_text_is_a_400_naming_the_field(platform, path, fields, param):
+    body = {"model": MODEL_NAME, **({"messages": MESSAGES} if path == CHAT else {}), **fields}
+    raw = json.dumps(body).encode()  # json escapes a lone surrogate as \ud800: valid JSON
+    error = _error(_post(platform, path, raw), 400)
+    assert error["param"] == param and "surrogate" in error["message"]
+    assert not UsageRecord.objects.exists()
+    _serves(platform)
+
+
+def test_a_body_is_read_in_its_declared_charset(platform):
+    """latin-1, cp1252 and utf-16 bodies are decoded by their charset (a latin-1 body was a
+    500 once); a charset that is none is a 415, bytes it cannot decode a 400."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "caf\u00e9"}]}
+    text = json.dumps({**body, "max_tokens": 2}, ensure_ascii=False)
+    for charset in ("latin-1", "cp1252", "utf-16"):
+        response = _post(
+            platform,
+            CHAT,
+            text.encode(charset),
+            **{"Content-Type": f"application/json; charset={charset}"},
+        )
+        assert response.status_code == 200, (charset, response.text)
+    utf8_tokens = _post(platform, CHAT, text.encode()).json()["usage"]["prompt_tokens"]
+    assert response.json()["usage"]["prompt_tokens"] == utf8_tokens  # the same text
+    for charset, status in (("klingon", 415), ("zlib", 415)):
+        response = _post(
+            platform,
+            CHAT,
+            text.encode(),
+            **{"Content-Type": f"application/json; charset={charset}"},
+        )
+        assert _error(response, status)["code"] == "unsupported_media_type"
+    declared_utf8 = _post(platform, CHAT, text.encode("latin-1"))
+    assert "UTF-8" in _error(declared_utf8, 400)["message"]
+
+
+def test_a_body_without_a_content_type_is_read_as_json(platform):
+    """As OpenAI's API and vLLM's server do (documented in the README)."""
+    body = json.dumps({"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}).encode()
+    with httpx.Client(base_url=platform.base, timeout=60) as http:
+        request = http.build_request(
+            "POST", CHAT, content=body, headers={"Authorization": f"Bearer {platform.key}"}
+        )
+        assert "content-type" not in request.headers
+        response = http.send(request)
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({"Authorization": "Bearer sk-" + "a" * 100_000}, 431),
+        ({"Authorization": "Bearer sk-" + "a" * 1_000_000}, 431),
+        ({f"X-Pad-{i}": "p" * 1000 for i in range(40)}, 431),
+    ],
+)
+def test_an_oversized_head_is_a_431_not_a_dropped_connection(platform, headers, status):
+    body = json.dumps({"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}).encode()
+    answer = asyncio.run(probes.post_json(platform.base, CHAT, platform.key, body, headers=headers))
+    assert not answer.dropped, answer.dropped
+    assert answer.status == status and answer.is_openai_error, answer.body[:200]
+    _serves(platform)

@@ -1,0 +1,83 @@
+"""An API request's JSON body, as UTF-8 bytes for the decoder, or an ``ApiError``.
+
+- Size: past ``GATEWAY_MAX_BODY_BYTES`` a 413 (the web server drops such a body as it
+  arrives; this is the check for anything that reaches Django another way).
+- ``Content-Type``: ``application/json``, or none at all. A request without one is read as
+  JSON, as OpenAI's API and vLLM's server read it (curl's ``-d`` sends
+  ``application/x-www-form-urlencoded``, which is refused, but many HTTP clients send no type
+  with a raw body). Any other type is a 415.
+- ``charset``: the body is decoded by the declared one (``utf-8`` when none is declared, as
+  JSON's RFC 8259 has it; ``latin-1``, ``utf-16``, any codec Python knows), then re-encoded as
+  UTF-8. A charset Python does not know is a 415; bytes the charset cannot decode are a 400.
+- Text: a lone surrogate escaped in any string or key (``"\\ud800"``) is a 400 naming the
+  field (``config.json_text``).
+"""
+
+import codecs
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest
+
+from config.json_text import describe_lone_surrogate, lone_surrogate_path
+from gateway.errors import ApiError, invalid
+
+JSON_CONTENT_TYPE = "application/json"
+UTF8 = codecs.lookup("utf-8").name
+
+
+def json_body(request: HttpRequest) -> bytes:
+    """The request's JSON body as UTF-8 bytes (see the module docstring)."""
+    raw = _read(request)
+    charset = request.content_params.get("charset") if request.content_type else None
+    body = raw if charset is None else _transcode(raw, charset)
+    if (path := lone_surrogate_path(body)) is not None:
+        raise invalid(describe_lone_surrogate(path), param=path)
+    return body
+
+
+def _read(request: HttpRequest) -> bytes:
+    limit = settings.GATEWAY_MAX_BODY_BYTES
+    too_large = ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+    length = request.headers.get("Content-Length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    if request.content_type and request.content_type != JSON_CONTENT_TYPE:
+        raise ApiError(
+            415, "Send the request body as application/json.", code="unsupported_media_type"
+        )
+    try:
+        body = request.body
+    except RequestDataTooBig as exc:
+        raise too_large from exc
+    if len(body) > limit:
+        raise too_large
+    return body
+
+
+def _transcode(raw: bytes, charset: str) -> bytes:
+    try:
+        codec = codecs.lookup(charset)
+    except LookupError:
+        codec = None
+    # bytes-to-bytes codecs (base64, zlib: a decompression bomb) are no charsets
+    if codec is None or not getattr(codec, "_is_text_encoding", True):
+        raise ApiError(
+            415,
+            f"Unsupported charset {charset[:40]!r}: send the body as UTF-8 (or name a charset "
+            "such as latin-1 or utf-16).",
+            code="unsupported_media_type",
+        )
+    if codec.name == UTF8:
+        return raw
+    try:
+        text = codec.decode(raw)[0]
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise invalid(f"The request body is not valid {codec.name}: {exc}.") from exc
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate decoded from the bytes themselves
+        raise invalid(
+            f"The request body holds a lone UTF-16 surrogate at character {exc.start}: text "
+            "must be valid Unicode."
+        ) from exc

@@ -1,0 +1,97 @@
+"""An API request's body: its charset, its content type and its text (gateway.bodies)."""
+
+import json
+
+import pytest
+from django.test import RequestFactory
+
+from gateway.bodies import json_body
+from gateway.errors import ApiError
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "caf\u00e9 \u20ac \U0001f600"}]}
+UTF8_BODY = json.dumps(BODY, ensure_ascii=False).encode()
+
+
+def _request(raw: bytes, content_type: str | None):
+    request = RequestFactory().generic(
+        "POST", "/v1/chat/completions", data=raw, content_type=content_type or ""
+    )
+    if content_type is None:
+        del request.META["CONTENT_TYPE"]
+        request._set_content_type_params(request.META)
+    return request
+
+
+def _refusal(raw: bytes, content_type: str | None) -> ApiError:
+    with pytest.raises(ApiError) as refused:
+        json_body(_request(raw, content_type))
+    return refused.value
+
+
+@pytest.mark.parametrize(
+    ("charset", "encoding"),
+    [
+        ("utf-8", "utf-8"),
+        ("UTF-8", "utf-8"),
+        ("latin-1", "latin-1"),
+        ("iso-8859-1", "latin-1"),
+        ("cp1252", "cp1252"),
+        ("utf-16", "utf-16"),
+        ("utf-16-le", "utf-16-le"),
+    ],
+)
+def test_a_body_is_decoded_by_its_declared_charset(charset, encoding):
+    if encoding in ("latin-1", "cp1252"):  # no emoji there
+        body = {**BODY, "messages": [{"role": "user", "content": "caf\u00e9 \u00bd"}]}
+    else:
+        body = BODY
+    raw = json.dumps(body, ensure_ascii=False).encode(encoding)
+    decoded = json_body(_request(raw, f"application/json; charset={charset}"))
+    assert json.loads(decoded.decode("utf-8")) == body
+
+
+def test_a_body_without_a_content_type_is_read_as_json():
+    """OpenAI's API and vLLM accept it; so does this one (and documents it)."""
+    assert json_body(_request(UTF8_BODY, None)) == UTF8_BODY
+    assert json_body(_request(UTF8_BODY, "application/json")) == UTF8_BODY
+
+
+@pytest.mark.parametrize("charset", ["nope", "base64", "zlib", "x" * 300])
+def test_a_charset_that_is_not_one_is_a_415(charset):
+    error = _refusal(UTF8_BODY, f"application/json; charset={charset}")
+    assert error.status == 415 and error.code == "unsupported_media_type"
+    assert len(error.message) < 200
+
+
+def test_bytes_the_declared_charset_cannot_decode_are_a_400():
+    odd_length = b'{"model": "\xff"} '
+    error = _refusal(odd_length, "application/json; charset=utf-16")
+    assert error.status == 400 and "utf-16" in error.message
+    error = _refusal(
+        '{"model": "\ud800"}'.encode("utf-16", "surrogatepass"), "application/json; charset=utf-16"
+    )
+    assert error.status == 400
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_other_content_types_are_a_415(content_type):
+    assert _refusal(UTF8_BODY, content_type).status == 415
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (
+            rb'{"model": "m", "messages": [{"role": "user", "content": "hi \ud800"}]}',
+            "messages[0].content",
+        ),
+        (rb'{"model": "m", "prompt": "x", "stop": ["\udc00"]}', "stop[0]"),
+        (rb'{"model": "\udfff", "prompt": "x"}', "model"),
+        (rb'{"model": "m", "prompt": "x", "user": "a\ud800b"}', "user"),
+    ],
+)
+def test_a_lone_surrogate_in_any_text_is_a_400_naming_the_field(raw, param):
+    error = _refusal(raw, "application/json")
+    assert error.status == 400 and error.param == param and "surrogate" in error.message
+    latin = _refusal(raw, "application/json; charset=latin-1")  # escapes are ASCII
+    assert latin.param == param
