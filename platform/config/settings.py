@@ -196,16 +196,17 @@ else:
     CELERY_RESULT_BACKEND = f"file://{CELERY_RESULTS_DIR}"
 
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+BATCH_SWEEP_SECONDS = float(os.environ.get("BATCH_SWEEP_SECONDS", "60"))
 CELERY_BEAT_SCHEDULE = {
     "rollup-usage": {"task": "tenants.rollup_usage", "schedule": 300.0},
     "purge-old-usage": {"task": "tenants.purge_old_usage", "schedule": 24 * 3600.0},
     "poll-engine-health": {"task": "serving.poll_engine_health", "schedule": 15.0},
     "purge-old-conversations": {"task": "chat.purge_old_conversations", "schedule": 24 * 3600.0},
-    "sweep-batches": {"task": "batches.sweep_batches", "schedule": 60.0},
+    "sweep-batches": {"task": "batches.sweep_batches", "schedule": BATCH_SWEEP_SECONDS},
 }
 # The Batch API's runner: lines of one batch in flight at once, and how long a worker's hold
 # on a batch lasts unrenewed (a killed worker's batch is resumed that long after, at most
-# one sweep later).
+# one sweep, every BATCH_SWEEP_SECONDS, later).
 BATCH_MAX_IN_FLIGHT = int(os.environ.get("BATCH_MAX_IN_FLIGHT", "16"))
 BATCH_LEASE_SECONDS = float(os.environ.get("BATCH_LEASE_SECONDS", "60"))
 # Daphne processes `make run` starts on one listening socket. More than one needs REDIS_URL:

@@ -77,9 +77,13 @@ def run_platform(tmp_path: Path, *args: str, **env: str | None) -> tuple[subproc
 
 
 def run_platform_on_tiny_model(
-    tmp_path: Path, engine_args: str = "--dtype float32 --num-kv-blocks 64", **model_overrides
+    tmp_path: Path,
+    engine_args: str = "--dtype float32 --num-kv-blocks 64",
+    env: dict[str, str] | None = None,
+    **model_overrides,
 ) -> tuple[subprocess.Popen, str]:
-    """The whole platform, its engine serving a tiny random model as "tiny"."""
+    """The whole platform, its engine serving a tiny random model as "tiny"; ``env`` adds
+    settings."""
     from tests.inference_engine.conftest import save_model
 
     model = save_model(tmp_path / "model", "llama", **model_overrides)
@@ -89,6 +93,7 @@ def run_platform_on_tiny_model(
         MODEL_PATH=model,
         SERVED_MODEL_NAME="tiny",
         ENGINE_ARGS=engine_args,
+        **(env or {}),
     )
 
 
