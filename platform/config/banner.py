@@ -21,8 +21,8 @@ def banner_lines(base_url: str, credentials: DemoCredentials | None) -> list[str
     if credentials is None:
         lines.append(f"  Sign in with your own user (none yet? {CREATE_SUPERUSER_HINT})")
     else:
-        lines.append(f"  login: {credentials.username} / {credentials.password}")
-        lines.append(f"API key: {credentials.api_key}")
+        lines.append(f"  login: {credentials.login}")
+        lines.append(f"API key: {credentials.api_key_shown}")
     lines.append(f"Ready once {base_url}/health/ready answers 200 (the engine loads first).")
     lines.append("")
     return lines

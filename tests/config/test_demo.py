@@ -82,3 +82,59 @@ def test_the_embedded_mode_bootstraps_and_keeps_the_credentials_private(
     assert _mode(saved) == 0o600
     assert demo.demo_bootstrap().password in saved.read_text()
     assert _mode(saved) == 0o600
+
+
+@pytest.fixture
+def embedded(settings, var_dir):
+    settings.IS_EMBEDDED = True  # whatever DATABASE_URL this suite runs with
+    settings.RUN_ENGINE = settings.RUN_WORKER = False
+    return settings
+
+
+def test_the_bootstrap_never_resets_or_re_enables_the_operators_admin(embedded, monkeypatch):
+    """An operator changed admin's password and took its staff and superuser flags (and then
+    its login): the next run restores none of it and prints no new password."""
+    first = demo.demo_bootstrap()
+    admin = get_user_model().objects.get(username=demo.DEMO_USERNAME)
+    admin.set_password("the-operators-own-1")
+    admin.is_staff = admin.is_superuser = admin.is_active = False
+    admin.save()
+
+    output = _runplatform(monkeypatch)
+    again = demo.demo_bootstrap()
+
+    admin.refresh_from_db()
+    assert admin.check_password("the-operators-own-1")
+    assert not (admin.is_staff or admin.is_superuser or admin.is_active)
+    assert again.password is None and "not shown" in again.login
+    assert first.password not in output and "login: admin (" in output
+    assert again.api_key == first.api_key and first.api_key in output
+
+
+def test_the_bootstrap_leaves_a_revoked_demo_key_and_a_removed_membership_alone(embedded):
+    from tenants import services
+    from tenants.models import Membership
+
+    first = demo.demo_bootstrap()
+    key = services.api_key_authenticate(raw_key=first.api_key)
+    services.api_key_revoke(api_key=key)
+    Membership.objects.filter(user__username=demo.DEMO_USERNAME).delete()
+
+    again = demo.demo_bootstrap()
+
+    assert again.api_key is None and "revoked" in again.api_key_shown
+    assert ApiKey.objects.count() == 1
+    assert not Membership.objects.filter(user__username=demo.DEMO_USERNAME).exists()
+    assert again.password == first.password  # still true, so still shown
+
+
+def test_the_bootstrap_creates_only_what_is_missing(embedded):
+    first = demo.demo_bootstrap()
+    assert demo.demo_bootstrap() == first  # nothing changed: the same login and key
+    get_user_model().objects.filter(username=demo.DEMO_USERNAME).delete()
+
+    again = demo.demo_bootstrap()
+
+    admin = get_user_model().objects.get(username=demo.DEMO_USERNAME)
+    assert admin.is_superuser and admin.check_password(again.password)
+    assert again.password != first.password

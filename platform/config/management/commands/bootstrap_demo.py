@@ -5,8 +5,8 @@ from config.demo import DemoRefused, demo_bootstrap
 
 class Command(BaseCommand):
     help = (
-        "Make sure the demo tenant, an admin user and an API key exist, and print them "
-        "(the embedded mode only)."
+        "Create the demo tenant, its admin user and an API key where they do not exist, and "
+        "print them; never resets what exists (the embedded mode only)."
     )
 
     def handle(self, *args, **options) -> None:
@@ -14,5 +14,5 @@ class Command(BaseCommand):
             credentials = demo_bootstrap()
         except DemoRefused as exc:
             raise CommandError(str(exc)) from None
-        self.stdout.write(f"Admin login:  {credentials.username} / {credentials.password}")
-        self.stdout.write(f"Demo API key: {credentials.api_key}")
+        self.stdout.write(f"Admin login:  {credentials.login}")
+        self.stdout.write(f"Demo API key: {credentials.api_key_shown}")
