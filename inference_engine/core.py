@@ -7,16 +7,24 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from inference_engine.config import EngineConfig
+from inference_engine.guided import GrammarCompiler, InvalidGrammar
 from inference_engine.protocol import EngineOutput, ErrorCode, FinishReason, SamplingParams
-from inference_engine.request import Request
+from inference_engine.request import NO_TOKEN, Request
 from inference_engine.scheduler import RequestRejected, Scheduler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
-        """Loads the model: builds its ``ModelRunner``, which sizes the KV cache."""
+    def __init__(
+        self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> None:
+        """Loads the model: builds its ``ModelRunner``, which sizes the KV cache. Structured
+        outputs need the model's ``tokenizer`` (without one they are refused)."""
         from inference_engine.model_runner import ModelRunner  # torch, only once a core is built
 
         self.config = config
@@ -29,6 +37,11 @@ class EngineCore:
         self.max_model_len = config.max_model_len or model_max_len
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = runner.spec.eos_token_ids
+        self.grammars = (
+            GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+            if tokenizer is not None
+            else None
+        )
         self.scheduler = Scheduler(
             num_blocks=runner.num_blocks,
             block_size=config.block_size,
@@ -66,6 +79,8 @@ class EngineCore:
             weight=tenant_weight,
         )
         error = self.validate_prompt(prompt_token_ids) or self.validate_params(sampling_params)
+        if error is None and sampling_params.structured_outputs is not None:
+            error = self._attach_grammar(request)
         if error is None:
             try:
                 self.scheduler.add_request(request)
@@ -86,7 +101,32 @@ class EngineCore:
             )
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
             return ErrorCode.INVALID_REQUEST, f"stop_token_ids must be in [0, {self.vocab_size})"
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            return ErrorCode.INVALID_REQUEST, (
+                f"logit_bias keys must be token ids in [0, {self.vocab_size})"
+            )
         return None
+
+    def check_structured_outputs(self, params: SamplingParams) -> tuple[ErrorCode, str] | None:
+        """Whether ``params``' constraint compiles (and compile it into the cache, so the
+        busy loop finds it there): the server calls this on its I/O thread."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            return ErrorCode.INVALID_REQUEST, "structured outputs need the model's tokenizer"
+        try:
+            self.grammars.compile(params.structured_outputs)
+        except InvalidGrammar as exc:
+            return ErrorCode.INVALID_REQUEST, str(exc)
+        return None
+
+    def _attach_grammar(self, request: Request) -> tuple[ErrorCode, str] | None:
+        error = self.check_structured_outputs(request.sampling_params)
+        if error is None:
+            request.grammar = self.grammars.matcher(request.sampling_params.structured_outputs)
+            # the request ends where its language does
+            request.eos_token_ids = request.eos_token_ids | self.grammars.stop_token_ids
+        return error
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> tuple[ErrorCode, str] | None:
         if not prompt_token_ids:
@@ -131,6 +171,9 @@ class EngineCore:
                 for r in requests
             )
             return outputs
+        stuck = [req_id for req_id, token in sampled.items() if token == NO_TOKEN]
+        for req_id in stuck:
+            del sampled[req_id]
         finished = []
         for request in self.scheduler.update_from_output(scheduler_output, sampled):
             output = self._output(request, request.finish_reason)
@@ -140,9 +183,22 @@ class EngineCore:
             outputs.append(output)
             if request.is_finished:
                 finished.append(request.req_id)
+        if stuck:
+            self._fail_stuck(stuck, outputs)
         if finished:
             self.runner.release(finished)
         return outputs
+
+    def _fail_stuck(self, req_ids: list[str], outputs: list[EngineOutput]) -> None:
+        """End the requests whose grammar allowed no next token (the tokenizer cannot spell
+        what it requires) with an error."""
+        requests = self.scheduler.abort_requests(req_ids)
+        self.runner.release(req_ids)
+        message = "the output's grammar allows no token at this point"
+        outputs.extend(
+            self._output(r, FinishReason.ERROR, ErrorCode.INVALID_REQUEST, message)
+            for r in requests
+        )
 
     @staticmethod
     def _output(

@@ -52,24 +52,29 @@ class LLM:
         if unknown := sorted(options.keys() - names):
             raise TypeError(f"LLM() got unknown options {unknown}; it takes {sorted(names)}")
         config = EngineConfig(model=model, **options)
-        self.core = EngineCore(config)
         self.tokenizer: PreTrainedTokenizerBase | None = (
             None if skip_tokenizer_init else AutoTokenizer.from_pretrained(model)
         )
+        self.core = EngineCore(config, tokenizer=self.tokenizer)
         self._req_counter = itertools.count()
 
     def chat(
         self,
         conversations: list[list[dict[str, str]]] | list[dict[str, str]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to each conversation (a list of role/content
-        messages), rendered with the tokenizer's chat template."""
+        messages), rendered with the tokenizer's chat template (and ``tools``, OpenAI's
+        function tool objects, where the template shows them)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=False)")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [render_chat(self.tokenizer, conversation) for conversation in conversations]
+        prompts = [
+            render_chat(self.tokenizer, conversation, tools) for conversation in conversations
+        ]
         return self.generate(prompts, params)
 
     def generate(

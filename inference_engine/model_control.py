@@ -43,13 +43,10 @@ class LoadedModel:
 def load_model(config: EngineConfig) -> LoadedModel:
     from transformers import AutoTokenizer
 
-    core = EngineCore(config)
-    return LoadedModel(
-        config,
-        core,
-        AutoTokenizer.from_pretrained(config.model),
-        AutoTokenizer.from_pretrained(config.model),
-    )
+    input_tokenizer = AutoTokenizer.from_pretrained(config.model)
+    # structured outputs compile against the input tokenizer, on the same (I/O) thread
+    core = EngineCore(config, tokenizer=input_tokenizer)
+    return LoadedModel(config, core, input_tokenizer, AutoTokenizer.from_pretrained(config.model))
 
 
 class ModelController:

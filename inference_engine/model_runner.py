@@ -397,11 +397,17 @@ class ModelRunner:
             return {}, {}
         rows = [
             SamplingRow(
-                r.req_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids
+                r.req_id,
+                r.sampling_params,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                r.eos_token_ids,
+                r.grammar,
             )
             for r in sampling
         ]
         token_ids, logprobs = self.sampler(logits, rows)
+        # a request whose grammar allowed no token gets NO_TOKEN: the core fails it
         sampled = {r.req_id: token for r, token in zip(sampling, token_ids, strict=True)}
         wanted = {r.req_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None}
         return sampled, wanted

@@ -16,6 +16,13 @@ MAX_LOGPROBS = 20
 MAX_ID_CHARS = 256
 # a bigger frame from a client is dropped by ZeroMQ before it is read
 MAX_FRAME_BYTES = 16 << 20
+# the longest JSON schema, regex or grammar a request may constrain its output with
+MAX_GRAMMAR_CHARS = 256 << 10
+MAX_CHOICE_OPTIONS = 1024
+# OpenAI's bound on a logit_bias value, and on how many tokens one request may bias
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_TOOLS = 128
 
 
 class RequestType(bytes, enum.Enum):
@@ -79,6 +86,72 @@ def _check_number(name: str, value: object, *, integer: bool = False) -> None:
         raise InvalidParam(name, f"{name} must be finite, got {value!r}")
 
 
+class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Constrains a request's output to a language, as vLLM's ``structured_outputs``: exactly one
+    of a JSON schema (``json``, serialized), any JSON object (``json_object``), a ``regex``, one
+    of ``choice``'s strings, or an EBNF ``grammar`` (GBNF, as xgrammar reads it). The engine
+    compiles it once per distinct value and masks every step's logits with it; a value it
+    cannot compile is refused with ``invalid_request``. Once the output is complete the grammar
+    allows only EOS, so a request ends where its language does."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kind(self) -> str:
+        """The one constraint given ("json", "regex", ...); ``InvalidParam`` unless exactly
+        one is."""
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ]
+        if self.json_object is True:
+            given.append("json_object")
+        elif not isinstance(self.json_object, bool):
+            raise InvalidParam(
+                "structured_outputs", "structured_outputs.json_object must be a bool"
+            )
+        if len(given) != 1:
+            raise InvalidParam(
+                "structured_outputs",
+                f"structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar (got {given or 'none'})",
+            )
+        return given[0]
+
+    def validate(self) -> None:
+        kind = self.kind()
+        if kind == "choice":
+            if (
+                not isinstance(self.choice, list)
+                or not 0 < len(self.choice) <= MAX_CHOICE_OPTIONS
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise InvalidParam(
+                    "structured_outputs",
+                    f"structured_outputs.choice must be 1 to {MAX_CHOICE_OPTIONS} non-empty "
+                    "strings",
+                )
+            size = sum(map(len, self.choice))
+        elif kind == "json_object":
+            size = 0
+        else:
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                raise InvalidParam(
+                    "structured_outputs", f"structured_outputs.{kind} must be a non-empty string"
+                )
+            size = len(value)
+        if size > MAX_GRAMMAR_CHARS:
+            raise InvalidParam(
+                "structured_outputs",
+                f"structured_outputs.{kind} is {size} characters; at most {MAX_GRAMMAR_CHARS}",
+            )
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """How to sample one request, with vLLM's names and defaults.
 
@@ -103,6 +176,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logprobs: int | None = None
     # the stop string that ended the text is kept at its end
     include_stop_str_in_output: bool = False
+    # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's)
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -176,15 +252,84 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 raise InvalidParam(
                     "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
                 )
+        if self.logit_bias is not None:
+            self._validate_logit_bias()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidParam("structured_outputs", "structured_outputs must be an object")
+            self.structured_outputs.validate()
+            if self.ignore_eos:
+                raise InvalidParam(
+                    "ignore_eos", "ignore_eos cannot be combined with structured outputs"
+                )
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidParam(
+                "logit_bias",
+                f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to numbers",
+            )
+        for token_id, value in bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidParam(
+                    "logit_bias", f"logit_bias keys must be token ids (>= 0), got {token_id!r}"
+                )
+            _check_number("logit_bias", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise InvalidParam(
+                    "logit_bias",
+                    f"logit_bias values must be in [-100, 100], got {value} for token {token_id}",
+                )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
 
+class ToolCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A function call the assistant made earlier in a conversation; ``arguments`` is JSON."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One turn. An assistant turn may carry ``tool_calls`` (its content may then be empty);
+    a ``tool`` turn answers the call ``tool_call_id``."""
+
     role: str
     content: str
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        """This turn as chat templates read it (transformers' convention: a call's
+        ``arguments`` as an object where they parse as one)."""
+        message: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": _json_or_text(call.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _json_or_text(text: str) -> object:
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -206,6 +351,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     cache_salt: str | None = None
     # the tenant's share under fair scheduling (its plan's weight): 2 is served twice as much
     tenant_weight: float = 1.0
+    # function tools the chat template renders into the prompt (OpenAI's tool objects:
+    # {"type": "function", "function": {"name", "description", "parameters"}})
+    tools: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.messages is not None and isinstance(self.messages, list):
@@ -236,6 +384,11 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
                     and isinstance(message.content, str)
                 ):
                     raise ValueError(f"each message needs a role and string content: {message!r}")
+        if self.tools is not None:
+            if self.messages is None:
+                raise ValueError("tools need messages (a chat request)")
+            if not isinstance(self.tools, list) or len(self.tools) > MAX_TOOLS:
+                raise ValueError(f"tools must be a list of at most {MAX_TOOLS} tool objects")
         if self.prompt_token_ids is not None and (
             not isinstance(self.prompt_token_ids, list)
             or not self.prompt_token_ids
@@ -362,6 +515,9 @@ class StatsResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     state: str = "ready"
     state_detail: str = ""
     model_path: str = ""
+    # how the model's chat template writes a tool call ("hermes": <tool_call>{json}</tool_call>;
+    # "" where it shows none): the API parses the model's output with it
+    tool_call_parser: str = ""
 
 
 class ControlRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -7,6 +7,9 @@ import time
 
 from inference_engine.protocol import FinishReason, RequestTimings, SamplingParams
 
+# the sampled "token" of a request whose grammar allows none: the request fails instead
+NO_TOKEN = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -57,6 +60,8 @@ class Request:
         self.timings = RequestTimings(arrival=time.time() if arrival_time is None else arrival_time)
         # set by the scheduler: FCFS order within one priority
         self.arrival_order = 0
+        # structured outputs: an xgrammar matcher the sampler advances token by token
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,11 +1,13 @@
 """Batched sampling on the logits' device.
 
-Order, as in vLLM: logprobs are taken from the raw logits; then min_tokens masking, penalties
-(repetition on prompt and output, presence and frequency on output), temperature, top-k, top-p
-and min-p. Greedy rows (temperature 0) take the argmax. Random rows draw one uniform number
-each and take the token where it falls in their cumulative distribution; a seeded request
-draws from its own ``torch.Generator``, so its tokens do not depend on what else is in the
-batch.
+Order, as in vLLM: logprobs are taken from the raw logits; then min_tokens masking,
+``logit_bias``, penalties (repetition on prompt and output, presence and frequency on output),
+the grammar's token mask (structured outputs, ``inference_engine.guided``), temperature, top-k,
+top-p and min-p. A guided row's matcher is advanced by the token it drew; a row whose grammar
+allows no token at all gets ``NO_TOKEN`` instead of one. Greedy rows (temperature 0) take the
+argmax. Random rows draw one uniform number each and take the token where it falls in their
+cumulative distribution; a seeded request draws from its own ``torch.Generator``, so its tokens
+do not depend on what else is in the batch.
 
 Nothing loops over rows on the device: per-row parameters, banned tokens and token counts for
 the penalties are built on the host as arrays and uploaded without a sync (pinned, non-blocking
@@ -16,11 +18,17 @@ seeded rows draw their number one by one, from their own generators.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from inference_engine import guided
 from inference_engine.protocol import SamplingParams, TokenLogprobs
+from inference_engine.request import NO_TOKEN
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 @dataclass
@@ -32,6 +40,8 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: frozenset[int]
+    # structured outputs: the request's matcher, advanced by every token it is given
+    grammar: xgrammar.GrammarMatcher | None = None
 
 
 class Sampler:
@@ -50,14 +60,26 @@ class Sampler:
         its logprobs where ``params.logprobs`` was set."""
         params = [row.params for row in rows]
         all_greedy = all(p.is_greedy for p in params)
+        guided_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+        # the grammars' masks, filled on the host while the device may still be busy
+        bitmask = self._fill_grammar_masks(rows, guided_rows, logits.shape[-1])
         if all_greedy and not any(_needs_processing(row) for row in rows):
+            raw_logits = logits
+            if guided_rows:
+                if any(p.logprobs is not None for p in params):
+                    logits = logits.clone()  # logprobs come from the raw logits
+                self._apply_grammar_masks(logits, guided_rows, bitmask)
             # max() is much faster than argmax() on bfloat16 on CPU; both take the first maximum
-            return self._to_host(logits.max(dim=-1).indices, logits, rows)
+            result = self._to_host(logits.max(dim=-1).indices, raw_logits, rows)
+            return self._advance_grammars(result, rows, guided_rows, bitmask)
         logits = logits.float()
         raw_logits = logits
         logits = logits.clone()
         self._mask_min_tokens(logits, rows)
+        self._apply_logit_bias(logits, rows)
         self._apply_penalties(logits, rows)
+        if guided_rows:
+            self._apply_grammar_masks(logits, guided_rows, bitmask)
         token_ids = logits.argmax(dim=-1)
         if not all_greedy:
             greedy = self._upload(np.array([p.is_greedy for p in params]))
@@ -66,7 +88,53 @@ class Sampler:
             logits = self._top_k_top_p_min_p(logits, params)
             sampled = self._sample(logits.softmax(dim=-1), rows)
             token_ids = torch.where(greedy, token_ids, sampled)
-        return self._to_host(token_ids, raw_logits, rows)
+        result = self._to_host(token_ids, raw_logits, rows)
+        return self._advance_grammars(result, rows, guided_rows, bitmask)
+
+    def _fill_grammar_masks(
+        self, rows: list[SamplingRow], guided_rows: list[int], vocab_size: int
+    ) -> torch.Tensor | None:
+        if not guided_rows:
+            return None
+        return guided.fill_bitmask([rows[i].grammar for i in guided_rows], vocab_size)
+
+    def _apply_grammar_masks(
+        self, logits: torch.Tensor, guided_rows: list[int], bitmask: torch.Tensor
+    ) -> None:
+        index = self._upload(np.array(guided_rows, np.int64))
+        guided.apply_bitmask(logits, index, self._upload(bitmask.numpy()))
+
+    @staticmethod
+    def _advance_grammars(
+        result: tuple[list[int], list[TokenLogprobs | None]],
+        rows: list[SamplingRow],
+        guided_rows: list[int],
+        bitmask: torch.Tensor | None,
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Feed each guided row's token to its matcher; a row whose grammar allowed no token
+        (or refuses the one drawn) gets ``NO_TOKEN``."""
+        token_ids, _ = result
+        if not guided_rows:
+            return result
+        has_any = bitmask.ne(0).any(dim=-1).tolist()
+        for j, i in enumerate(guided_rows):
+            if not has_any[j] or not rows[i].grammar.accept_token(token_ids[i]):
+                token_ids[i] = NO_TOKEN
+        return result
+
+    def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for i, row in enumerate(rows):
+            if row.params.logit_bias:
+                bias_rows.extend([i] * len(row.params.logit_bias))
+                bias_ids.extend(row.params.logit_bias.keys())
+                bias_values.extend(row.params.logit_bias.values())
+        if bias_ids:
+            index = self._upload(np.array([bias_rows, bias_ids], np.int64))
+            values = self._upload(np.array(bias_values, np.float32))
+            logits.index_put_((index[0], index[1]), values, accumulate=True)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without waiting for it: pinned, then non-blocking."""
@@ -122,7 +190,8 @@ class Sampler:
         banned_ids: list[int] = []
         for i, row in enumerate(rows):
             params = row.params
-            if len(row.output_token_ids) >= params.min_tokens:
+            # a grammar decides alone where its output may end
+            if len(row.output_token_ids) >= params.min_tokens or row.grammar is not None:
                 continue
             banned = set(params.stop_token_ids or ())
             if not params.ignore_eos:
@@ -227,4 +296,8 @@ def _has_penalty(params: SamplingParams) -> bool:
 
 
 def _needs_processing(row: SamplingRow) -> bool:
-    return _has_penalty(row.params) or len(row.output_token_ids) < row.params.min_tokens
+    return (
+        _has_penalty(row.params)
+        or bool(row.params.logit_bias)
+        or (len(row.output_token_ids) < row.params.min_tokens and row.grammar is None)
+    )

@@ -52,7 +52,7 @@ from inference_engine.protocol import (
     StatsResponse,
 )
 from inference_engine.queues import InputKind, InputQueue, QueuedAdd, QueuedInput, StepOutputs
-from inference_engine.tokenization import render_chat
+from inference_engine.tokenization import render_chat, tool_call_parser
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -438,6 +438,12 @@ class EngineServer:
                 router, identity, request_id, ErrorCode.INVALID_REQUEST, f"cannot tokenize: {exc}"
             )
             return
+        # a new grammar compiles here, not in the busy loop; one that cannot is refused
+        if (core := self.core) is not None and (
+            refused := core.check_structured_outputs(request.params)
+        ) is not None:
+            self._reply_error(router, identity, request_id, *refused)
+            return
         self.processor.add_request(
             req_id, identity, request_id, token_ids, request.params, tenant_id=tenant
         )
@@ -466,8 +472,8 @@ class EngineServer:
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids
         if request.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return render_chat(self.input_tokenizer, messages)
+            messages = [m.as_template_input() for m in request.messages]
+            return render_chat(self.input_tokenizer, messages, request.tools)
         return list(self.input_tokenizer(request.prompt)["input_ids"])
 
     def _reply_error(
@@ -506,6 +512,7 @@ class EngineServer:
             state=self.controller.state,
             state_detail=self.controller.detail,
             model_path=self.controller.model_path or "",
+            tool_call_parser=tool_call_parser(self.input_tokenizer),
         )
 
 

@@ -12,16 +12,33 @@ NUM_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+) -> list[int]:
     """Token ids of a conversation rendered with the tokenizer's chat template, ready for the
-    assistant's turn."""
+    assistant's turn. ``tools`` (OpenAI's function tool objects) are passed to the template,
+    which shows them to the model where it knows how (transformers' convention)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat_template")
     for message in messages:
         if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
             raise ValueError(f"each message needs 'role' and 'content': {message!r}")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def tool_call_parser(tokenizer: PreTrainedTokenizerBase | None) -> str:
+    """How the model writes a tool call, read from its chat template: "hermes" for the
+    ``<tool_call>{"name": …, "arguments": …}</tool_call>`` convention of Hermes, Qwen 2.5/3
+    and the demo model; "" where the template shows no convention the API can parse."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates: the default one, or any
+        template = template.get("tool_use") or template.get("default") or ""
+    return "hermes" if "<tool_call>" in template else ""
 
 
 class IncrementalDetokenizer:

@@ -1,0 +1,175 @@
+"""Structured outputs: grammars compiled with xgrammar, a matcher per request, and the token
+bitmask the sampler applies to a step's guided rows.
+
+Why xgrammar (and not llguidance): on the demo model's 8,192-token vocabulary, filling the
+masks of 64 requests in the middle of a JSON object takes 0.09 ms with xgrammar's matchers and
+0.3 ms with llguidance's (0.07 ms on its thread pool), and a schema compiles in 30-45 ms
+against llguidance's 160 ms for its 64 matchers; vLLM uses xgrammar by default too
+(``bench/guided_decoding.py`` measures the step cost). Both libraries' own CPU ``apply``
+functions cost more than the fill (xgrammar's took 2.7 ms for 64 rows), so the mask is applied
+here with one vectorized ``masked_fill`` that works the same on a GPU.
+
+A compiled grammar depends only on the constraint and the tokenizer: xgrammar's compiler caches
+them by their text, so a schema sent a thousand times compiles once. Importing this module loads
+neither torch nor xgrammar (the core imports it before it builds its runner).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import TYPE_CHECKING
+
+from inference_engine.protocol import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
+
+# compiled grammars kept by the compiler's cache
+CACHE_LIMIT_BYTES = 256 << 20
+# xgrammar prefixes its messages with a time and a C++ source position
+_SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
+_ANY_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+class InvalidGrammar(ValueError):
+    """A constraint the grammar library cannot compile; the message says why."""
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutputsParams`` against one model's tokenizer. Thread-safe: the
+    server compiles on its I/O thread, ahead of the busy loop that matches."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        # where a grammar's output may end: the model's EOS, or the tokenizer's if it has none
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_token_ids = eos_token_ids or frozenset(() if eos is None else (eos,))
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def _library(self) -> xgrammar.GrammarCompiler:
+        """The xgrammar compiler, built on first use: reading a large vocabulary takes a
+        moment that engines which never see a constraint should not pay at start."""
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer,
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=sorted(self.stop_token_ids) or None,
+                )
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES
+                )
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``spec``; ``InvalidGrammar`` naming the problem if it
+        cannot be compiled."""
+        compiler = self._library()
+        kind = spec.kind()
+        try:
+            if kind == "json":
+                # compact JSON: a model cannot loop on whitespace between the tokens
+                return compiler.compile_json_schema(
+                    bounded_strings_as_patterns(spec.json), any_whitespace=False
+                )
+            if kind == "json_object":
+                return compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except RuntimeError as exc:
+            reason = _SOURCE_PREFIX.sub("", str(exc).strip())
+            raise InvalidGrammar(f"structured_outputs.{kind} cannot be compiled: {reason}") from exc
+
+    def matcher(self, spec: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
+        """A new matcher at the start of ``spec``'s language."""
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(self.compile(spec))
+
+
+def bounded_strings_as_patterns(schema_text: str) -> str:
+    r"""``schema_text`` with each string's ``minLength``/``maxLength`` rewritten as the
+    ``pattern`` ``^[\s\S]{min,max}$``. xgrammar 0.2.8 compiles a length-bounded string to a
+    rule that admits raw control characters (invalid JSON: ``{"code": "y\x12"}`` was sampled);
+    its pattern rules produce valid JSON strings (without escapes) of the same lengths. Text that
+    is not JSON is returned as is, for the compiler to report."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text
+    return json.dumps(_rewrite_bounded_strings(schema))
+
+
+def _rewrite_bounded_strings(node: object) -> object:
+    if isinstance(node, list):
+        return [_rewrite_bounded_strings(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _rewrite_bounded_strings(value) for key, value in node.items()}
+    bounded = "minLength" in node or "maxLength" in node
+    if node.get("type") == "string" and bounded and not node.keys() & _STRING_SHAPES:
+        low, high = node.get("minLength", 0), node.get("maxLength", "")
+        if isinstance(low, int) and (high == "" or isinstance(high, int)):
+            node.pop("minLength", None)
+            node.pop("maxLength", None)
+            node["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
+    return node
+
+
+# string keywords that already shape the value: a length bound beside them is left alone
+_STRING_SHAPES = {"pattern", "format", "enum", "const"}
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices``."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int) -> torch.Tensor:
+    """The allowed next tokens of each matcher as packed bits, ``[len(matchers), ⌈V/32⌉]``
+    int32 on the host (bit ``j % 32`` of word ``j // 32`` is token ``j``)."""
+    import torch
+
+    bitmask = torch.empty(len(matchers), bitmask_width(vocab_size), dtype=torch.int32)
+    for row, matcher in enumerate(matchers):
+        matcher.fill_next_token_bitmask(bitmask, row)
+    return bitmask
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[rows[i], j]`` to -inf wherever bit ``j`` of ``bitmask[i]`` is 0, in place.
+    ``rows`` and ``bitmask`` are on the logits' device."""
+    import torch
+
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[logits.device] = torch.arange(
+            32, dtype=torch.int32, device=logits.device
+        )
+    vocab_size = logits.shape[-1]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: the sign bit works too
+    allowed = bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,316 @@
+"""Structured outputs on a tiny random llama: every sampled output of a constrained request is
+in its language (30 real-world JSON schemas, a regex, choices, a grammar), EOS comes only where
+the grammar accepts, a constraint that cannot compile is refused, and ``logit_bias`` moves the
+sampler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from inference_engine import SamplingParams
+from inference_engine.guided import GrammarCompiler, InvalidGrammar, apply_bitmask, fill_bitmask
+from inference_engine.protocol import InvalidParam, StructuredOutputsParams
+from inference_engine.request import NO_TOKEN
+from inference_engine.sampler import Sampler, SamplingRow
+from inference_engine.tokenization import render_chat, tool_call_parser
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "schemas.json").read_text())
+SAMPLES_PER_SCHEMA = 4
+EOS = 0  # the eos llama's <|eos|>
+
+
+@pytest.fixture(scope="module")
+def llm(eos_llama_dir):
+    from inference_engine import LLM
+
+    return LLM(eos_llama_dir, dtype="float32")
+
+
+def closing_bias(tokenizer) -> dict[int, float]:
+    """A push towards the tokens that end a JSON value, so that a random model's strings and
+    numbers end within the token budget (the grammar alone guarantees validity, not brevity)."""
+    closers = set('"}],')
+    bias = {
+        token_id: 6.0
+        for token_id in range(len(tokenizer))
+        if closers & set(tokenizer.decode([token_id]))
+    }
+    return bias | {EOS: 6.0}  # a top-level number or string ends at EOS
+
+
+def json_params(schema: dict, tokenizer, **overrides) -> SamplingParams:
+    values = dict(
+        temperature=1.0,
+        max_tokens=400,
+        logit_bias=closing_bias(tokenizer),
+        structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
+    )
+    values.update(overrides)
+    return SamplingParams(**values)
+
+
+def test_length_bounded_strings_compile_as_patterns():
+    """xgrammar's own rule for a length-bounded string admits raw control characters."""
+    from inference_engine.guided import bounded_strings_as_patterns
+
+    schema = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 4}}}
+    rewritten = json.loads(bounded_strings_as_patterns(json.dumps(schema)))
+    assert rewritten["properties"]["c"] == {"type": "string", "pattern": "^[\\s\\S]{0,4}$"}
+    shaped = {"type": "string", "maxLength": 4, "enum": ["ab"]}
+    assert json.loads(bounded_strings_as_patterns(json.dumps(shaped))) == shaped
+    assert bounded_strings_as_patterns("not json") == "not json"
+
+
+def test_sampled_outputs_of_thirty_schemas_always_parse_and_validate(llm):
+    """All schemas in one batch, several samples each: every step masks many different
+    grammars at once."""
+    prompts, params = [], []
+    for index, schema in enumerate(SCHEMAS):
+        for sample in range(SAMPLES_PER_SCHEMA):
+            prompts.append("hello world")
+            params.append(json_params(schema, llm.tokenizer, seed=index * 100 + sample))
+    outputs = llm.generate(prompts, params)
+    for i, output in enumerate(outputs):
+        schema = SCHEMAS[i // SAMPLES_PER_SCHEMA]
+        assert output.finish_reason == "stop", (schema["title"], output.text, output.error)
+        assert output.token_ids[-1] == EOS  # it ended because the grammar let it
+        value = json.loads(output.text)
+        jsonschema.validate(value, schema)
+
+
+def test_greedy_outputs_validate_and_eos_comes_only_where_the_grammar_accepts(llm):
+    """With EOS pushed up by +100 the model wants to stop at every step; the grammar lets it
+    only once the value is complete."""
+    tokenizer = llm.tokenizer
+    params = [
+        json_params(schema, tokenizer, temperature=0, logit_bias={EOS: 100.0}) for schema in SCHEMAS
+    ]
+    outputs = llm.generate(["the quick brown fox"] * len(SCHEMAS), params)
+    for schema, output in zip(SCHEMAS, outputs, strict=True):
+        if output.finish_reason == "length":
+            continue  # a random model may run out of tokens inside a string; not a stop
+        assert output.finish_reason == "stop", output.error
+        assert output.token_ids.count(EOS) == 1
+        jsonschema.validate(json.loads(output.text), schema)
+
+
+@pytest.mark.parametrize(
+    ("spec", "accepts"),
+    [
+        (StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), r"^[0-9]{3}-[a-z]{2}$"),
+        (StructuredOutputsParams(choice=["yes", "no", 'say "maybe"']), r'^(yes|no|say "maybe")$'),
+        (StructuredOutputsParams(grammar='root ::= "(" [a-c]+ ")"'), r"^\([a-c]+\)$"),
+    ],
+)
+def test_regex_choice_and_grammar_outputs_are_in_their_language(llm, spec, accepts):
+    import re
+
+    params = SamplingParams(temperature=1.0, max_tokens=64, structured_outputs=spec, seed=7)
+    outputs = llm.generate(["hi", "one two", "hello world", "lazy dog"] * 2, params)
+    for output in outputs:
+        assert output.finish_reason in ("stop", "length"), output.error
+        if output.finish_reason == "stop":
+            assert re.match(accepts, output.text), output.text
+
+
+def test_json_object_gives_an_object(llm):
+    params = SamplingParams(
+        temperature=1.0,
+        max_tokens=300,
+        logit_bias=closing_bias(llm.tokenizer),
+        structured_outputs=StructuredOutputsParams(json_object=True),
+        seed=3,
+    )
+    for output in llm.generate(["hello"] * 4, params):
+        assert output.finish_reason == "stop", output.text
+        assert isinstance(json.loads(output.text), dict)
+
+
+def test_guided_and_free_requests_share_a_step_without_touching_each_other(llm):
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["the quick brown fox"], free)[0].token_ids
+    guided = json_params(SCHEMAS[0], llm.tokenizer, temperature=0)
+    mixed = llm.generate(["the quick brown fox", "hello world"], [free, guided])
+    assert mixed[0].token_ids == alone
+    json.loads(mixed[1].text)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (StructuredOutputsParams(json='{"type": "nonsense"}'), 'Unsupported type "nonsense"'),
+        (StructuredOutputsParams(json="not json"), "Failed to parse JSON"),
+        (StructuredOutputsParams(regex="(unclosed"), "parenthesis is not closed"),
+        (StructuredOutputsParams(grammar='root ::= "a" |'), "EBNF parser error"),
+    ],
+)
+def test_a_constraint_that_cannot_compile_is_refused_naming_the_problem(llm, spec, message):
+    output = llm.generate("hello", SamplingParams(max_tokens=5, structured_outputs=spec))[0]
+    assert output.finish_reason == "error"
+    assert output.error.startswith(f"structured_outputs.{spec.kind()} cannot be compiled: ")
+    assert message in output.error
+    assert "/project/" not in output.error  # the library's source positions are cut
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        (dict(json="{}", regex="a"), "structured_outputs"),
+        (dict(), "structured_outputs"),
+        (dict(choice=[]), "structured_outputs"),
+        (dict(choice=["a", ""]), "structured_outputs"),
+        (dict(regex=""), "structured_outputs"),
+        (dict(json="x" * ((256 << 10) + 1)), "structured_outputs"),
+    ],
+)
+def test_malformed_constraints_are_invalid_params(values, field):
+    with pytest.raises(InvalidParam) as caught:
+        SamplingParams(structured_outputs=StructuredOutputsParams(**values))
+    assert caught.value.field == field
+
+
+def test_ignore_eos_cannot_be_combined_with_a_grammar():
+    with pytest.raises(InvalidParam, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a+"))
+
+
+def test_a_grammar_compiles_once_per_distinct_constraint(llm):
+    grammars = llm.core.grammars
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMAS[3]))
+    grammars.compile(spec)
+    cache = grammars._library().get_cache_size_bytes()
+    grammars.compile(StructuredOutputsParams(json=json.dumps(SCHEMAS[3])))
+    assert grammars._library().get_cache_size_bytes() == cache
+    unseen = {"type": "object", "properties": {"cache_probe": {"type": "integer"}}}
+    grammars.compile(StructuredOutputsParams(json=json.dumps(unseen)))
+    assert grammars._library().get_cache_size_bytes() > cache
+
+
+class _NothingAllowed:
+    """A matcher in a state no token can continue (a grammar that needs a string the
+    tokenizer cannot spell)."""
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        raise AssertionError("no token may be fed to a matcher that allows none")
+
+
+def test_a_row_whose_grammar_allows_no_token_gets_none_and_the_others_sample():
+    params = SamplingParams(temperature=0, max_tokens=4)
+    rows = [
+        SamplingRow("a", params, [1], [], frozenset(), grammar=_NothingAllowed()),
+        SamplingRow("b", params, [1], [], frozenset()),
+    ]
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 1.0, 0.0]])
+    token_ids, _ = Sampler(torch.device("cpu"))(logits, rows)
+    assert token_ids == [NO_TOKEN, 0]
+
+
+def test_the_core_fails_a_request_its_grammar_strands(llm):
+    """A request whose grammar allows no next token ends with an error; the rest of the batch
+    goes on."""
+    from inference_engine.protocol import ErrorCode, FinishReason
+
+    core = llm.core
+    grammar_params = SamplingParams(temperature=0, max_tokens=8)
+    core.add_request("stranded", [5, 6], grammar_params)
+    core.add_request("free", [5, 6], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    core.scheduler.requests["stranded"].grammar = _NothingAllowed()
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs.extend(core.step())
+    stranded = [o for o in outputs if o.req_id == "stranded"]
+    assert [o.finish_reason for o in stranded] == [FinishReason.ERROR]
+    assert stranded[0].error_code == ErrorCode.INVALID_REQUEST
+    assert "allows no token" in stranded[0].error_message
+    assert sum(len(o.new_token_ids) for o in outputs if o.req_id == "free") == 3
+
+
+def test_the_bitmask_masks_exactly_the_cleared_bits():
+    vocab_size = 70
+    allowed = [0, 5, 31, 32, 63, 64, 69]
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    for token in allowed:
+        word = int(bitmask[0, token // 32]) | (1 << (token % 32))
+        bitmask[0, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    logits = torch.zeros(2, vocab_size)
+    apply_bitmask(logits, torch.tensor([1]), bitmask)
+    assert torch.isfinite(logits[0]).all()  # rows not named stay untouched
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == allowed
+
+
+def test_the_filled_mask_of_a_choice_allows_its_first_tokens(tokenizer):
+    grammars = GrammarCompiler(tokenizer, len(tokenizer), frozenset({EOS}))
+    matcher = grammars.matcher(StructuredOutputsParams(choice=["hello", "world"]))
+    bitmask = fill_bitmask([matcher], len(tokenizer))
+    logits = torch.zeros(1, len(tokenizer))
+    apply_bitmask(logits, torch.tensor([0]), bitmask)
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    texts = {tokenizer.decode([token]) for token in allowed}
+    assert texts and all("hello".startswith(t) or "world".startswith(t) for t in texts)
+    with pytest.raises(InvalidGrammar):
+        grammars.compile(StructuredOutputsParams(regex="[unclosed"))
+
+
+def test_logit_bias_moves_the_sampler(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate("hello world", greedy)[0].token_ids
+    forced = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0})
+    assert llm.generate("hello world", forced)[0].token_ids == [42] * 6
+    banned = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100.0}
+    )
+    assert llm.generate("hello world", banned)[0].token_ids[0] != plain[0]
+
+
+@pytest.mark.parametrize(
+    "bias", [{-1: 1.0}, {1: 101.0}, {1: float("nan")}, {i: 1.0 for i in range(1025)}]
+)
+def test_logit_bias_out_of_bounds_is_an_invalid_param(bias):
+    with pytest.raises(InvalidParam) as caught:
+        SamplingParams(logit_bias=bias)
+    assert caught.value.field == "logit_bias"
+
+
+def test_logit_bias_beyond_the_vocabulary_is_refused(llm):
+    output = llm.generate("hi", SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))[0]
+    assert output.finish_reason == "error"
+    assert "logit_bias" in output.error
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c['function'] | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_tools_and_tool_turns_are_rendered_by_the_template():
+    from inference_engine.protocol import Message, ToolCall
+    from tests.inference_engine.conftest import build_tokenizer
+
+    tool_tokenizer = build_tokenizer()
+    tool_tokenizer.chat_template = TOOL_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [
+        Message("user", "weather?"),
+        Message("assistant", "", tool_calls=[ToolCall("call_1", "get_weather", '{"city": "x"}')]),
+        Message("tool", "sunny", tool_call_id="call_1"),
+    ]
+    ids = render_chat(tool_tokenizer, [m.as_template_input() for m in messages], tools)
+    text = tool_tokenizer.decode(ids)
+    assert "tools: get_weather" in text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "x"}}</tool_call>' in text
+    assert "<|tool|>sunny" in text
+    assert tool_call_parser(tool_tokenizer) == "hermes"
+    assert tool_call_parser(build_tokenizer()) == ""
