@@ -226,12 +226,35 @@ class UsageRollup(models.Model):
     cached_tokens = models.PositiveBigIntegerField(default=0)
     ttft_histogram = models.JSONField(default=list)
     latency_histogram = models.JSONField(default=list)
+    # time per output token after the first (rollups.TPOT_BUCKETS_MS); [] in rows rolled up
+    # before it was kept
+    tpot_histogram = models.JSONField(default=list)
 
     class Meta:
         indexes = [
             models.Index(fields=["tenant", "period", "period_start"], name="rollup_tenant_period"),
             models.Index(fields=["period", "period_start"], name="rollup_period"),
         ]
+
+
+class RefusalCount(models.Model):
+    """Requests refused before admission (no usage record: a quota's 429, an unknown model's
+    404, a request too large), counted per hour, so the dashboards can show refusal rates.
+    Rows are summed, never read one by one: two that a race created for the same hour and
+    group count as one."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="refusal_counts")
+    api_key = models.ForeignKey(
+        ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    model = models.CharField(max_length=200, blank=True)  # empty: not a served model
+    source = models.CharField(max_length=8, choices=UsageRecord.Source.choices)
+    code = models.CharField(max_length=64)
+    hour = models.DateTimeField()
+    count = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "hour"], name="refusal_tenant_hour")]
 
 
 class RollupCursor(models.Model):

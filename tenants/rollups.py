@@ -18,8 +18,12 @@ from django.utils import timezone
 
 from tenants.models import RollupCursor, UsageRecord, UsageRollup
 
-# Upper bounds (ms) of the latency histogram buckets; the last bucket is open-ended.
+# Upper bounds (ms) of the latency histogram buckets (TTFT and whole latency); the last
+# bucket is open-ended.
 LATENCY_BUCKETS_MS = (25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000)
+# Upper bounds (ms) of the time-per-output-token histogram's buckets: a decode step is
+# milliseconds on a GPU, tens of them on a CPU.
+TPOT_BUCKETS_MS = (1, 2.5, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000)
 # Records are created in transactions that may commit a little after their created_at.
 CREATED_AT_SLACK = timedelta(minutes=5)
 CURSOR = "usage"
@@ -27,36 +31,71 @@ GROUP_FIELDS = ("tenant_id", "api_key_id", "user_id", "model", "source")
 STATUS_FIELDS = {"ok": "ok", "cancelled": "cancelled", "error": "errors", "rejected": "rejected"}
 SUM_FIELDS = ("requests", "ok", "cancelled", "errors", "rejected", "prompt_tokens",
               "completion_tokens", "cached_tokens")  # fmt: skip
+HISTOGRAM_BOUNDS = {
+    "ttft_histogram": LATENCY_BUCKETS_MS,
+    "latency_histogram": LATENCY_BUCKETS_MS,
+    "tpot_histogram": TPOT_BUCKETS_MS,
+}
 
 
-def empty_histogram() -> list[int]:
-    return [0] * (len(LATENCY_BUCKETS_MS) + 1)
+def empty_histogram(bounds: tuple[float, ...] = LATENCY_BUCKETS_MS) -> list[int]:
+    return [0] * (len(bounds) + 1)
 
 
-def histogram_add(histogram: list[int], value_ms: float | None) -> None:
+def histogram_add(
+    histogram: list[int], value_ms: float | None, bounds: tuple[float, ...] = LATENCY_BUCKETS_MS
+) -> None:
     if value_ms is not None:
-        histogram[bisect.bisect_left(LATENCY_BUCKETS_MS, value_ms)] += 1
+        histogram[bisect.bisect_left(bounds, value_ms)] += 1
 
 
-def histogram_merge(histograms: Iterable[list[int]]) -> list[int]:
-    merged = empty_histogram()
+def histogram_merge(
+    histograms: Iterable[list[int]], bounds: tuple[float, ...] = LATENCY_BUCKETS_MS
+) -> list[int]:
+    """The bucket-wise sum; an empty list (a row from before the histogram existed) adds
+    nothing."""
+    merged = empty_histogram(bounds)
     for histogram in histograms:
         for index, count in enumerate(histogram):
             merged[index] += count
     return merged
 
 
-def histogram_percentile(histogram: list[int], q: float) -> float | None:
-    """The upper bound of the bucket holding the q-quantile (ms); None when empty."""
+def histogram_percentile(
+    histogram: list[int], q: float, bounds: tuple[float, ...] = LATENCY_BUCKETS_MS
+) -> float | None:
+    """The q-quantile (ms), interpolated linearly inside the bucket that holds it, as
+    Prometheus' ``histogram_quantile`` does: the values of a bucket are taken as spread evenly
+    between its bounds (the first bucket's lower bound is 0). A quantile in the open-ended
+    last bucket is the highest finite bound. None when the histogram is empty."""
     total = sum(histogram)
     if not total:
         return None
     rank, seen = q * total, 0
     for index, count in enumerate(histogram):
+        if count and seen + count >= rank:
+            if index >= len(bounds):
+                return float(bounds[-1])
+            lower = bounds[index - 1] if index else 0.0
+            return float(lower + (bounds[index] - lower) * (rank - seen) / count)
         seen += count
-        if seen >= rank and count:
-            return float(LATENCY_BUCKETS_MS[min(index, len(LATENCY_BUCKETS_MS) - 1)])
-    return float(LATENCY_BUCKETS_MS[-1])
+    return float(bounds[-1])
+
+
+def time_per_output_token_ms(
+    latency_ms: float | None, ttft_ms: float | None, completion_tokens: int
+) -> float | None:
+    """The mean time between a request's output tokens after the first; None when it had
+    fewer than two."""
+    if latency_ms is None or ttft_ms is None or completion_tokens < 2:
+        return None
+    return max(0.0, latency_ms - ttft_ms) / (completion_tokens - 1)
+
+
+def _empty_row() -> dict:
+    return {field: 0 for field in SUM_FIELDS} | {
+        name: empty_histogram(bounds) for name, bounds in HISTOGRAM_BOUNDS.items()
+    }
 
 
 def _hour(moment: datetime) -> datetime:
@@ -71,12 +110,7 @@ def _day(moment: datetime) -> datetime:
 def rollup_hour(start: datetime) -> int:
     """Recompute the hour starting at ``start`` from the raw records; the rows written."""
     start = _hour(start)
-    groups: dict[tuple, dict] = defaultdict(
-        lambda: (
-            {field: 0 for field in SUM_FIELDS}
-            | {"ttft_histogram": empty_histogram(), "latency_histogram": empty_histogram()}
-        )
-    )
+    groups: dict[tuple, dict] = defaultdict(_empty_row)
     records = UsageRecord.objects.filter(
         started_at__gte=start, started_at__lt=start + timedelta(hours=1)
     ).values_list(*GROUP_FIELDS, "status", "prompt_tokens", "completion_tokens",
@@ -90,6 +124,8 @@ def rollup_hour(start: datetime) -> int:
         row["cached_tokens"] += cached
         histogram_add(row["ttft_histogram"], ttft)
         histogram_add(row["latency_histogram"], latency)
+        tpot = time_per_output_token_ms(latency, ttft, completion)
+        histogram_add(row["tpot_histogram"], tpot, TPOT_BUCKETS_MS)
     return _replace(UsageRollup.Period.HOUR, start, groups)
 
 
@@ -105,15 +141,11 @@ def rollup_day(start: datetime) -> int:
     )
     for hour in hours:
         key = tuple(getattr(hour, field) for field in GROUP_FIELDS)
-        row = groups.setdefault(
-            key,
-            {field: 0 for field in SUM_FIELDS}
-            | {"ttft_histogram": empty_histogram(), "latency_histogram": empty_histogram()},
-        )
+        row = groups.setdefault(key, _empty_row())
         for field in SUM_FIELDS:
             row[field] += getattr(hour, field)
-        for field in ("ttft_histogram", "latency_histogram"):
-            row[field] = histogram_merge([row[field], getattr(hour, field)])
+        for field, bounds in HISTOGRAM_BOUNDS.items():
+            row[field] = histogram_merge([row[field], getattr(hour, field)], bounds)
     return _replace(UsageRollup.Period.DAY, start, groups)
 
 

@@ -38,7 +38,8 @@ from gateway.auth import api_key_for
 from gateway.errors import ApiError
 from serving.models import ModelDeployment
 from serving.selectors import deployment_for_tenant, prefix_cache_salt
-from tenants.models import ApiKey, Plan, Tenant
+from tenants.models import ApiKey, Plan, Tenant, UsageRecord
+from tenants.refusals import refusal_record
 from tenants.selectors import tenant_priority, tenant_share
 
 GENERATION_KEY = "gateway:auth-generation"
@@ -123,6 +124,13 @@ def _fetch(raw_key: str, model: str) -> Authorization:
     api_key = api_key_for(raw_key)
     deployment = deployment_for_tenant(tenant=api_key.tenant, name=model)
     if deployment is None:
+        # the asked name is the client's text: not kept, so it cannot grow the counts' groups
+        refusal_record(
+            tenant_id=api_key.tenant_id,
+            api_key_id=api_key.pk,
+            source=UsageRecord.Source.API,
+            code="model_not_found",
+        )
         raise model_not_found(model)
     return Authorization(
         api_key=api_key,

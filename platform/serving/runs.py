@@ -22,11 +22,13 @@ API's ``StaleAuthorization`` from the admission precondition) is raised with not
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from django.contrib.auth.models import AbstractBaseUser
 
+from config.workers import database_worker
 from inference_engine.client import AsyncEngineClient, EngineUnavailable
 from inference_engine.protocol import ErrorCode, FinishReason, GenerateDelta, GenerateRequest, Usage
 from serving.budget import ContextExceeded, PromptTokens, Reservation, reserve
@@ -36,7 +38,10 @@ from serving.pool import NoReadyReplica, get_pool
 from serving.selectors import prefix_cache_salt
 from tenants.models import ApiKey, Tenant, UsageRecord
 from tenants.quotas import QuotaExceeded, Window
+from tenants.refusals import refusal_record
 from tenants.selectors import tenant_priority, tenant_share
+
+logger = logging.getLogger(__name__)
 
 NO_REPLICA_RETRY_AFTER_SECONDS = 5
 ENGINE_BUSY_RETRY_AFTER_SECONDS = 1
@@ -190,6 +195,8 @@ class Run:
             await self.aclose(exc)
             if isinstance(exc, RunError) and self.meter is not None:
                 exc.request_id = self.spec.request_id
+            elif isinstance(exc, RunError):  # refused before admission: no usage record
+                await _count_refusal(self.caller, exc.code)
             raise
 
     async def _route(self) -> tuple[str, int]:
@@ -396,6 +403,21 @@ class Run:
         except BaseException as raised:
             if raised is not exc:
                 raise
+
+
+@database_worker
+def _count_refusal(caller: Caller, code: str) -> None:
+    """Count the refusal for the dashboards; a failure to count refuses nothing else."""
+    try:
+        refusal_record(
+            tenant_id=caller.tenant.pk,
+            api_key_id=caller.api_key.pk if caller.api_key is not None else None,
+            model=caller.deployment.name,
+            source=caller.source,
+            code=code,
+        )
+    except Exception:  # noqa: BLE001 - logged; the caller's refusal goes out regardless
+        logger.warning("could not count a refusal (%s)", code, exc_info=True)
 
 
 async def _merge(

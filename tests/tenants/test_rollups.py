@@ -109,9 +109,31 @@ def test_latency_histograms_merge_into_percentiles(keys):
 
     [day] = UsageRollup.objects.filter(period="day")
     assert sum(day.ttft_histogram) == 10
-    assert rollups.histogram_percentile(day.ttft_histogram, 0.5) == 100
-    assert rollups.histogram_percentile(day.ttft_histogram, 0.95) == 5000
+    # interpolated inside the bucket, as Prometheus' histogram_quantile: the 5th of 10 is
+    # the 1st of the 3 values in (50, 100], the 9.5th half-way into (2500, 5000]
+    assert rollups.histogram_percentile(day.ttft_histogram, 0.5) == pytest.approx(50 + 50 / 3)
+    assert rollups.histogram_percentile(day.ttft_histogram, 0.95) == pytest.approx(3750)
     assert rollups.histogram_percentile(rollups.empty_histogram(), 0.5) is None
+
+
+def test_a_quantile_in_the_open_ended_bucket_is_the_highest_bound():
+    histogram = rollups.empty_histogram()
+    histogram[-1] = 3
+    assert rollups.histogram_percentile(histogram, 0.5) == rollups.LATENCY_BUCKETS_MS[-1]
+
+
+def test_time_per_output_token_is_rolled_up(keys):
+    mine, _ = keys
+    # n completion tokens in latency - ttft = 900 - 40 ms: (860 / (n - 1)) ms per token
+    for n in (2, 5, 11, 1):
+        _record(mine, T0 + timedelta(minutes=n), n)
+    rollups.rollup_pending(now=T0 + timedelta(hours=1))
+
+    [day] = UsageRollup.objects.filter(period="day")
+    assert sum(day.tpot_histogram) == 3  # a one-token reply has no time between tokens
+    assert rollups.time_per_output_token_ms(900, 40, 11) == 86
+    p50 = rollups.histogram_percentile(day.tpot_histogram, 0.5, rollups.TPOT_BUCKETS_MS)
+    assert 150 < p50 <= 250  # the middle one, 860 / 4 = 215 ms, lies in (150, 250]
 
 
 def test_tasks_run_through_celery(eager, keys, settings):
