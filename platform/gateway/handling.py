@@ -79,20 +79,23 @@ async def _serve(
     on_finish = functools.partial(metrics.observe_finished, deployment.name, api_key.tenant)
     run = Run(spec, caller, on_finish=on_finish)
     await run.start()
-    responder = Responder(kind=kind, plan=plan, run=run, model=deployment.name)
-    headers = {"x-request-id": response_id, **ratelimit_headers(run.meter.windows)}
-    if plan.stream:
-        response = GenerationStreamResponse(responder)
-    else:
-        try:
-            body = await responder.complete()
-        except BaseException as exc:
-            await run.aclose(exc)
-            raise
+    # From here the run is settled on every way out, and only once its answer is whole: a
+    # failure on the way (a 500) or a client that leaves (cancelled) is metered as such.
+    try:
+        responder = Responder(kind=kind, plan=plan, run=run, model=deployment.name)
+        headers = {"x-request-id": response_id, **ratelimit_headers(run.meter.windows)}
+        if plan.stream:
+            response = GenerationStreamResponse(responder)  # settles as the stream ends
+        else:
+            body = msgspec.json.encode(await responder.complete())
+            response = HttpResponse(body, content_type="application/json")
+        for name, value in headers.items():
+            response[name] = value
+    except BaseException as exc:
+        await run.aclose(exc)
+        raise
+    if not plan.stream:
         await run.aclose()
-        response = HttpResponse(msgspec.json.encode(body), content_type="application/json")
-    for name, value in headers.items():
-        response[name] = value
     return response
 
 

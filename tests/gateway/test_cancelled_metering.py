@@ -58,7 +58,9 @@ async def _cut(platform, *, stream: bool, after: float) -> bool:
         return False
 
 
-@pytest.mark.parametrize(("stream", "after"), [(True, 0.05), (True, 0.15), (False, 0.1)])
+@pytest.mark.parametrize(
+    ("stream", "after"), [(True, 0.05), (True, 0.15), (False, 0.05), (False, 0.1), (False, 1.5)]
+)
 async def test_a_cut_request_is_metered_once_with_the_engines_counts(
     async_db, platform, stream, after
 ):
