@@ -18,7 +18,9 @@ past ``heartbeat_timeout`` (the client sends STATS every ``heartbeat_interval`` 
 counts as an answer), every open stream raises ``EngineUnavailable``; ZeroMQ reconnects on its
 own when the engine comes back, and new requests work again. A STATS answer from a new engine
 process (another ``engine_id``) fails the open streams too: their requests died with the old
-one.
+one. A request that cannot be sent to an engine that is connected (the send queue is full,
+``SEND_HWM`` messages: a burst faster than the engine reads) raises ``EngineOverloaded``: the
+engine is up, so it is worth a retry, and it is no sign of a dead engine.
 """
 
 from __future__ import annotations
@@ -51,10 +53,17 @@ logger = logging.getLogger(__name__)
 
 # how long the last delta of a stream left early is kept for ``final_delta``
 ABANDONED_TTL_SECONDS = 60.0
+# messages queued for the engine before a send is refused (ZeroMQ's default is 1,000: one burst
+# of a web process's requests, each one message, could fill it)
+SEND_HWM = 100_000
 
 
 class EngineUnavailable(ConnectionError):
     """The engine cannot be reached, stopped answering, or the client was closed."""
+
+
+class EngineOverloaded(Exception):
+    """The engine is connected, but the queue of messages to it is full: retry shortly."""
 
 
 class AsyncEngineClient:
@@ -64,10 +73,12 @@ class AsyncEngineClient:
         *,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
+        send_hwm: int = SEND_HWM,
     ) -> None:
         self.endpoint = endpoint
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
+        self.send_hwm = send_hwm
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -84,6 +95,7 @@ class AsyncEngineClient:
         self._last_heard = 0.0
         self._started_at = 0.0
         self._has_heard = False
+        self._is_connected = False  # a connection to the engine is up (its handshake done)
         self._engine_id: str | None = None
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
@@ -95,7 +107,8 @@ class AsyncEngineClient:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream the request's deltas; the last one has ``finish_reason`` set. Fills
-        ``request.request_id`` with a uuid when it is None. Raises ``EngineUnavailable``."""
+        ``request.request_id`` with a uuid when it is None. Raises ``EngineUnavailable``, or
+        ``EngineOverloaded`` when the request cannot be sent to a connected engine."""
         self._start()
         if request.request_id is None:
             request.request_id = uuid.uuid4().hex
@@ -108,6 +121,11 @@ class AsyncEngineClient:
         failure: BaseException | None = None
         try:
             if not await self._send_soon(RequestType.GENERATE, request):
+                if self._is_connected:
+                    raise EngineOverloaded(
+                        f"the queue to the engine at {self.endpoint} is full "
+                        f"({self.send_hwm} messages)"
+                    )
                 raise EngineUnavailable(f"no engine connected at {self.endpoint}")
             while True:
                 item = await stream.get()
@@ -255,9 +273,12 @@ class AsyncEngineClient:
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.SNDHWM, self.send_hwm)
         # a fixed routing id survives reconnects, so the engine's replies still find us
         socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
         socket.connect(self.endpoint)
         self._socket = socket
         self._last_heard = self._started_at = time.monotonic()
@@ -330,11 +351,12 @@ class AsyncEngineClient:
     async def _disconnect_loop(self) -> None:
         """A dropped connection (the engine process died or was restarted) fails the open
         streams at once, instead of after ``heartbeat_timeout`` of silence: their requests
-        died with it."""
+        died with it. Also keeps ``_is_connected``."""
         monitor = self._monitor
         with contextlib.suppress(zmq.ZMQError):
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
+                self._is_connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 if event["event"] == zmq.EVENT_DISCONNECTED and self._streams:
                     self._fail_all(EngineUnavailable(f"the engine at {self.endpoint} went away"))
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from django.contrib.auth.models import AbstractBaseUser
 
 from config.workers import database_worker
-from inference_engine.client import AsyncEngineClient, EngineUnavailable
+from inference_engine.client import AsyncEngineClient, EngineOverloaded, EngineUnavailable
 from inference_engine.protocol import ErrorCode, FinishReason, GenerateDelta, GenerateRequest, Usage
 from serving.budget import ContextExceeded, PromptTokens, Reservation, reserve
 from serving.metering import Meter, metered
@@ -62,7 +62,8 @@ ENGINE_ERRORS: dict[str, tuple[str, str, int | None]] = {
 
 class RunError(Exception):
     """Why a run was refused or failed. ``code`` is one of: ``engine_unavailable`` (no ready
-    replica, or the engine was lost), ``context_length_exceeded``, ``rate_limit_exceeded``
+    replica, or the engine was lost), ``engine_overloaded`` (the engine's waiting queue, or the
+    queue of requests to it, is full), ``context_length_exceeded``, ``rate_limit_exceeded``
     (``windows`` and ``retry_after`` say where the limits stand), ``request_too_large`` (no
     wait would admit it), or an engine error (``ENGINE_ERRORS``). ``param`` names the
     caller's field at fault, where one is; ``request_id`` the usage record of a run that was
@@ -282,6 +283,13 @@ class Run:
             self._first = list(await asyncio.gather(*(anext(s) for s in self._streams)))
         except EngineUnavailable as exc:
             raise self._lost(exc) from exc
+        except EngineOverloaded as exc:  # the engine is up: its queue is full, as it says
+            self.meter.fail(str(ErrorCode.OVERLOADED), UsageRecord.Status.REJECTED)
+            raise RunError(
+                "engine_overloaded",
+                f"The model's engine is overloaded: {exc}.",
+                retry_after=ENGINE_BUSY_RETRY_AFTER_SECONDS,
+            ) from exc
         except StopAsyncIteration as exc:
             self.meter.fail("engine_error")
             raise RunError("engine_error", "The engine closed the stream.") from exc

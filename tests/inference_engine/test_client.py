@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from inference_engine.client import AsyncEngineClient, EngineUnavailable
+from inference_engine.client import AsyncEngineClient, EngineOverloaded, EngineUnavailable
 from inference_engine.protocol import (
     AbortRequest,
     FinishReason,
@@ -270,3 +270,45 @@ async def test_an_engine_that_goes_away_fails_the_open_streams_at_once(fake, tmp
         assert time.monotonic() - started < 5
     finally:
         client.close()
+
+
+async def test_a_full_send_queue_to_a_live_engine_is_overloaded_not_unavailable(tmp_path):
+    """A burst faster than the engine reads fills the queue to it: the engine is up, so that
+    is EngineOverloaded (worth a retry), never EngineUnavailable ("no engine connected")."""
+    endpoint = f"ipc://{tmp_path}/stalled.sock"
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVHWM, 1)
+    router.bind(endpoint)
+    client = AsyncEngineClient(endpoint, send_hwm=1)
+
+    async def answer_one_stats() -> None:
+        identity, _, _ = await router.recv_multipart()
+        stats = StatsResponse(model="fake", max_model_len=256, ready=True, engine_id="e")
+        await router.send_multipart(
+            [identity, ResponseType.STATS.value, msgspec.msgpack.encode(stats)]
+        )
+
+    try:
+        answering = asyncio.create_task(answer_one_stats())
+        await client.stats()
+        await answering  # from here on the engine reads nothing: a stalled busy engine
+        prompt = "x" * 1_000_000  # a few fill every buffer on the way
+        streams, refusal = [], None
+        for i in range(200):
+            stream = client.generate(GenerateRequest(prompt=prompt, request_id=f"r{i}"))
+            first = asyncio.ensure_future(anext(stream))
+            streams.append((stream, first))
+            await asyncio.sleep(0)
+            if first.done():
+                refusal = first.exception()
+                break
+        assert isinstance(refusal, EngineOverloaded), refusal
+        assert "full" in str(refusal)
+        for _, first in streams:
+            first.cancel()
+        await asyncio.gather(*(first for _, first in streams), return_exceptions=True)
+    finally:
+        client.close()
+        router.close(linger=0)
+        ctx.term()

@@ -237,6 +237,29 @@ async def test_an_engine_error_before_the_first_token(
 
 
 @pytest.mark.tenant_limits(max_concurrent_requests=1)
+async def test_a_full_queue_to_the_engine_is_overloaded_not_unavailable(
+    run_world,  # noqa: F811
+    monkeypatch,
+):
+    """A burst that fills the queue to a live engine (EngineOverloaded) was reported as
+    "no engine connected" (engine_unavailable, 503 for 5 s): it is overloaded, retry in 1 s."""
+    from inference_engine.client import AsyncEngineClient, EngineOverloaded
+
+    async def full(self, request):
+        raise EngineOverloaded("the queue to the engine is full")
+        yield  # an async generator, as generate() is
+
+    monkeypatch.setattr(AsyncEngineClient, "generate", full)
+    with pytest.raises(RunError) as raised:
+        await Run(spec(), run_world.caller()).start()
+    assert (raised.value.code, raised.value.retry_after) == ("engine_overloaded", 1)
+    record = await record_of(run_world)
+    assert (record.status, record.error_code) == ("rejected", "overloaded")
+    monkeypatch.undo()
+    await assert_released(run_world)
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=1)
 async def test_an_engine_error_mid_stream(run_world):  # noqa: F811
     run = Run(spec(), run_world.caller())
     identity = await started(run_world, run)
