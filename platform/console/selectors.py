@@ -1,6 +1,6 @@
-"""The console's reads: usage from the daily roll-ups (never the raw records), how fairly
-the tenants of each tier were served, where a tenant stands against its quotas, and the
-deployments with their replicas' state."""
+"""The console's reads (usage over time is ``console.usage``): the usage CSV from the daily
+roll-ups, the tenants, how fairly the tenants of each tier were served, where a tenant stands
+against its quotas, and the deployments with their replicas' state."""
 
 from collections import defaultdict
 from collections.abc import Iterable
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import NamedTuple
 
-from django.db.models import QuerySet, Sum
+from django.db.models import Count, Q, QuerySet
 
 from gateway.metrics import supervisor_status
 from serving.models import ModelDeployment
@@ -35,20 +35,6 @@ class DateRange:
         return start, start + timedelta(days=len(self.days))
 
 
-@dataclass
-class UsageSummary:
-    days: list[str]
-    tokens_by: dict[str, list[float]]
-    requests_by: dict[str, list[float]]
-    total_requests: int
-    total_tokens: int
-    error_rate: float | None
-    ttft_p50: float | None
-    ttft_p95: float | None
-    latency_p50: float | None
-    latency_p95: float | None
-
-
 def daily_rollups(*, date_range: DateRange, tenant: Tenant | None = None) -> QuerySet:
     start, end = date_range.bounds
     rows = UsageRollup.objects.filter(
@@ -57,91 +43,21 @@ def daily_rollups(*, date_range: DateRange, tenant: Tenant | None = None) -> Que
     return rows.filter(tenant=tenant) if tenant is not None else rows
 
 
-def _label(row: UsageRollup, group_by: str, key_names: dict[int, str]) -> str:
-    if group_by == "key":
-        if row.api_key_id is None:
-            return "chat" if row.source == "chat" else "deleted key"
-        return key_names.get(row.api_key_id, "deleted key")
-    if group_by == "tenant":
-        return row.tenant.slug
-    if group_by == "source":
-        return row.get_source_display()
-    return row.model
+class TenantRow(NamedTuple):
+    tenant: Tenant
+    plan: str
+    num_members: int
+    num_active_keys: int
 
 
-def usage_summary(
-    *, date_range: DateRange, tenant: Tenant | None = None, group_by: str = "model"
-) -> UsageSummary:
-    """Tokens and requests per day grouped by model, key or tenant (the top few, the rest as
-    "other"), with totals, error rate and latency percentiles over the range."""
-    rows = list(daily_rollups(date_range=date_range, tenant=tenant).select_related("tenant"))
-    key_names = (
-        dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name")) if tenant else {}
+def tenant_rows() -> list[TenantRow]:
+    """Every tenant with its plan and how many members and active keys it has."""
+    tenants = Tenant.objects.select_related("plan").order_by("slug")
+    tenants = tenants.annotate(
+        num_members=Count("memberships", distinct=True),
+        num_active_keys=Count("api_keys", filter=Q(api_keys__revoked_at=None), distinct=True),
     )
-    days = date_range.days
-    index = {day: i for i, day in enumerate(days)}
-    tokens: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(days))
-    requests: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(days))
-    for row in rows:
-        label = _label(row, group_by, key_names)
-        i = index[row.period_start.astimezone(UTC).date()]
-        tokens[label][i] += row.prompt_tokens + row.completion_tokens
-        requests[label][i] += row.requests
-    order = sorted(tokens, key=lambda label: -sum(tokens[label]))
-    total_requests = sum(row.requests for row in rows)
-    errors = sum(row.errors for row in rows)
-    ttft = histogram_merge(row.ttft_histogram for row in rows if row.ttft_histogram)
-    latency = histogram_merge(row.latency_histogram for row in rows if row.latency_histogram)
-    return UsageSummary(
-        days=[day.strftime("%b %d") for day in days],
-        # the same labels in the same order (so the same colours) in both charts
-        tokens_by=_top(tokens, order),
-        requests_by=_top(requests, order),
-        total_requests=total_requests,
-        total_tokens=sum(row.prompt_tokens + row.completion_tokens for row in rows),
-        error_rate=errors / total_requests if total_requests else None,
-        ttft_p50=histogram_percentile(ttft, 0.5),
-        ttft_p95=histogram_percentile(ttft, 0.95),
-        latency_p50=histogram_percentile(latency, 0.5),
-        latency_p95=histogram_percentile(latency, 0.95),
-    )
-
-
-def _top(series: dict[str, list[float]], order: list[str]) -> dict[str, list[float]]:
-    """The first ``MAX_SERIES`` labels of ``order``, the rest summed as "other"."""
-    top = {label: series[label] for label in order[:MAX_SERIES] if label in series}
-    rest = [series[label] for label in order[MAX_SERIES:] if label in series]
-    if rest:
-        top["other"] = [sum(values) for values in zip(*rest, strict=True)]
-    return top
-
-
-def top_tenants(*, date_range: DateRange, limit: int = 10) -> list[dict]:
-    return list(
-        daily_rollups(date_range=date_range)
-        .values("tenant__slug", "tenant__name")
-        .annotate(
-            requests=Sum("requests"),
-            prompt=Sum("prompt_tokens"),
-            completion=Sum("completion_tokens"),
-            errors=Sum("errors"),
-        )
-        .order_by("-completion", "-prompt")[:limit]
-    )
-
-
-def model_load(*, date_range: DateRange) -> list[dict]:
-    return list(
-        daily_rollups(date_range=date_range)
-        .values("model")
-        .annotate(
-            requests=Sum("requests"),
-            prompt=Sum("prompt_tokens"),
-            completion=Sum("completion_tokens"),
-            cached=Sum("cached_tokens"),
-        )
-        .order_by("-completion")
-    )
+    return [TenantRow(t, t.plan.name, t.num_members, t.num_active_keys) for t in tenants]
 
 
 USAGE_CSV_HEADER = [

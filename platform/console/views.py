@@ -17,7 +17,7 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from console import batches_selectors, charts, forms, permissions, selectors
+from console import batches_selectors, charts, forms, permissions, selectors, usage
 from serving import services as serving_services
 from serving.models import ModelDeployment
 from tenants import services
@@ -67,6 +67,26 @@ def _context(request: HttpRequest, tenant: Tenant | None, **extra) -> dict:
     }
 
 
+def _granularity(request: HttpRequest, date_range: selectors.DateRange) -> str:
+    """``?period=hour|day``; by default per hour for a range of up to two days."""
+    asked = request.GET.get("period")
+    if asked in usage.GRANULARITIES:
+        return asked
+    return "hour" if len(date_range.days) <= 2 else "day"
+
+
+def _usage_charts(report: usage.UsageReport) -> dict[str, str]:
+    labels = report.labels
+    return {
+        "tokens_chart": charts.stacked_bars(labels, report.tokens_by, "tokens"),
+        "requests_chart": charts.stacked_bars(labels, report.requests_by, "requests"),
+        "rates_chart": charts.lines(labels, report.rates(), "%"),
+        "ttft_chart": charts.lines(labels, report.percentiles("ttft"), "ms"),
+        "tpot_chart": charts.lines(labels, report.percentiles("tpot"), "ms"),
+        "latency_chart": charts.lines(labels, report.percentiles("latency"), "ms"),
+    }
+
+
 @tenant_page
 def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     range_form = _range_form(request)
@@ -75,7 +95,10 @@ def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     group_by = request.GET.get("group", "model")
     if group_by not in ("model", "key", "source"):
         group_by = "model"
-    summary = selectors.usage_summary(date_range=date_range, tenant=tenant, group_by=group_by)
+    granularity = _granularity(request, date_range)
+    report = usage.usage_report(
+        date_range=date_range, tenant=tenant, group_by=group_by, granularity=granularity
+    )
     return render(
         request,
         "console/dashboard.html",
@@ -84,9 +107,9 @@ def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             tenant,
             date_range=date_range,
             group_by=group_by,
-            summary=summary,
-            tokens_chart=charts.stacked_bars(summary.days, summary.tokens_by, "tokens"),
-            requests_chart=charts.stacked_bars(summary.days, summary.requests_by, "requests"),
+            granularity=granularity,
+            summary=report,
+            **_usage_charts(report),
             quota_rows=selectors.quota_rows(tenant=tenant),
             batch_usage=batches_selectors.batch_usage(date_range=date_range, tenant=tenant),
         ),
@@ -125,6 +148,7 @@ def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
                 expires_in_days=form.cleaned_data["expires_in_days"],
             )
             form = forms.ApiKeyCreateForm()
+            messages.success(request, f"Created the key {new_key[:12]}…: copy it below.")
         else:
             status = 400
     elif action == "revoke":
@@ -175,13 +199,15 @@ def _change_members(request: HttpRequest, tenant: Tenant) -> None:
         services.membership_add(tenant=tenant, username=username, role=role, actor=request.user)
         messages.success(request, f"{username} is now {role}.")
     elif action == "role":
-        services.membership_change_role_by_id(
+        membership = services.membership_change_role_by_id(
             tenant=tenant, membership_id=membership_id, role=role, actor=request.user
         )
+        messages.success(request, f"{membership.user.get_username()} is now {membership.role}.")
     elif action == "remove":
         services.membership_remove_by_id(
             tenant=tenant, membership_id=membership_id, actor=request.user
         )
+        messages.success(request, f"The member was removed from {tenant.name}.")
 
 
 @staff_member_required
@@ -189,11 +215,16 @@ def platform(request: HttpRequest) -> HttpResponse:
     range_form = _range_form(request)
     status = _refuse_range(request, range_form) if range_form.errors else 200
     date_range = range_form.date_range()
-    summary = selectors.usage_summary(date_range=date_range, group_by="tenant")
+    granularity = _granularity(request, date_range)
+    report = usage.usage_report(date_range=date_range, group_by="tenant", granularity=granularity)
+    by_model = usage.usage_report(date_range=date_range, group_by="model", granularity="day")
+    tenant_rows = selectors.tenant_rows()
     deployments = selectors.deployments_list()
     processes = selectors.supervised_processes()
-    is_changing = selectors.deployments_changing(deployments=deployments) or not all(
-        process.is_running for process in processes
+    is_changing = (
+        selectors.deployments_changing(deployments=deployments)
+        or any(d.health == ModelDeployment.Health.UNKNOWN for d in deployments if d.is_enabled)
+        or not all(process.is_running for process in processes)
     )
     return render(
         request,
@@ -202,11 +233,13 @@ def platform(request: HttpRequest) -> HttpResponse:
             request,
             None,
             date_range=date_range,
-            summary=summary,
-            tokens_chart=charts.stacked_bars(summary.days, summary.tokens_by, "tokens"),
-            top_tenants=selectors.top_tenants(date_range=date_range),
+            granularity=granularity,
+            summary=report,
+            **_usage_charts(report),
+            tenant_rows=tenant_rows,
+            slugs={row.tenant.slug for row in tenant_rows},
+            model_load=by_model.by_label,
             batch_usage=batches_selectors.batch_usage(date_range=date_range),
-            model_load=selectors.model_load(date_range=date_range),
             fairness=selectors.fairness_rows(date_range=date_range),
             deployments=deployments,
             processes=processes,
@@ -224,9 +257,10 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
     try:
         if action == "register":
             endpoints = request.POST.get("endpoints", "").split()
-            serving_services.deployment_register(
+            deployment = serving_services.deployment_register(
                 name=request.POST.get("name", "").strip(), endpoints=endpoints
             )
+            messages.success(request, f"Registered {deployment.name}: checking its replicas…")
         elif action in ("load", "unload"):
             endpoint = request.POST.get("endpoint", "")
             serving_services.deployment_control_request(
@@ -237,9 +271,10 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
             )
             messages.success(request, f"{action.title()} requested on {endpoint}.")
         elif action in ("enable", "disable"):
-            serving_services.deployment_set_enabled(
+            deployment = serving_services.deployment_set_enabled(
                 deployment_id=deployment_id, is_enabled=action == "enable"
             )
+            messages.success(request, f"{deployment.name} is {action}d.")
     except ValidationError as exc:
         messages.error(request, " ".join(exc.messages))
     except ModelDeployment.DoesNotExist:

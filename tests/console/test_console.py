@@ -85,7 +85,8 @@ def test_dashboard_shows_usage_charts_and_quota(client, people, tenant, other_te
     client.force_login(people["admin_a"])
 
     page = client.get(reverse("console:dashboard", args=[tenant.slug])).content.decode()
-    assert page.count("<svg") == 2
+    # tokens, requests, error and refusal rates, TTFT, TPOT and latency percentiles
+    assert page.count("<svg") == 6
     assert "demo-chat" in page and "big-model" in page
     assert ">6<" in page  # requests in range: only acme's six
     assert "Requests / minute" in page and "60" in page  # default plan limit

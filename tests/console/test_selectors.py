@@ -119,4 +119,5 @@ def test_fairness_compares_each_tenants_service_with_its_weight_within_its_tier(
     assert (heavy.served_percent, heavy.entitled_percent) == (75.0, pytest.approx(200 / 3))
     assert (light.served_percent, light.entitled_percent) == (25.0, pytest.approx(100 / 3))
     assert (night.served_percent, night.entitled_percent) == (100.0, 100.0)
-    assert heavy.ttft_p50 is not None and heavy.ttft_p50 >= 40.0
+    # estimated inside the histogram bucket that holds the one 40 ms
+    assert heavy.ttft_p50 is not None and 25 < heavy.ttft_p50 <= 50

@@ -1,0 +1,318 @@
+"""Usage over a date range, per hour or per day, as the dashboards chart it.
+
+The past comes from the roll-ups; what the roll-up task has not reached yet (it runs every
+few minutes) comes from the raw usage records, so a request sent a second ago shows. The
+roll-ups' cursor says where one hands over to the other: hours before the hour it last
+rolled are read rolled up, everything from that hour on is read raw. Refusals before
+admission come from their hourly counts (``RefusalCount``), which are always current.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from django.db.models import Sum
+from django.utils import timezone
+
+from console.selectors import MAX_SERIES, DateRange
+from tenants.models import ApiKey, RefusalCount, RollupCursor, Tenant, UsageRecord, UsageRollup
+from tenants.rollups import (
+    CURSOR,
+    HISTOGRAM_BOUNDS,
+    STATUS_FIELDS,
+    empty_histogram,
+    histogram_add,
+    histogram_merge,
+    histogram_percentile,
+    time_per_output_token_ms,
+)
+
+GRANULARITIES = ("hour", "day")
+MAX_HOURLY_DAYS = 7  # 168 bars
+HOUR = timedelta(hours=1)
+
+
+@dataclass
+class Totals:
+    """Counts and latency histograms of one period, one label, or a whole range."""
+
+    requests: int = 0  # usage records: admitted, and refused by the engine ("rejected")
+    ok: int = 0
+    errors: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    refused: int = 0  # refused before admission (no usage record)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    histograms: dict[str, list[int]] = field(
+        default_factory=lambda: {name: empty_histogram(b) for name, b in HISTOGRAM_BOUNDS.items()}
+    )
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def attempts(self) -> int:
+        return self.requests + self.refused
+
+    @property
+    def error_rate(self) -> float | None:
+        """Failed after admission, of every request sent."""
+        return self.errors / self.attempts if self.attempts else None
+
+    @property
+    def refusal_rate(self) -> float | None:
+        """Refused (a quota, an unknown model, a busy or missing engine, a prompt too long),
+        of every request sent."""
+        return (self.refused + self.rejected) / self.attempts if self.attempts else None
+
+    def percentile(self, name: str, q: float) -> float | None:
+        """``name`` is ``ttft``, ``tpot`` or ``latency``; milliseconds."""
+        histogram_name = f"{name}_histogram"
+        return histogram_percentile(
+            self.histograms[histogram_name], q, HISTOGRAM_BOUNDS[histogram_name]
+        )
+
+    def add_rollup(self, row: UsageRollup) -> None:
+        for name in ("requests", "ok", "errors", "rejected", "cancelled"):
+            setattr(self, name, getattr(self, name) + getattr(row, name))
+        self.prompt_tokens += row.prompt_tokens
+        self.completion_tokens += row.completion_tokens
+        self.cached_tokens += row.cached_tokens
+        for name, bounds in HISTOGRAM_BOUNDS.items():
+            self.histograms[name] = histogram_merge(
+                [self.histograms[name], getattr(row, name)], bounds
+            )
+
+    def add_record(self, record: dict) -> None:
+        self.requests += 1
+        status = STATUS_FIELDS[record["status"]]
+        setattr(self, status, getattr(self, status) + 1)
+        self.prompt_tokens += record["prompt_tokens"]
+        self.completion_tokens += record["completion_tokens"]
+        self.cached_tokens += record["cached_tokens"]
+        ttft, latency = record["time_to_first_token_ms"], record["latency_ms"]
+        tpot = time_per_output_token_ms(latency, ttft, record["completion_tokens"])
+        for name, value in (
+            ("ttft_histogram", ttft),
+            ("latency_histogram", latency),
+            ("tpot_histogram", tpot),
+        ):
+            histogram_add(self.histograms[name], value, HISTOGRAM_BOUNDS[name])
+
+
+@dataclass
+class UsageReport:
+    granularity: str  # "hour" or "day"
+    starts: list[datetime]  # each period's start (UTC)
+    by_period: list[Totals]
+    by_label: dict[str, Totals]  # the top labels by tokens (then requests), the rest "other"
+    total: Totals
+    as_of: datetime  # the raw records are read up to now
+    rolled_up_until: datetime | None  # roll-ups cover the hours before; None: none yet
+    tokens_by: dict[str, list[float]] = field(default_factory=dict)
+    requests_by: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> list[str]:
+        if self.granularity == "day":
+            return [start.strftime("%b %d") for start in self.starts]
+        labels, previous_day = [], None
+        for start in self.starts:
+            day = start.date()
+            labels.append(start.strftime("%b %d %H:00" if day != previous_day else "%H:00"))
+            previous_day = day
+        return labels
+
+    def percentiles(self, name: str) -> dict[str, list[float | None]]:
+        """p50 and p95 of ``name`` per period (ms), for a line chart."""
+        return {
+            f"p{round(q * 100)}": [period.percentile(name, q) for period in self.by_period]
+            for q in (0.5, 0.95)
+        }
+
+    def rates(self) -> dict[str, list[float | None]]:
+        """Error and refusal rates per period (percent), for a line chart."""
+        return {
+            "errors": [_percent(period.error_rate) for period in self.by_period],
+            "refused": [_percent(period.refusal_rate) for period in self.by_period],
+        }
+
+
+def _percent(rate: float | None) -> float | None:
+    return None if rate is None else 100 * rate
+
+
+def _hour_floor(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def _periods(date_range: DateRange, granularity: str) -> tuple[list[datetime], datetime, timedelta]:
+    start, end = date_range.bounds
+    if granularity == "hour":
+        start = max(start, end - timedelta(days=MAX_HOURLY_DAYS))
+        step = HOUR
+    else:
+        step = timedelta(days=1)
+    return [start + i * step for i in range(int((end - start) / step))], end, step
+
+
+def rolled_up_until() -> datetime | None:
+    """The start of the hour the roll-up task last rolled: roll-ups before it are complete."""
+    cursor = RollupCursor.objects.filter(name=CURSOR).first()
+    return _hour_floor(cursor.position) if cursor is not None else None
+
+
+class _Labeller:
+    def __init__(self, group_by: str, tenant: Tenant | None) -> None:
+        self.group_by = group_by
+        self.key_names = (
+            dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name")) if tenant else {}
+        )
+        self.slugs = dict(Tenant.objects.values_list("pk", "slug")) if group_by == "tenant" else {}
+
+    def __call__(self, *, tenant_id: int, api_key_id: int | None, model: str, source: str) -> str:
+        if self.group_by == "key":
+            if api_key_id is None:
+                return source if source in ("chat", "batch") else "deleted key"
+            return self.key_names.get(api_key_id, "deleted key")
+        if self.group_by == "tenant":
+            return self.slugs.get(tenant_id, "deleted tenant")
+        if self.group_by == "source":
+            return UsageRecord.Source(source).label
+        return model or "unknown model"
+
+
+def usage_report(
+    *,
+    date_range: DateRange,
+    tenant: Tenant | None = None,
+    group_by: str = "model",
+    granularity: str = "day",
+    now: datetime | None = None,
+) -> UsageReport:
+    """Usage in ``date_range`` (the last ``MAX_HOURLY_DAYS`` of it per hour) for one tenant or
+    all, grouped by ``model``, ``key`` or ``tenant``."""
+    now = now or timezone.now()
+    starts, end, step = _periods(date_range, granularity)
+    start = starts[0] if starts else end
+    handover = rolled_up_until() or start
+    handover = min(max(handover, start), end)
+    by_period = [Totals() for _ in starts]
+    by_label: dict[str, Totals] = defaultdict(Totals)
+    tokens_by: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(starts))
+    requests_by: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(starts))
+    label_of = _Labeller(group_by, tenant)
+
+    def index(moment: datetime) -> int | None:
+        i = int((moment.astimezone(UTC) - start) / step)
+        return i if 0 <= i < len(starts) else None
+
+    def count(i: int | None, label: str, add) -> None:
+        if i is None:
+            return
+        before = (by_label[label].tokens, by_label[label].requests)
+        add(by_period[i])
+        add(by_label[label])
+        tokens_by[label][i] += by_label[label].tokens - before[0]
+        requests_by[label][i] += by_label[label].requests - before[1]
+
+    def scoped(queryset):
+        return queryset.filter(tenant=tenant) if tenant is not None else queryset
+
+    for row in _rollups(scoped, granularity, start, handover):
+        label = label_of(
+            tenant_id=row.tenant_id, api_key_id=row.api_key_id, model=row.model, source=row.source
+        )
+        count(index(row.period_start), label, lambda totals, row=row: totals.add_rollup(row))
+    records = scoped(UsageRecord.objects).filter(started_at__gte=handover, started_at__lt=end)
+    for record in records.values(
+        "tenant_id", "api_key_id", "model", "source", "status", "prompt_tokens",
+        "completion_tokens", "cached_tokens", "time_to_first_token_ms", "latency_ms",
+        "started_at",
+    ):  # fmt: skip
+        label = label_of(
+            tenant_id=record["tenant_id"],
+            api_key_id=record["api_key_id"],
+            model=record["model"],
+            source=record["source"],
+        )
+        count(index(record["started_at"]), label, lambda totals, r=record: totals.add_record(r))
+    refusals = scoped(RefusalCount.objects).filter(hour__gte=start, hour__lt=end)
+    for group in refusals.values("tenant_id", "api_key_id", "model", "source", "hour").annotate(
+        n=Sum("count")
+    ):
+        label = label_of(
+            tenant_id=group["tenant_id"],
+            api_key_id=group["api_key_id"],
+            model=group["model"],
+            source=group["source"],
+        )
+        count(index(group["hour"]), label, lambda totals, n=group["n"]: _refuse(totals, n))
+
+    order = sorted(by_label, key=lambda label: (-by_label[label].tokens, -by_label[label].attempts))
+    total = Totals()
+    for period in by_period:
+        _merge_into(total, period)
+    return UsageReport(
+        granularity=granularity,
+        starts=starts,
+        by_period=by_period,
+        by_label=_top_totals(by_label, order),
+        total=total,
+        as_of=now,
+        rolled_up_until=rolled_up_until(),
+        tokens_by=_top_series(tokens_by, order),
+        requests_by=_top_series(requests_by, order),
+    )
+
+
+def _refuse(totals: Totals, n: int) -> None:
+    totals.refused += n
+
+
+def _rollups(scoped, granularity: str, start: datetime, handover: datetime) -> list[UsageRollup]:
+    """The roll-ups before ``handover``: days while whole days lie before it, then hours."""
+    hours_from = start
+    rows: list[UsageRollup] = []
+    if granularity == "day":
+        hours_from = max(start, handover.replace(hour=0))
+        rows += scoped(UsageRollup.objects).filter(
+            period=UsageRollup.Period.DAY, period_start__gte=start, period_start__lt=hours_from
+        )
+    rows += scoped(UsageRollup.objects).filter(
+        period=UsageRollup.Period.HOUR, period_start__gte=hours_from, period_start__lt=handover
+    )
+    return rows
+
+
+def _merge_into(total: Totals, part: Totals) -> None:
+    for name in ("requests", "ok", "errors", "rejected", "cancelled", "refused",
+                 "prompt_tokens", "completion_tokens", "cached_tokens"):  # fmt: skip
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    for name, bounds in HISTOGRAM_BOUNDS.items():
+        total.histograms[name] = histogram_merge(
+            [total.histograms[name], part.histograms[name]], bounds
+        )
+
+
+def _top_totals(by_label: dict[str, Totals], order: list[str]) -> dict[str, Totals]:
+    top = {label: by_label[label] for label in order[:MAX_SERIES]}
+    if len(order) > MAX_SERIES:
+        other = Totals()
+        for label in order[MAX_SERIES:]:
+            _merge_into(other, by_label[label])
+        top["other"] = other
+    return top
+
+
+def _top_series(series: dict[str, list[float]], order: list[str]) -> dict[str, list[float]]:
+    """The first ``MAX_SERIES`` labels of ``order`` (the same colours in every chart), the
+    rest summed as "other"."""
+    top = {label: series[label] for label in order[:MAX_SERIES] if label in series}
+    rest = [series[label] for label in order[MAX_SERIES:] if label in series]
+    if rest:
+        top["other"] = [sum(values) for values in zip(*rest, strict=True)]
+    return top

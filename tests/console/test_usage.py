@@ -1,0 +1,129 @@
+"""The dashboards' usage: roll-ups for the past, raw records for what the roll-up task has
+not reached, refusals from their hourly counts; per hour or per day; percentiles from
+histograms; charts with whole-number axes for counts."""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.urls import reverse
+
+from console import charts, usage
+from console.selectors import DateRange
+from tenants import rollups, services
+from tenants.models import UsageRecord
+from tenants.refusals import refusal_record
+from tests.usage_records import usage_record_add
+
+pytestmark = pytest.mark.django_db
+
+NOW = datetime(2026, 11, 20, 15, 30, tzinfo=UTC)
+TODAY = DateRange(NOW.date(), NOW.date())
+
+
+@pytest.fixture
+def key(tenant):
+    return services.api_key_create(tenant=tenant, name="prod")[0]
+
+
+def _record(key, started_at, n: int, *, status: str = "ok", ttft: float = 40.0) -> None:
+    usage_record_add(
+        request_id=f"r-{n}",
+        tenant=key.tenant,
+        api_key=key,
+        model="demo-chat",
+        source=UsageRecord.Source.API,
+        status=status,
+        started_at=started_at,
+        finished_at=started_at + timedelta(seconds=1),
+        prompt_tokens=10,
+        completion_tokens=5,
+        time_to_first_token_ms=ttft,
+        latency_ms=ttft + 400,
+    )
+
+
+def _report(tenant, **kwargs) -> usage.UsageReport:
+    return usage.usage_report(date_range=TODAY, tenant=tenant, now=NOW, **kwargs)
+
+
+def test_a_request_shows_before_any_roll_up_and_counts_once_after(key, tenant):
+    _record(key, NOW - timedelta(hours=3), 1)
+    _record(key, NOW - timedelta(seconds=1), 2)
+    assert _report(tenant).total.requests == 2  # nothing rolled up yet: all live
+
+    rollups.rollup_pending(now=NOW)
+    _record(key, NOW - timedelta(minutes=1, seconds=5), 3)  # after the roll-up ran
+    report = _report(tenant, granularity="hour")
+
+    assert report.rolled_up_until == NOW.replace(minute=0)
+    assert report.total.requests == 3 and report.total.tokens == 3 * 15
+    by_hour = {
+        start.hour: period.requests
+        for start, period in zip(report.starts, report.by_period, strict=True)
+    }
+    assert by_hour[12] == 1 and by_hour[15] == 2 and sum(by_hour.values()) == 3
+    daily = _report(tenant, granularity="day")
+    assert [period.requests for period in daily.by_period] == [3]
+
+
+def test_hours_and_days_and_their_labels(key, tenant):
+    _record(key, NOW, 1)
+    hourly = _report(tenant, granularity="hour")
+    assert len(hourly.starts) == 24 and hourly.labels[0] == "Nov 20 00:00"
+    assert hourly.labels[15] == "15:00" and hourly.requests_by == {
+        "demo-chat": [0.0] * 15 + [1.0] + [0.0] * 8
+    }
+    week = DateRange(NOW.date() - timedelta(days=20), NOW.date())
+    assert len(usage.usage_report(date_range=week, granularity="hour").starts) == 7 * 24
+    assert len(usage.usage_report(date_range=week, granularity="day").starts) == 21
+
+
+def test_errors_and_refusals_are_rates_of_every_request_sent(key, tenant):
+    _record(key, NOW, 1)
+    _record(key, NOW, 2, status="error")
+    _record(key, NOW, 3, status="rejected")  # refused by the engine: a usage record
+    for _ in range(5):
+        refusal_record(tenant_id=tenant.pk, api_key_id=key.pk, source="api",
+                       code="rate_limit_exceeded", model="demo-chat", at=NOW)  # fmt: skip
+    total = _report(tenant).total
+
+    assert (total.requests, total.refused, total.attempts) == (3, 5, 8)
+    assert total.error_rate == pytest.approx(1 / 8)
+    assert total.refusal_rate == pytest.approx(6 / 8)
+    assert _report(tenant, granularity="hour").rates()["refused"][15] == pytest.approx(75)
+
+
+def test_percentiles_over_time_are_interpolated_not_bucket_bounds(key, tenant):
+    for n, ttft in enumerate([60, 70, 80, 90], start=1):  # all in the (50, 100] bucket
+        _record(key, NOW, n, ttft=ttft)
+    p50 = _report(tenant, granularity="hour").percentiles("ttft")["p50"]
+    assert p50[15] == pytest.approx(75) and p50[14] is None
+
+
+def test_count_axes_have_whole_ticks_and_large_numbers_are_readable():
+    assert charts.axis_ticks(3, is_integer=True) == [0, 1, 2, 3]
+    assert charts.axis_ticks(1, is_integer=True) == [0, 1]
+    assert all(tick == int(tick) for tick in charts.axis_ticks(7, is_integer=True))
+    assert charts.axis_ticks(0.9) == [0, 0.25, 0.5, 0.75, 1.0]
+    assert charts.axis_ticks(12_345)[-1] >= 12_345
+    assert charts.exact_number(1234567) == "1,234,567"
+    svg = charts.stacked_bars(["a", "b"], {"m": [1.0, 2.0]}, "requests")
+    assert ">0.5<" not in svg and ">1.5<" not in svg
+
+
+def test_the_dashboard_says_as_of_when_and_formats_numbers(client, django_user_model, tenant):
+    owner = django_user_model.objects.create_user("owner", password="pw-owner-123")
+    services.membership_set(tenant=tenant, user=owner, role="owner", actor=None)
+    key = services.api_key_create(tenant=tenant, name="prod")[0]
+    now = datetime.now(UTC)
+    usage_record_add(
+        request_id="big", tenant=tenant, api_key=key, model="demo-chat", source="api",
+        status="ok", started_at=now, finished_at=now, prompt_tokens=12_000, completion_tokens=345,
+    )  # fmt: skip
+    client.force_login(owner)
+    page = client.get(reverse("console:dashboard", args=[tenant.slug])).content.decode()
+    assert ">12,345<" in page  # tokens, live: nothing was rolled up
+    assert "As of " in page and "nothing rolled up yet" in page
+    assert 'name="period"' in page and "Tokens per day" in page  # 14 days by default
+    url = reverse("console:dashboard", args=[tenant.slug])
+    assert "Tokens per hour" in client.get(url, {"period": "hour"}).content.decode()
