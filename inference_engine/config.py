@@ -119,6 +119,11 @@ class ServerConfig:
         30.0, "seconds in-flight requests get to finish after SIGTERM"
     )
     max_frame_bytes: int = option(MAX_FRAME_BYTES, "larger client frames are dropped unread")
+    client_timeout: float = option(
+        5.0,
+        "seconds without a frame from a client (its heartbeat comes every second) after which "
+        "its requests are aborted: its process died",
+    )
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:
@@ -130,6 +135,8 @@ class ServerConfig:
                 f"shutdown_grace_period must be >= 0, got {self.shutdown_grace_period}"
             )
         _check_positive("max_frame_bytes", self.max_frame_bytes)
+        if not self.client_timeout > 0:
+            raise ValueError(f"client_timeout must be > 0, got {self.client_timeout}")
         if self.metrics_port is not None:
             _check_positive("metrics_port", self.metrics_port)
 

@@ -12,7 +12,10 @@
   ``async_output=False`` the busy loop does this work inline.
 
 A client is known by its ROUTER identity; its request ids are namespaced by that identity in
-the core, so one client can never abort another's request. SIGTERM stops intake, lets
+the core, so one client can never abort another's request. A client sends STATS every
+second (``AsyncEngineClient``'s heartbeat); one that has sent nothing for ``client_timeout``
+seconds died (a web process killed mid-stream), and its requests are aborted instead of
+running to their length for nobody. SIGTERM stops intake, lets
 in-flight requests finish within the grace period, fails the rest with ``engine_error`` and
 closes the sockets.
 """
@@ -108,6 +111,9 @@ class EngineServer:
         self._io_stop = threading.Event()
         self._io_bound = threading.Event()
         self._io_error: BaseException | None = None
+        # I/O thread only: client identity -> time.monotonic() of its last frame
+        self._last_heard: dict[bytes, float] = {}
+        self._next_silence_check = 0.0
         self.controller = ModelController(engine_config, self._queue_switch)
         self._pending_switch: QueuedInput | None = None
         self.ctx = zmq.Context()
@@ -348,6 +354,7 @@ class EngineServer:
                         except zmq.Again:
                             break
                         self._handle_frames(router, frames)
+                self._abort_silent_clients(time.monotonic())
             _forward(pull, router)
         finally:
             pull.close(linger=0)
@@ -355,6 +362,7 @@ class EngineServer:
 
     def _handle_frames(self, router: zmq.Socket, frames: list[bytes]) -> None:
         identity = frames[0]
+        self._last_heard[identity] = time.monotonic()
         try:
             if len(frames) != 3:
                 raise ValueError(f"expected [type, payload] frames, got {len(frames) - 1}")
@@ -461,6 +469,30 @@ class EngineServer:
                 tenant_weight=request.tenant_weight,
             )
         )
+
+    def _abort_silent_clients(self, now: float) -> None:
+        """Abort the requests of every client silent for ``client_timeout`` (see the module
+        docstring); checked a few times a timeout."""
+        if now < self._next_silence_check:
+            return
+        timeout = self.config.client_timeout
+        self._next_silence_check = now + min(timeout / 4, 1.0)
+        silent = [client for client, heard in self._last_heard.items() if now - heard > timeout]
+        if not silent:
+            return
+        for client in silent:
+            del self._last_heard[client]
+        prefixes = tuple(_req_id(client, "") for client in silent)
+        # the output thread removes finished requests meanwhile: a copy of the keys, at once
+        req_ids = [req_id for req_id in list(self.processor.states) if req_id.startswith(prefixes)]
+        if req_ids:
+            logger.warning(
+                "aborting %d requests of %d clients silent for %.0fs",
+                len(req_ids),
+                len(silent),
+                timeout,
+            )
+            self._queue_abort(req_ids)
 
     def _num_waiting_of(self, tenant: str) -> int:
         """The tenant's waiting requests as the busy loop last saw them, plus its adds on

@@ -31,7 +31,7 @@ from inference_engine.protocol import (
     SamplingParams,
 )
 from tests.conftest import PYTHON, ROOT, subprocess_env
-from tests.inference_engine.conftest import stop_spanning_tokens
+from tests.inference_engine.conftest import save_model, stop_spanning_tokens
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -491,6 +491,75 @@ async def test_silent_engine_fails_streams_and_client_reconnects(llama_dir, tmp_
     finally:
         client.close()
         engine.stop()
+
+
+# a web process's engine client with long streams open, that prints once they stream
+STREAMING_CLIENT = """
+import asyncio, sys
+from inference_engine.client import AsyncEngineClient
+from inference_engine.protocol import GenerateRequest, SamplingParams
+
+async def main(endpoint, num_streams, max_tokens):
+    client = AsyncEngineClient(endpoint)
+    await client.wait_ready(timeout=120)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    streams = [
+        client.generate(GenerateRequest(prompt="hello", request_id=f"long-{i}", params=params))
+        for i in range(num_streams)
+    ]
+    await asyncio.gather(*(anext(stream) for stream in streams))
+    print("streaming", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+"""
+
+
+async def test_the_requests_of_a_killed_client_are_aborted(tmp_path):
+    """kill -9 of a web process mid-stream: its heartbeats stop, and the engine aborts its
+    requests instead of generating every token they asked for (it ran them to the context
+    length, 35 s of work for nobody)."""
+    model = save_model(tmp_path / "llama", "llama", max_position_embeddings=8192)
+    num_streams, max_tokens = 4, 8000
+    engine = EngineProcess(
+        model,
+        tmp_path,
+        "--client-timeout",
+        "3",
+        "--max-model-len",
+        "8192",
+        "--num-kv-blocks",
+        "2100",
+    )
+    with running(engine):
+        watcher = AsyncEngineClient(engine.endpoint)
+        try:
+            await watcher.wait_ready(timeout=90)
+            client = subprocess.Popen(
+                [
+                    PYTHON,
+                    "-c",
+                    STREAMING_CLIENT,
+                    engine.endpoint,
+                    str(num_streams),
+                    str(max_tokens),
+                ],
+                env=subprocess_env(),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+            )
+            try:
+                assert await asyncio.to_thread(client.stdout.readline) == b"streaming\n"
+                assert (await watcher.stats()).num_requests_running == num_streams
+            finally:
+                client.kill()
+                client.wait()
+            stats = await wait_for_stats(watcher, lambda s: s.num_requests_running == 0, 60)
+        finally:
+            watcher.close()
+    assert stats.num_requests_running == 0, engine.log()[-2000:]
+    assert stats.generation_tokens_total < num_streams * max_tokens
+    assert "aborting 4 requests of 1 clients silent" in engine.log()
 
 
 def test_help_lists_every_option():
