@@ -1,18 +1,19 @@
 """Runs the platform's processes side by side, restarts the ones that die, and stops them
 together.
 
-`make run` starts one supervisor; it starts each child in its own session (so a Ctrl-C
-reaches only the supervisor, which then stops the children in order), forwards SIGINT and
-SIGTERM as a graceful SIGTERM to every child, and kills what is still alive after a grace
-period. A child that exits on its own is restarted, as systemd's ``Restart=always`` or
-supervisord would: after 1 s, then 2, 4, ... up to 30 s while it keeps dying, and from 1 s again
-once it has stayed up for a minute. What a dead child leaves behind in its process group (a
-Celery worker's beat and pool processes outlive a SIGKILL of the worker) gets SIGTERM at once
-and SIGKILL when the child is restarted, as systemd's ``KillMode=control-group`` does, so a
-restart never runs beside a copy of the old one. Only a stop signal stops the platform. Each
-child's restarts and last exit code are written to ``status_file`` (JSON) for the web tier's
-metrics and console. On Linux each child also gets PR_SET_PDEATHSIG, so even a supervisor
-killed with SIGKILL leaves no child behind.
+`make run` starts one supervisor; it starts each child in its own session (so a Ctrl-C reaches
+only the supervisor, which then stops the children in order), forwards SIGINT and SIGTERM as a
+graceful SIGTERM to every child, in stages (the engine first: it finishes or fails its running
+requests, and the web processes pass that on to their streams before they stop), and kills what
+is still alive after a grace period. A child that exits on its own is restarted, as systemd's
+``Restart=always`` or supervisord would: after 1 s, then 2, 4, ... up to 30 s while it keeps
+dying, and from 1 s again once it has stayed up for a minute. What a dead child leaves behind
+in its process group (a Celery worker's beat and pool processes outlive a SIGKILL of the
+worker) gets SIGTERM at once and SIGKILL when the child is restarted, as systemd's
+``KillMode=control-group`` does, so a restart never runs beside a copy of the old one. Only a
+stop signal stops the platform. Each child's restarts and last exit code are written to
+``status_file`` (JSON) for the web tier's metrics and console. On Linux each child also gets
+PR_SET_PDEATHSIG, so even a supervisor killed with SIGKILL leaves no child behind.
 """
 
 import contextlib
@@ -35,6 +36,9 @@ POLL_SECONDS = 0.2
 FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
 STABLE_SECONDS = 60.0  # up this long, a child's next crash backs off from the start again
+# after a stop stage, what the next stage's children need to pass its end on (a web process
+# writing the error events of streams whose engine just stopped)
+STAGE_SETTLE_SECONDS = 1.0
 
 
 def restart_delay(consecutive_failures: int) -> float:
@@ -59,6 +63,9 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     pass_fds: tuple[int, ...] = ()  # file descriptors the child inherits (a listening socket)
     cpus: frozenset[int] | None = None  # pinned to these CPUs (config.placement), else anywhere
+    # children stop in stages, lowest first: the engine before the web processes, so that the
+    # streams open on them end with the engine's error event instead of a dropped connection
+    stop_stage: int = 1
 
 
 def python_path_env(base_dir: Path) -> dict[str, str]:
@@ -194,7 +201,23 @@ class Supervisor:
             logger.exception("could not write %s", self.status_file)
 
     def _stop_all(self) -> None:
-        alive = [child for child in self.children.values() if child.poll() is None]
+        """Stop the children stage by stage (``ProcessSpec.stop_stage``, lowest first): SIGTERM,
+        the grace period, then SIGKILL for what is left; then every child's group is swept."""
+        stages = sorted({spec.stop_stage for spec in self.specs})
+        for stage in stages:
+            names = [spec.name for spec in self.specs if spec.stop_stage == stage]
+            alive = [
+                self.children[name]
+                for name in names
+                if name in self.children and self.children[name].poll() is None
+            ]
+            self._stop(alive)
+            if alive and stage != stages[-1]:
+                time.sleep(STAGE_SETTLE_SECONDS)
+        for child in self.children.values():
+            _signal_group(child.pid, signal.SIGKILL)
+
+    def _stop(self, alive: list[subprocess.Popen]) -> None:
         for child in alive:
             child.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_seconds
@@ -204,5 +227,3 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        for child in self.children.values():
-            _signal_group(child.pid, signal.SIGKILL)

@@ -191,3 +191,34 @@ def test_what_a_killed_child_left_behind_dies_before_it_is_restarted(tmp_path):
         supervisor._on_signal(signal.SIGTERM, None)
         thread.join(timeout=20)
     assert result == [0] and _dies(replacement)
+
+
+def test_children_stop_in_stages_lowest_first(tmp_path):
+    """The engine (stage 0) is stopped, and has exited, before the web processes get SIGTERM."""
+    first_stopped = tmp_path / "first-stopped"
+    seen = tmp_path / "seen"
+    on_term = (
+        "import signal, sys, time, pathlib; "
+        "signal.signal(signal.SIGTERM, lambda *a: ({}, sys.exit(0))); time.sleep(60)"
+    )
+    first = [sys.executable, "-c", on_term.format(f"pathlib.Path({str(first_stopped)!r}).touch()")]
+    second = [
+        sys.executable,
+        "-c",
+        on_term.format(
+            f"pathlib.Path({str(seen)!r}).write_text(str(pathlib.Path({str(first_stopped)!r}).exists()))"
+        ),
+    ]
+    supervisor = Supervisor(
+        [ProcessSpec("web", second), ProcessSpec("engine", first, stop_stage=0)]
+    )
+    thread, result = _run_in_thread(supervisor)
+    _wait_started(supervisor, 2)
+    time.sleep(0.5)  # let the children install their handlers
+
+    supervisor._on_signal(signal.SIGTERM, None)
+    thread.join(timeout=30)
+
+    assert result == [0]
+    assert seen.read_text() == "True"
+    assert supervisor.children["engine"].returncode == supervisor.children["web"].returncode == 0

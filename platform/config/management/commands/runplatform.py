@@ -15,6 +15,8 @@ from config.placement import Placement, available_cpus, plan_placement
 from config.supervisor import ProcessSpec, Supervisor, python_path_env
 from serving.services import deployment_register
 
+ENGINE_SHUTDOWN_GRACE_SECONDS = 10  # the supervisor's grace period is 15 s
+
 
 class Command(BaseCommand):
     help = (
@@ -141,10 +143,14 @@ class Command(BaseCommand):
                 settings.SERVED_MODEL_NAME,
                 "--threads",
                 str(placement.engine_threads),
+                # within the supervisor's grace: the engine fails what is left itself
+                "--shutdown-grace-period",
+                str(ENGINE_SHUTDOWN_GRACE_SECONDS),
                 *shlex.split(settings.ENGINE_ARGS),  # after ours: a flag given here wins
             ],
             env={**env, **placement.engine_env},
             cpus=placement.engine_cpus,
+            stop_stage=0,  # before the web processes, which tell their streams it stopped
         )
 
 
