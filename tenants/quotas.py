@@ -19,7 +19,10 @@ A request holds one concurrency lease per engine sequence it fans out to (prompt
 Tokens per minute and the month are *reserved* on admission (prompt estimate plus
 ``max_tokens``) and reconciled with the engine's real counts by ``admission_release``.
 The month counter is seeded from the usage records when the cache has none, so a cache
-restart does not reset anybody's budget.
+restart does not reset anybody's budget. A month reservation is a lease
+(``tenants.reservations``), renewed with the slots: one held by a process that died comes off
+the counter when its lease runs out, so the counter returns to the sum of the records. (A
+minute's counter needs none: it is gone in two minutes.)
 
 Public API: ``admission_acquire`` -> ``AdmissionTicket`` or ``QuotaExceeded``, each with the
 ``windows`` where the per-minute limits stand (the API reports them as ``x-ratelimit-*``
@@ -38,6 +41,13 @@ from datetime import UTC, datetime
 from django.core.cache import cache
 
 from tenants.models import ApiKey, Tenant
+from tenants.reservations import (
+    Reservation,
+    counter_value,
+    reservation_add,
+    reservation_settle,
+    reservations_forget,
+)
 from tenants.selectors import Limits, api_key_limits, month_tokens_used, tenant_limits
 from tenants.slots import Slot, slot_acquire, slot_count, slot_release
 
@@ -117,8 +127,10 @@ class AdmissionTicket:
     api_key_id: int | None
     reserved_tokens: int
     windows: dict[str, Window]  # "requests", "tokens": where the per-minute limits stand
-    # Cache keys of the counters that hold the token reservation.
+    # Cache keys of the per-minute counters that hold the token reservation.
     token_counters: list[str] = field(default_factory=list)
+    # the month's leased reservations, the tenant's and the key's
+    reservations: list[Reservation] = field(default_factory=list)
     # what a counter holds when it is not ``reserved_tokens`` (a per-minute limit's share)
     counter_reservations: dict[str, int] = field(default_factory=dict)
     slots: list[Slot] = field(default_factory=list)
@@ -170,6 +182,7 @@ class _Admission:
         self.elapsed = now - self.window * WINDOW_SECONDS
         self.previous_weight = 1 - self.elapsed / WINDOW_SECONDS
         self.added: list[tuple[str, int]] = []
+        self.reservations: list[Reservation] = []
         self.slots: list[Slot] = []
         self.windows: dict[str, Window] = {}
 
@@ -178,6 +191,8 @@ class _Admission:
         not keep the others from happening (a slot left behind expires with its lease)."""
         for slot in reversed(self.slots):
             _undo(slot_release, slot)
+        for reservation in reversed(self.reservations):
+            _undo(_cancel_reservation, reservation)
         for key, amount in reversed(self.added):
             _undo(_subtract, key, amount)
 
@@ -226,7 +241,7 @@ class _Admission:
         api_key: ApiKey | None,
         amount: int,
         likely: int | None = None,
-    ) -> str | None:
+    ) -> Reservation | None:
         budget = scope.limits.monthly_token_budget
         if budget is None:
             return None
@@ -240,12 +255,13 @@ class _Admission:
             used = month_tokens_used(
                 tenant=tenant, api_key=api_key if scope.name == "key" else None, since=month_start
             )
-            cache.add(key, used, timeout=MONTH_TTL_SECONDS)
-        current = _add(key, amount, timeout=MONTH_TTL_SECONDS)
-        self.added.append((key, amount))
+            if cache.add(key, used, timeout=MONTH_TTL_SECONDS):
+                reservations_forget(name=key)  # the records hold none of them
+        reservation, current = reservation_add(name=key, tokens=amount, ttl=MONTH_TTL_SECONDS)
+        self.reservations.append(reservation)
         if current > budget:
             raise self._refuse("monthly_tokens", scope, budget, _seconds_to_next_month(self.now))
-        return key
+        return reservation
 
     def _record_window(self, kind: str, limit: int, remaining: float, reset: float) -> None:
         """Keep the tighter of the tenant's and the key's limits."""
@@ -305,7 +321,7 @@ def admission_acquire(
     try:
         for scope in _scopes(tenant, api_key):
             limits = scope.limits
-            month_key = attempt.month(scope, tenant, api_key, estimated_tokens, likely_tokens)
+            attempt.month(scope, tenant, api_key, estimated_tokens, likely_tokens)
             tokens_key = None
             if counts_per_minute:
                 attempt.per_minute(scope, "requests", limits.requests_per_minute, 1)
@@ -315,11 +331,17 @@ def admission_acquire(
             if tokens_key and limits.tokens_per_minute < estimated_tokens:
                 ticket.counter_reservations[tokens_key] = limits.tokens_per_minute
             attempt.concurrency(scope, limits.max_concurrent_requests, num_sequences)
-            ticket.token_counters.extend(key for key in (month_key, tokens_key) if key)
+            if tokens_key:
+                ticket.token_counters.append(tokens_key)
     except BaseException:
         attempt.rollback()
         raise
+    ticket.reservations = attempt.reservations
     return ticket
+
+
+def _cancel_reservation(reservation: Reservation) -> None:
+    reservation_settle(reservation, actual_tokens=0)
 
 
 def admission_release(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
@@ -334,6 +356,11 @@ def admission_release(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
     for slot in ticket.slots:
         try:
             slot_release(slot)
+        except Exception as exc:
+            errors.append(exc)
+    for reservation in ticket.reservations:
+        try:
+            reservation_settle(reservation, actual_tokens=actual_tokens)
         except Exception as exc:
             errors.append(exc)
     for key in ticket.token_counters:
@@ -372,6 +399,6 @@ def quota_usage(*, tenant: Tenant, api_key: ApiKey | None = None) -> QuotaUsage:
         requests_this_minute=sliding("requests"),
         tokens_this_minute=sliding("tokens"),
         concurrent_requests=slot_count(name=scope.key("slots")),
-        month_tokens=cache.get(scope.key("month", month_start)),
+        month_tokens=counter_value(name=scope.key("month", month_start)),
         limits=scope.limits,
     )

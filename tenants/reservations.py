@@ -1,0 +1,272 @@
+"""Token reservations on a counter, held as leases: a reservation that nobody renews comes off
+the counter when its lease runs out.
+
+Admission adds the most a request may use to the monthly token counter at once (so no burst
+over-admits) and settles it with the engine's count at the end. A process killed in between
+never settles, and its reservation stayed on the counter for the rest of the month (a killed
+web process left 1,032 tokens there, with no usage record). So every reservation is also a
+lease in a set kept beside its counter (the reservation's id -> its expiry and its tokens),
+renewed with the process's concurrency slots by ``tenants.slots.renewer``. Whoever next adds
+to the counter or reads it first takes the expired reservations off it; the counter is thus
+the settled tokens plus the live reservations. Settling removes the lease and corrects the
+counter by the tokens used less the tokens reserved, or, if the reservation had already
+expired and come off, adds the tokens used.
+
+Two stores, as for the slots: Redis (a Lua script per step, so each is atomic, with leases on
+the server's clock) and in-process (the embedded mode's local memory, under the slots' lock).
+
+Public API: ``reservation_add`` -> (``Reservation``, the counter's new value);
+``reservation_settle``; ``counter_value`` (the counter once the expired reservations are
+off it); ``reservations_forget`` (a counter seeded anew holds none of the old ones).
+"""
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from django.core.cache import BaseCache, caches
+from django.core.cache.backends.redis import RedisCache
+from redis.commands.core import Script
+
+from tenants import slots
+
+# KEYS: the counter, its leases (a sorted set: id -> expiry in ms), its reservations (a hash:
+# id -> tokens). Takes the expired reservations off the counter.
+_EXPIRE = b"""
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
+local freed = 0
+for _, id in ipairs(expired) do
+  freed = freed + tonumber(redis.call('HGET', KEYS[3], id) or '0')
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('ZREM', KEYS[2], id)
+end
+if freed > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('DECRBY', KEYS[1], freed)
+end
+"""
+
+# ARGV: tokens, lease (ms), the reservation's id, the keys' TTL (s). Returns the new value.
+_ADD = Script(
+    None,
+    _EXPIRE
+    + b"""
+local value = redis.call('INCRBY', KEYS[1], ARGV[1])
+if redis.call('TTL', KEYS[1]) < 0 then
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+redis.call('EXPIRE', KEYS[3], ARGV[4])
+return value
+""",
+)
+
+# Returns the counter's value (false when it has none).
+_VALUE = Script(None, _EXPIRE + b"return redis.call('GET', KEYS[1])")
+
+# ARGV: the reservation's id, the tokens used.
+_SETTLE = Script(
+    None,
+    b"""
+local reserved = redis.call('HGET', KEYS[3], ARGV[1])
+local correction = tonumber(ARGV[2])
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 and reserved then
+  correction = correction - tonumber(reserved)
+end
+redis.call('HDEL', KEYS[3], ARGV[1])
+if correction ~= 0 and redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('INCRBY', KEYS[1], correction)
+end
+return 1
+""",
+)
+
+# KEYS: leases, one per reservation. ARGV: lease (ms), then the ids in KEYS' order. An expired
+# lease is left for _EXPIRE, which takes its tokens off the counter with it.
+_RENEW = Script(
+    None,
+    b"""
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local lease = tonumber(ARGV[1])
+local renewed = {}
+for i, key in ipairs(KEYS) do
+  local score = redis.call('ZSCORE', key, ARGV[i + 1])
+  if score and tonumber(score) > now then
+    redis.call('ZADD', key, now + lease, ARGV[i + 1])
+    renewed[i] = 1
+  else
+    renewed[i] = 0
+  end
+end
+return renewed
+""",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Reservation:
+    """Tokens held on one counter under one lease (renewed like a concurrency slot)."""
+
+    key: str  # the store's key of the counter
+    reservation_id: str
+    tokens: int
+    lease_seconds: float
+    store: "_RedisStore | _LocalStore"
+
+
+class _RedisStore(slots._StoreIdentity):
+    def __init__(self, backend: RedisCache) -> None:
+        self._backend = backend
+        self._identity = ("redis-reservations", backend._servers[0])
+
+    def _keys(self, key: str) -> list[str]:
+        return [key, f"{key}:leases", f"{key}:reserved"]
+
+    def _client(self):
+        return self._backend._cache.get_client(write=True)
+
+    def key_for(self, name: str) -> str:
+        return self._backend.make_key(name)
+
+    def add(self, reservation: Reservation, ttl: int) -> int:
+        args = [reservation.tokens, slots._ms(reservation.lease_seconds)]
+        args += [reservation.reservation_id, ttl]
+        return int(_ADD(keys=self._keys(reservation.key), args=args, client=self._client()))
+
+    def settle(self, reservation: Reservation, actual_tokens: int) -> None:
+        args = [reservation.reservation_id, actual_tokens]
+        _SETTLE(keys=self._keys(reservation.key), args=args, client=self._client())
+
+    def value(self, key: str) -> int | None:
+        value = _VALUE(keys=self._keys(key), client=self._client())
+        return None if value is None else int(value)
+
+    def forget(self, key: str) -> None:
+        self._client().delete(*self._keys(key)[1:])
+
+    def renew(self, reservations: list[Reservation], lease: float) -> list[bool]:
+        keys = [self._keys(r.key)[1] for r in reservations]
+        args = [slots._ms(lease), *(r.reservation_id for r in reservations)]
+        return [bool(r) for r in _RENEW(keys=keys, args=args, client=self._client())]
+
+
+class _LocalStore(slots._StoreIdentity):
+    """One process's reservations in its local cache: the counter, and its leases under
+    ``<counter>:leases`` (id -> (expiry, tokens)), changed under the slots' process lock."""
+
+    def __init__(self, backend: BaseCache) -> None:
+        self._backend = backend
+        self._identity = ("local-reservations", id(getattr(backend, "_cache", backend)))
+
+    def key_for(self, name: str) -> str:
+        return name
+
+    def add(self, reservation: Reservation, ttl: int) -> int:
+        with slots._LocalStore._lock:
+            leases = self._expire(reservation.key)
+            self._backend.add(reservation.key, 0, timeout=ttl)
+            value = self._backend.incr(reservation.key, reservation.tokens)
+            expiry = time.time() + reservation.lease_seconds
+            leases[reservation.reservation_id] = (expiry, reservation.tokens)
+            self._backend.set(f"{reservation.key}:leases", leases, timeout=ttl)
+            return value
+
+    def settle(self, reservation: Reservation, actual_tokens: int) -> None:
+        with slots._LocalStore._lock:
+            leases = self._backend.get(f"{reservation.key}:leases") or {}
+            correction = actual_tokens
+            held = leases.pop(reservation.reservation_id, None)
+            if held is not None:
+                correction -= held[1]
+                self._backend.set(f"{reservation.key}:leases", leases, timeout=None)
+            if correction and self._backend.has_key(reservation.key):
+                self._backend.incr(reservation.key, correction)
+
+    def value(self, key: str) -> int | None:
+        with slots._LocalStore._lock:
+            self._expire(key)
+            return self._backend.get(key)
+
+    def forget(self, key: str) -> None:
+        with slots._LocalStore._lock:
+            self._backend.delete(f"{key}:leases")
+
+    def renew(self, reservations: list[Reservation], lease: float) -> list[bool]:
+        now = time.time()
+        renewed = []
+        with slots._LocalStore._lock:
+            for reservation in reservations:
+                leases_key = f"{reservation.key}:leases"
+                leases = self._backend.get(leases_key) or {}
+                held = leases.get(reservation.reservation_id)
+                is_live = held is not None and held[0] > now
+                if is_live:
+                    leases[reservation.reservation_id] = (now + lease, held[1])
+                    self._backend.set(leases_key, leases, timeout=None)
+                renewed.append(is_live)
+        return renewed
+
+    def _expire(self, key: str) -> dict[str, tuple[float, int]]:
+        """Take the expired reservations off the counter; the live leases."""
+        leases = self._backend.get(f"{key}:leases") or {}
+        now = time.time()
+        expired = [rid for rid, (expiry, _) in leases.items() if expiry <= now]
+        if not expired:
+            return leases
+        freed = sum(leases.pop(rid)[1] for rid in expired)
+        if self._backend.has_key(key):
+            self._backend.incr(key, -freed)
+        self._backend.set(f"{key}:leases", leases, timeout=None)
+        return leases
+
+
+def _store() -> "_RedisStore | _LocalStore":
+    backend = caches["default"]
+    if isinstance(backend, RedisCache):
+        return _RedisStore(backend)
+    return _LocalStore(backend)
+
+
+def reservation_add(*, name: str, tokens: int, ttl: int) -> tuple[Reservation, int]:
+    """Add ``tokens`` to the counter ``name`` (a cache key; made with ``ttl`` seconds to live
+    when missing) under a new lease, renewed until ``reservation_settle``; the reservation and
+    the counter's new value."""
+    store = _store()
+    reservation = Reservation(
+        key=store.key_for(name),
+        reservation_id=uuid.uuid4().hex,
+        tokens=tokens,
+        lease_seconds=slots.lease_seconds(),
+        store=store,
+    )
+    try:
+        value = store.add(reservation, ttl)
+        slots.renewer.add(reservation)
+    except BaseException:
+        slots.renewer.discard(reservation)
+        raise
+    return reservation, value
+
+
+def reservation_settle(reservation: Reservation, *, actual_tokens: int) -> None:
+    """Replace the reservation with ``actual_tokens`` on its counter (see the module
+    docstring). Call it once; if the store fails, the lease, no longer renewed, runs out."""
+    slots.renewer.discard(reservation)
+    reservation.store.settle(reservation, actual_tokens)
+
+
+def counter_value(*, name: str) -> int | None:
+    """The counter ``name`` with its expired reservations taken off; None when it has none."""
+    store = _store()
+    return store.value(store.key_for(name))
+
+
+def reservations_forget(*, name: str) -> None:
+    """Drop the leases of the counter ``name``: it was seeded anew, from the usage records,
+    and holds none of them (settling one then adds its tokens used, as for an expired one)."""
+    store = _store()
+    store.forget(store.key_for(name))

@@ -1,0 +1,103 @@
+"""Month token reservations as leases (tenants.reservations), against both stores: one held
+by a process that died comes off the counter when its lease runs out, so the counter returns
+to the sum of the usage records; one that is renewed holds. Leases are short here (see
+test_slots)."""
+
+import time
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from tenants import quotas, services, slots
+from tenants.models import UsageRecord
+from tenants.selectors import month_tokens_used
+from tests.tenants.racers import tenant_with as _tenant
+from tests.tenants.test_slots import LEASE, RENEWED_LEASE, store  # noqa: F401  (fixture)
+from tests.usage_records import usage_record_add
+
+pytestmark = pytest.mark.django_db
+
+RESERVED = 1032
+
+
+def _recorded(tenant, tokens: int) -> None:
+    now = timezone.now()
+    api_key, _ = services.api_key_create(tenant=tenant, name=f"k{time.monotonic_ns()}")
+    usage_record_add(
+        request_id=f"r-{tokens}-{time.monotonic_ns()}",
+        tenant=tenant,
+        api_key=api_key,
+        model="m",
+        source=UsageRecord.Source.API,
+        status=UsageRecord.Status.OK,
+        started_at=now,
+        finished_at=now,
+        prompt_tokens=tokens,
+    )
+
+
+def _month(tenant) -> int:
+    return quotas.quota_usage(tenant=tenant).month_tokens
+
+
+def _records_sum(tenant) -> int:
+    month_start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    return month_tokens_used(tenant=tenant, api_key=None, since=month_start)
+
+
+def _eventually(predicate, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(LEASE / 10)
+    return True
+
+
+def test_a_dead_processes_reservation_comes_off_the_month_with_its_lease(store):  # noqa: F811
+    """A web process killed mid-request never settles: its reservation stayed on the month
+    counter (1,032 tokens, with no record) for the rest of the month."""
+    tenant = _tenant(monthly_token_budget=100_000)
+    _recorded(tenant, 500)
+    quotas.admission_acquire(tenant=tenant, estimated_tokens=RESERVED)  # never released
+    assert _month(tenant) == 500 + RESERVED
+    slots.renewer.stop()  # the process dies: nothing renews its leases
+
+    assert _eventually(lambda: _month(tenant) == _records_sum(tenant) == 500, LEASE * 20)
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=100)
+    quotas.admission_release(ticket=ticket, actual_tokens=10)
+    assert _month(tenant) == 510
+
+
+@override_settings(QUOTA_SLOT_LEASE_SECONDS=RENEWED_LEASE)
+def test_a_running_requests_reservation_holds_while_renewed(store):  # noqa: F811
+    tenant = _tenant(monthly_token_budget=100_000)
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=RESERVED)
+    time.sleep(RENEWED_LEASE * 2)  # two leases: only renewals keep it
+    assert _month(tenant) == RESERVED
+    quotas.admission_release(ticket=ticket, actual_tokens=30)
+    assert _month(tenant) == 30
+
+
+def test_a_reservation_settled_after_its_lease_ran_out_counts_what_was_used(store):  # noqa: F811
+    """A process that stalled past its lease settles late: its reservation is already off
+    the counter, so only its real count goes on."""
+    tenant = _tenant(monthly_token_budget=100_000)
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=RESERVED)
+    slots.renewer.stop()
+    assert _eventually(lambda: _month(tenant) == 0, LEASE * 20)
+    quotas.admission_release(ticket=ticket, actual_tokens=40)
+    assert _month(tenant) == 40
+
+
+def test_a_refused_admission_leaves_no_reservation_behind(store):  # noqa: F811
+    tenant = _tenant(monthly_token_budget=100_000, max_concurrent_requests=1)
+    held = quotas.admission_acquire(tenant=tenant, estimated_tokens=100)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        quotas.admission_acquire(tenant=tenant, estimated_tokens=RESERVED)
+    assert refused.value.kind == "concurrency"
+    assert _month(tenant) == 100
+    quotas.admission_release(ticket=held, actual_tokens=100)
+    time.sleep(LEASE * 1.5)  # were a lease of the refused one left, it would come off now
+    assert _month(tenant) == 100
