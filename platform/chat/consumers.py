@@ -210,10 +210,14 @@ class ChatConsumer(AsyncWebsocketConsumer):
         async with self._claim() as claim:
             if claim is None:
                 return
+            title = self.conversation.title
             message = await database_sync_to_async(services.message_edit)(
                 conversation=self.conversation, message_id=message_id, content=frame.get("content")
             )
             await self._send({"type": "message", "message": message_payload(message)})
+            if self.conversation.title != title:  # an edited first message retitled it
+                settings = settings_payload(self.conversation)
+                await self._send({"type": "settings", "settings": settings})
             await self._start_reply(claim, after_id=message.pk)
 
     async def on_settings(self, frame: dict) -> None:

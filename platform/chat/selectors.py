@@ -6,7 +6,7 @@ from importlib import import_module
 from django.conf import settings
 from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import QuerySet, Subquery
+from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
 from django.utils import timezone
 from django.utils.crypto import constant_time_compare
 
@@ -20,8 +20,14 @@ from tenants.selectors import user_tenants
 SESSION_TENANT_KEY = "chat_tenant_id"
 
 
-def conversation_list(*, user: AbstractBaseUser, tenant: Tenant, query: str = "") -> QuerySet:
-    conversations = Conversation.objects.filter(user=user, tenant=tenant)
+def conversation_list(
+    *, user: AbstractBaseUser, tenant: Tenant, query: str = "", keep_id: int | None = None
+) -> QuerySet:
+    """The user's conversations with at least one message (an empty one is not worth a place
+    in the list), and ``keep_id``'s, the one open, even while it is empty."""
+    conversations = Conversation.objects.filter(user=user, tenant=tenant).filter(
+        Q(Exists(Message.objects.filter(conversation=OuterRef("pk")))) | Q(pk=keep_id)
+    )
     if query.strip():
         conversations = conversations.filter(title__icontains=query.strip())
     return conversations.order_by("-updated_at", "-id")

@@ -161,7 +161,8 @@ def message_send(*, conversation: Conversation, content: str) -> Message:
 
 @transaction.atomic
 def message_edit(*, conversation: Conversation, message_id: int, content: str) -> Message:
-    """Change one of the user's messages and drop everything after it, to resend from there."""
+    """Change one of the user's messages and drop everything after it, to resend from there.
+    An edited first message retitles a conversation whose title was made from it."""
     content = _check_content(content)
     message = Message.objects.filter(
         pk=message_id,
@@ -171,6 +172,11 @@ def message_edit(*, conversation: Conversation, message_id: int, content: str) -
     ).first()
     if message is None:
         raise ValidationError("That message does not exist in this conversation.")
+    is_first = not Message.objects.filter(conversation=conversation, id__lt=message.pk).exists()
+    if is_first and conversation.title == _title_from(message.content):
+        # the title was made from this message, not chosen: it follows the edit
+        conversation.title = _title_from(content)
+        conversation.save(update_fields=["title"])
     message.content = content
     message.save(update_fields=["content"])
     Message.objects.filter(conversation=conversation, id__gt=message.pk).delete()

@@ -17,3 +17,16 @@ def purge_old_conversations() -> int:
     cutoff = timezone.now() - timedelta(days=days)
     deleted, by_model = Conversation.objects.filter(updated_at__lt=cutoff).delete()
     return by_model.get(Conversation._meta.label, 0)
+
+
+EMPTY_CONVERSATION_GRACE = timedelta(hours=1)
+
+
+@shared_task(name="chat.purge_empty_conversations")
+def purge_empty_conversations() -> int:
+    """Delete conversations left without a message for an hour (opened, never written in);
+    the number deleted."""
+    cutoff = timezone.now() - EMPTY_CONVERSATION_GRACE
+    empty = Conversation.objects.filter(created_at__lt=cutoff, messages__isnull=True)
+    deleted, by_model = empty.delete()
+    return by_model.get(Conversation._meta.label, 0)

@@ -11,8 +11,10 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from chat import claims, selectors, services
+from chat.examples import example_prompts
 from chat.payloads import message_payload, settings_payload
 from chat.selectors import SESSION_TENANT_KEY
+from console.permissions import console_tenants
 from tenants.models import Tenant
 from tenants.selectors import user_tenants
 
@@ -46,15 +48,28 @@ def _conversation_or_404(request: HttpRequest, tenant: Tenant, conversation_id: 
     return conversation
 
 
+def _not_found(request: HttpRequest) -> HttpResponse:
+    """The chat's own 404 page (also under DEBUG, where Django would show its debug page)."""
+    return render(request, "chat/not_found.html", status=404)
+
+
 def _page(request: HttpRequest, tenant: Tenant, conversation=None) -> HttpResponse:
     query = request.GET.get("q", "")
+    models = selectors.chat_models(tenant=tenant)
     context = {
         "tenant": tenant,
         "tenants": list(user_tenants(user=request.user)),
-        "conversations": selectors.conversation_list(user=request.user, tenant=tenant, query=query),
+        "conversations": selectors.conversation_list(
+            user=request.user,
+            tenant=tenant,
+            query=query,
+            keep_id=conversation.pk if conversation is not None else None,
+        ),
         "query": query,
         "conversation": conversation,
-        "models": selectors.chat_models(tenant=tenant),
+        "models": models,
+        "examples": example_prompts(models=models),
+        "has_console": console_tenants(user=request.user).exists(),
     }
     if conversation is not None:
         if not claims.is_claimed(conversation):
@@ -78,7 +93,11 @@ def chat_home(request: HttpRequest, tenant: Tenant) -> HttpResponse:
 
 @with_tenant
 def conversation_detail(request: HttpRequest, tenant: Tenant, conversation_id: int):
-    return _page(request, tenant, _conversation_or_404(request, tenant, conversation_id))
+    try:
+        conversation = _conversation_or_404(request, tenant, conversation_id)
+    except Http404:
+        return _not_found(request)
+    return _page(request, tenant, conversation)
 
 
 @require_POST

@@ -202,6 +202,7 @@ CELERY_BEAT_SCHEDULE = {
     "purge-old-usage": {"task": "tenants.purge_old_usage", "schedule": 24 * 3600.0},
     "poll-engine-health": {"task": "serving.poll_engine_health", "schedule": 15.0},
     "purge-old-conversations": {"task": "chat.purge_old_conversations", "schedule": 24 * 3600.0},
+    "purge-empty-conversations": {"task": "chat.purge_empty_conversations", "schedule": 3600.0},
     "sweep-batches": {"task": "batches.sweep_batches", "schedule": BATCH_SWEEP_SECONDS},
 }
 # The Batch API's runner: lines of one batch in flight at once, and how long a worker's hold

@@ -5,6 +5,7 @@ from config import views
 
 urlpatterns = [
     path("", views.landing, name="landing"),
+    path("favicon.ico", views.favicon, name="favicon"),
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
     path("chat/", include("chat.urls")),

@@ -164,7 +164,7 @@ def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser, ready_engi
 
         # Settings apply to the next reply: a short one, regenerated in place of the stopped.
         page.click("#toggle-settings")
-        assert page.locator("#setting-model option").all_inner_texts() == [MODEL_NAME]
+        assert page.locator("#model-picker option").all_inner_texts() == [MODEL_NAME]
         page.fill("#setting-system", "You are a poet.")
         page.fill("#setting-max-tokens", "12")
         page.press("#setting-max-tokens", "Tab")

@@ -124,6 +124,9 @@ def test_new_rename_search_and_delete(alice, acme):
     )
     assert response.json() == {"id": first.pk, "title": "Trip to Rome"}
     services.conversation_rename(conversation=second, title="Tax questions")
+    for conversation in (first, second):  # an empty conversation is not listed
+        conversation.refresh_from_db()
+        services.message_send(conversation=conversation, content="hello")
 
     page = client.get("/chat/", {"q": "rome"})
     assert [c.pk for c in page.context["conversations"]] == [first.pk]
@@ -186,6 +189,8 @@ def test_nobody_sees_another_users_or_tenants_conversations(alice, acme, plan, d
     globex = tenant_services.tenant_create(slug="globex", plan=plan, owner=alice)
     elsewhere = services.conversation_create(user=alice, tenant=globex, title="Elsewhere")
     services.preference_set_tenant(user=alice, tenant=acme)
+    for conversation in (mine, bobs, elsewhere):  # an empty conversation is not listed
+        services.message_send(conversation=conversation, content="hello")
     client = login(alice)
 
     assert [c.pk for c in client.get("/chat/").context["conversations"]] == [mine.pk]

@@ -53,6 +53,14 @@
 
   // --- banner (errors, quota refusals) --------------------------------------------------------
 
+  // A refusal's text ends "Please try again in 12s."; the banner counts down instead, and
+  // nothing else shows a second, frozen countdown.
+  const COUNTDOWN = /\s*Please try again in \d+s\.?$/;
+
+  function withoutCountdown(message) {
+    return (message || "").replace(COUNTDOWN, "");
+  }
+
   function showBanner(message, retryAfter, onRetry) {
     clearInterval(retryTimer);
     const wasNearEnd = thread.scrollHeight - thread.scrollTop - thread.clientHeight < 120;
@@ -66,14 +74,12 @@
       let left = retryAfter;
       const tick = function () {
         if (left > 0) {
-          text.textContent = message.replace(/\s*Please try again in \d+s\.?$/, "") +
-            " You can retry in " + left + "s.";
+          text.textContent = withoutCountdown(message) + " You can retry in " + left + "s.";
           left -= 1;
           return;
         }
         clearInterval(retryTimer);
-        text.textContent = message.replace(/\s*Please try again in \d+s\.?$/, "") +
-          " You can retry now.";
+        text.textContent = withoutCountdown(message) + " You can retry now.";
         if (onRetry) {
           retry.hidden = false;
           retry.onclick = function () { hideBanner(); onRetry(); };
@@ -122,7 +128,8 @@
     meta.replaceChildren();
     if (message.status === "stopped") meta.append(el("span", "badge stopped", "Stopped"));
     if (message.status === "error") {
-      meta.append(el("span", "badge error", message.error_message || "The reply failed."));
+      meta.append(el("span", "badge error",
+        withoutCountdown(message.error_message) || "The reply failed."));
     }
     if (message.status !== "streaming") meta.append(...actions(node, message));
   }
@@ -360,7 +367,8 @@
     if (!state) {
       // No conversation yet: create one, then send from its page.
       sendButton.disabled = true;
-      const response = await post($("new-form").action);
+      const picker = $("model-picker");
+      const response = await post($("new-form").action, picker ? { model: picker.value } : {});
       sendButton.disabled = false;
       if (!response.ok) {
         const data = await response.json().catch(function () { return {}; });
@@ -402,6 +410,8 @@
       item.dataset.title = settings.title.toLowerCase();
     }
     if (settings.title) document.title = settings.title + " · LLM Platform";
+    const picker = $("model-picker");
+    if (picker && settings.model) picker.value = settings.model;
     const status = $("settings-status");
     if (status && isSavingSettings) status.textContent = "Saved. Changes apply to the next reply.";
     isSavingSettings = false;
@@ -418,9 +428,6 @@
       panel.hidden = !panel.hidden;
       toggle.setAttribute("aria-expanded", String(!panel.hidden));
     });
-    $("setting-model").addEventListener("change", function (event) {
-      saveSetting({ model: event.target.value });
-    });
     $("setting-system").addEventListener("change", function (event) {
       saveSetting({ system_prompt: event.target.value });
     });
@@ -436,6 +443,24 @@
       if (event.target.value.trim() === "") return saveSetting({ max_tokens: null });
       const value = parseInt(event.target.value, 10);
       if (Number.isInteger(value)) saveSetting({ max_tokens: value });
+    });
+  }
+
+  // --- model picker and example prompts -------------------------------------------------------
+
+  function wireStart() {
+    const picker = $("model-picker");
+    // with a conversation the choice is saved for its next reply; without, it is sent when
+    // the first message creates the conversation
+    if (picker && state) {
+      picker.addEventListener("change", function () { saveSetting({ model: picker.value }); });
+    }
+    document.querySelectorAll("#examples .example").forEach(function (button) {
+      button.addEventListener("click", function () {
+        input.value = button.textContent;
+        autosize();
+        submitMessage();
+      });
     });
   }
 
@@ -517,6 +542,7 @@
   // --- start ------------------------------------------------------------------------------------
 
   wireSidebar();
+  wireStart();
   if (state) {
     state.messages.forEach(appendMessage);
     refreshActions();
