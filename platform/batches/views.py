@@ -14,6 +14,7 @@ from batches import objects, selectors, services
 from batches.models import Batch, File
 from config.workers import database_worker
 from gateway.auth import authenticate
+from gateway.bodies import json_body
 from gateway.errors import ApiError, invalid
 from tenants.models import ApiKey
 
@@ -153,8 +154,8 @@ async def file_content(request: HttpRequest, api_key: ApiKey, file_id: str) -> H
 @database_worker
 def _batch_create(request: HttpRequest, api_key: ApiKey) -> dict:
     try:
-        payload = msgspec.json.decode(request.body)
-    except msgspec.DecodeError:
+        payload = msgspec.json.decode(json_body(request))  # charset, type, text: as the API's
+    except (msgspec.DecodeError, UnicodeDecodeError):
         raise invalid("The request body is not valid JSON.") from None
     if not isinstance(payload, dict):
         raise invalid("The request body must be a JSON object.")

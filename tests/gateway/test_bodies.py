@@ -95,3 +95,37 @@ def test_a_lone_surrogate_in_any_text_is_a_400_naming_the_field(raw, param):
     assert error.status == 400 and error.param == param and "surrogate" in error.message
     latin = _refusal(raw, "application/json; charset=latin-1")  # escapes are ASCII
     assert latin.param == param
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("raw", "content_type", "param"),
+    [
+        (
+            '{"input_file_id": "file-caf\u00e9", "endpoint": "/v1/chat/completions", '
+            '"completion_window": "24h"}'.encode("latin-1"),
+            "application/json; charset=latin-1",
+            "input_file_id",  # read, and no such file
+        ),
+        (
+            b'{"input_file_id": "file-x", "endpoint": "/v1/chat/completions", '
+            b'"completion_window": "24h", "metadata": {"k": "\\ud800"}}',
+            "application/json",
+            "metadata.k",
+        ),
+    ],
+)
+async def test_a_batch_body_is_read_as_the_apis_bodies_are(async_db, raw, content_type, param):
+    """A latin-1 body to POST /v1/batches was a 500 (its bytes went to the JSON decoder as
+    UTF-8)."""
+    from asgiref.sync import sync_to_async
+
+    from tenants import services
+    from tests.asgi_client import asgi_request
+
+    tenant = await sync_to_async(services.tenant_create)(slug="acme", name="Acme")
+    _, raw_key = await sync_to_async(services.api_key_create)(tenant=tenant, name="k")
+    headers = {"Authorization": f"Bearer {raw_key}", "Content-Type": content_type}
+    status, _, body = await asgi_request("POST", "/v1/batches", headers=headers, body=raw)
+    assert 400 <= status < 500, body
+    assert json.loads(body)["error"]["param"] == param
