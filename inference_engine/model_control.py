@@ -40,13 +40,24 @@ class LoadedModel:
     output_tokenizer: PreTrainedTokenizerBase
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
+    """The model's tokenizer without a length limit of its own: the engine refuses a prompt
+    past its ``max_model_len`` itself (``context_length_exceeded``), so the tokenizer's
+    ``model_max_length`` would only log transformers' "Token indices sequence length is
+    longer than the specified maximum" warning for every such prompt."""
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
-    input_tokenizer = AutoTokenizer.from_pretrained(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    input_tokenizer = load_tokenizer(config.model)
     # structured outputs compile against the input tokenizer, on the same (I/O) thread
     core = EngineCore(config, tokenizer=input_tokenizer)
-    return LoadedModel(config, core, input_tokenizer, AutoTokenizer.from_pretrained(config.model))
+    return LoadedModel(config, core, input_tokenizer, load_tokenizer(config.model))
 
 
 class ModelController:

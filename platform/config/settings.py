@@ -187,7 +187,8 @@ else:
     CELERY_RESULTS_DIR = VAR_DIR / "celery" / "results"
     for _folder in (CELERY_BROKER_DIR, CELERY_RESULTS_DIR, VAR_DIR / "celery" / "control"):
         _folder.mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_URL = "filesystem://"
+    # a host named, though the transport ignores it: kombu warns of a missing one otherwise
+    CELERY_BROKER_URL = "filesystem://localhost/"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_BROKER_DIR),
         "data_folder_out": str(CELERY_BROKER_DIR),

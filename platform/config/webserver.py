@@ -42,6 +42,8 @@ from daphne import http_protocol
 from daphne.cli import CommandLineInterface
 from twisted.web import http
 
+from config import access_log
+
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -182,6 +184,7 @@ def use_raw_body_requests() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     use_raw_body_requests()
+    access_log.install()  # static files at DEBUG, not a line each
     CommandLineInterface().run(sys.argv[1:] if argv is None else argv)
 
 

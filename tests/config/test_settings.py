@@ -64,7 +64,7 @@ def test_embedded_mode_needs_no_environment(tmp_path):
     assert settings["db_name"] == str(tmp_path / "var" / "db.sqlite3")
     assert settings["cache"] == "django.core.cache.backends.locmem.LocMemCache"
     assert settings["channel_layer"] == "channels.layers.InMemoryChannelLayer"
-    assert settings["broker"] == settings["celery_broker"] == "filesystem://"
+    assert settings["broker"] == settings["celery_broker"] == "filesystem://localhost/"
     assert "127.0.0.1" in settings["allowed_hosts"]
 
 

@@ -1,0 +1,37 @@
+"""Daphne's access log, without a line for every static file.
+
+Daphne writes an NCSA-style line per request to stdout. A page of the chat or the console
+pulls in its stylesheets, scripts and icon, each a line that says nothing: requests for
+static files go to the ``daphne.access`` logger at DEBUG instead (``LOG_LEVEL=DEBUG`` shows
+them), every other request is written as before."""
+
+import logging
+
+from daphne import cli
+from daphne.access import AccessLogGenerator
+
+logger = logging.getLogger("daphne.access")
+STATIC_PATHS = ("/static/", "/favicon.ico")
+
+
+def is_static(path: str) -> bool:
+    return path.startswith(STATIC_PATHS)
+
+
+class QuietAccessLog(AccessLogGenerator):
+    def __call__(self, protocol: str, action: str, details: dict) -> None:
+        if protocol == "http" and action == "complete" and is_static(details.get("path", "")):
+            logger.debug(
+                '"%s %s" %s %s',
+                details.get("method"),
+                details.get("path"),
+                details.get("status"),
+                details.get("size"),
+            )
+            return
+        super().__call__(protocol, action, details)
+
+
+def install() -> None:
+    """Make Daphne's command line build ``QuietAccessLog`` for its access log."""
+    cli.AccessLogGenerator = QuietAccessLog

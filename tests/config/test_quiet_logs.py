@@ -1,0 +1,82 @@
+"""Known harmless noise is handled where it starts: Daphne logs no line per static file, and
+the embedded mode's Celery worker neither warns that it runs as root (a container's user)
+nor that its filesystem broker has no host."""
+
+import io
+import logging
+import os
+import subprocess
+
+import pytest
+
+from config.access_log import QuietAccessLog
+from tests.conftest import PYTHON, ROOT, subprocess_env
+
+
+def _request(path: str, status: int = 200) -> dict:
+    return {"client": "127.0.0.1:5", "method": "GET", "path": path, "status": status, "size": 9}
+
+
+def test_static_files_are_logged_at_debug_and_pages_as_before(caplog):
+    stream = io.StringIO()
+    log = QuietAccessLog(stream)
+    with caplog.at_level(logging.DEBUG, logger="daphne.access"):
+        log("http", "complete", _request("/static/chat/chat.css"))
+        log("http", "complete", _request("/favicon.ico", 301))
+        log("http", "complete", _request("/chat/"))
+        log("websocket", "connected", {"client": "127.0.0.1:5", "path": "/ws/chat/1/"})
+
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and '"GET /chat/" 200 9' in lines[0] and "WSCONNECT" in lines[1]
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG, logging.DEBUG]
+    assert "/static/chat/chat.css" in caplog.records[0].getMessage()
+
+
+def test_the_web_server_installs_it():
+    from daphne import cli
+
+    from config import webserver
+
+    before = cli.AccessLogGenerator
+    try:
+        webserver.access_log.install()
+        assert cli.AccessLogGenerator is QuietAccessLog
+    finally:
+        cli.AccessLogGenerator = before
+
+
+PROBE = """
+import warnings
+warnings.simplefilter("default")
+import django
+django.setup()
+from celery.platforms import check_privileges
+from config.celery import app
+check_privileges({"json"})
+app.connection_for_write()._info()
+print("probed")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="Celery warns about root only to root")
+def test_the_embedded_worker_does_not_warn_about_root_or_its_broker_host(tmp_path):
+    env = subprocess_env(DATABASE_URL=None, REDIS_URL=None, VAR_DIR=str(tmp_path / "var"))
+    result = subprocess.run(
+        [PYTHON, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "probed" in result.stdout, result.stderr
+    assert "superuser" not in result.stderr and "No hostname" not in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="Celery warns about root only to root")
+def test_a_production_worker_run_as_root_is_still_warned(tmp_path):
+    env = subprocess_env(
+        DATABASE_URL="postgres://nobody@127.0.0.1:1/none", SECRET_KEY="x" * 50,
+        REDIS_URL="redis://127.0.0.1:1/0", VAR_DIR=str(tmp_path / "var"),
+    )  # fmt: skip
+    probe = PROBE.replace("app.connection_for_write()._info()\n", "")
+    result = subprocess.run(
+        [PYTHON, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "probed" in result.stdout, result.stderr
+    assert "superuser" in result.stderr
