@@ -224,6 +224,8 @@ def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser, ready_engi
         banner = page.inner_text("#banner-text")
         assert "requests per minute" in banner and "retry in" in banner, banner
         assert page.locator(".message.assistant .badge.error").count() == 1
+        # one countdown, the banner's: the failed reply shows none of its own
+        assert "try again in" not in page.inner_text(".message.assistant .badge.error")
         _shot(page, "07-rate-limited.png")
         assert errors == []
     except Exception:
