@@ -107,7 +107,9 @@ ASGI_APPLICATION = "config.asgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [],
+        # first, so that config's admin/base_site.html (links to the chat and the console)
+        # wins over the admin app's own
+        "DIRS": [BASE_DIR / "platform" / "config" / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
