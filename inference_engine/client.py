@@ -19,8 +19,10 @@ counts as an answer), every open stream raises ``EngineUnavailable``; ZeroMQ rec
 own when the engine comes back, and new requests work again. A STATS answer from a new engine
 process (another ``engine_id``) fails the open streams too: their requests died with the old
 one. A request that cannot be sent to an engine that is connected (the send queue is full,
-``SEND_HWM`` messages: a burst faster than the engine reads) raises ``EngineOverloaded``: the
-engine is up, so it is worth a retry, and it is no sign of a dead engine.
+``SEND_HWM`` messages: a burst faster than the engine reads) waits up to ``send_wait``
+seconds for room, then raises ``EngineOverloaded``: the engine is up, so it is worth a retry,
+and it is no sign of a dead engine. (A send refused because the engine just went away, before
+the socket's monitor says so, ends the wait at the disconnect: ``EngineUnavailable``.)
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ ABANDONED_TTL_SECONDS = 60.0
 # messages queued for the engine before a send is refused (ZeroMQ's default is 1,000: one burst
 # of a web process's requests, each one message, could fill it)
 SEND_HWM = 100_000
+SEND_WAIT_SECONDS = 0.5
 
 
 class EngineUnavailable(ConnectionError):
@@ -74,11 +77,13 @@ class AsyncEngineClient:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         send_hwm: int = SEND_HWM,
+        send_wait: float = SEND_WAIT_SECONDS,
     ) -> None:
         self.endpoint = endpoint
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.send_hwm = send_hwm
+        self.send_wait = send_wait
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -96,6 +101,7 @@ class AsyncEngineClient:
         self._started_at = 0.0
         self._has_heard = False
         self._is_connected = False  # a connection to the engine is up (its handshake done)
+        self._disconnected: asyncio.Event | None = None  # set when that connection drops
         self._engine_id: str | None = None
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
@@ -120,13 +126,7 @@ class AsyncEngineClient:
         finished = False
         failure: BaseException | None = None
         try:
-            if not await self._send_soon(RequestType.GENERATE, request):
-                if self._is_connected:
-                    raise EngineOverloaded(
-                        f"the queue to the engine at {self.endpoint} is full "
-                        f"({self.send_hwm} messages)"
-                    )
-                raise EngineUnavailable(f"no engine connected at {self.endpoint}")
+            await self._send_generate(request)
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -143,6 +143,31 @@ class AsyncEngineClient:
             if not finished:
                 self._abandon(request_id, stream, is_lost=failure is not None)
                 self._send(RequestType.ABORT, AbortRequest([request_id]))
+
+    async def _send_generate(self, request: GenerateRequest) -> None:
+        """Send, or wait up to ``send_wait`` while the queue to a connected engine is full;
+        raises ``EngineOverloaded`` or ``EngineUnavailable`` (see the module docstring)."""
+        if await self._send_soon(RequestType.GENERATE, request):
+            return
+        if self._is_connected:
+            frames = [RequestType.GENERATE.value, self._encoder.encode(request)]
+            sending = asyncio.ensure_future(self._socket.send_multipart(frames))
+            dropped = asyncio.ensure_future(self._disconnected.wait())
+            try:
+                await asyncio.wait(
+                    [sending, dropped], timeout=self.send_wait, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                dropped.cancel()
+                sending.cancel()  # not sent by now: never (a cancelled caller's request too)
+            if not sending.cancelled() and sending.exception() is None:
+                return
+            if self._is_connected:
+                raise EngineOverloaded(
+                    f"the queue to the engine at {self.endpoint} stayed full for "
+                    f"{self.send_wait}s ({self.send_hwm} messages)"
+                )
+        raise EngineUnavailable(f"no engine connected at {self.endpoint}")
 
     async def final_delta(self, request_id: str, timeout: float) -> GenerateDelta | None:
         """The last delta of a stream left before it finished (the engine's answer to its
@@ -282,6 +307,7 @@ class AsyncEngineClient:
         socket.connect(self.endpoint)
         self._socket = socket
         self._last_heard = self._started_at = time.monotonic()
+        self._disconnected = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="engine-client-reader"),
             asyncio.create_task(self._heartbeat_loop(), name="engine-client-heartbeat"),
@@ -357,6 +383,10 @@ class AsyncEngineClient:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 self._is_connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                if self._is_connected:
+                    self._disconnected = asyncio.Event()
+                else:
+                    self._disconnected.set()
                 if event["event"] == zmq.EVENT_DISCONNECTED and self._streams:
                     self._fail_all(EngineUnavailable(f"the engine at {self.endpoint} went away"))
 

@@ -280,7 +280,7 @@ async def test_a_full_send_queue_to_a_live_engine_is_overloaded_not_unavailable(
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.RCVHWM, 1)
     router.bind(endpoint)
-    client = AsyncEngineClient(endpoint, send_hwm=1)
+    client = AsyncEngineClient(endpoint, send_hwm=1, send_wait=0.05)
 
     async def answer_one_stats() -> None:
         identity, _, _ = await router.recv_multipart()
@@ -299,7 +299,8 @@ async def test_a_full_send_queue_to_a_live_engine_is_overloaded_not_unavailable(
             stream = client.generate(GenerateRequest(prompt=prompt, request_id=f"r{i}"))
             first = asyncio.ensure_future(anext(stream))
             streams.append((stream, first))
-            await asyncio.sleep(0)
+            # refused after send_wait; a request that went out waits for deltas that never come
+            await asyncio.wait([first], timeout=1)
             if first.done():
                 refusal = first.exception()
                 break
