@@ -182,10 +182,17 @@ class UsageRecord(models.Model):
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField()
     created_at = models.DateTimeField(default=timezone.now)
+    # the tenant's own labels, as the API request gave them: its end user (OpenAI's `user`)
+    # and up to 16 string pairs (`metadata`)
+    end_user = models.CharField(max_length=256, blank=True)
+    metadata = models.JSONField(null=True, blank=True)
 
     class Meta:
         indexes = [
             models.Index(fields=["tenant", "started_at"], name="usage_tenant_time"),
+            models.Index(
+                fields=["tenant", "end_user", "started_at"], name="usage_tenant_end_user_time"
+            ),
             models.Index(fields=["tenant", "api_key", "started_at"], name="usage_tenant_key_time"),
             models.Index(fields=["tenant", "model", "started_at"], name="usage_tenant_model_time"),
             models.Index(fields=["created_at"], name="usage_created"),

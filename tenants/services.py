@@ -204,6 +204,8 @@ def usage_record_build(
     time_to_first_token_ms: float | None = None,
     latency_ms: float | None = None,
     error_code: str = "",
+    end_user: str = "",
+    metadata: dict[str, str] | None = None,
 ) -> UsageRecord:
     """One request's usage record, validated and not yet saved."""
     if api_key is None and user is None:
@@ -226,6 +228,8 @@ def usage_record_build(
         time_to_first_token_ms=time_to_first_token_ms,
         latency_ms=latency_ms,
         error_code=error_code,
+        end_user=end_user,
+        metadata=metadata,
     )
     record.full_clean(exclude=["tenant", "api_key", "user", "request_id"])
     return record

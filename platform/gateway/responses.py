@@ -14,8 +14,10 @@ import msgspec
 
 from gateway import schemas
 from gateway.errors import from_run_error
+from gateway.tool_calls import CallDelta, ToolCallReader
 from gateway.validation import GenerationPlan
 from inference_engine.protocol import FinishReason, TokenLogprobs
+from serving.pool import get_pool
 from serving.runs import Choice, Run, RunError
 
 
@@ -73,6 +75,17 @@ class Responder:
         self.model = model
         self.created = int(time.time())
         self.outputs = [_Output() for _ in run.choices]
+        # a chat that may call tools reads each choice's text back through one of these
+        self.readers: list[ToolCallReader] | None = None
+
+    async def _start_reading_tool_calls(self) -> None:
+        plan = self.plan.tool_plan
+        if plan is None:
+            return
+        parser = ""
+        if plan.mode == "auto":
+            parser = await get_pool().tool_call_parser(self.run.caller.deployment.endpoints)
+        self.readers = [ToolCallReader(plan, parser) for _ in self.run.choices]
 
     def usage(self) -> schemas.Usage:
         meter = self.run.meter
@@ -86,6 +99,7 @@ class Responder:
     async def complete(self) -> schemas.ChatCompletion | schemas.Completion:
         """Run to the end and build the whole response object; ``ApiError`` if it fails."""
         try:
+            await self._start_reading_tool_calls()
             async for choice, delta in self.run.deltas():
                 output = self.outputs[choice.index]
                 if delta.text:
@@ -99,9 +113,9 @@ class Responder:
             choices = [
                 schemas.ChatChoice(
                     index=c.index,
-                    message=schemas.AssistantMessage(role="assistant", content="".join(o.text)),
+                    message=self._message(c, o),
                     logprobs=_chat_logprobs(o.logprobs) if wants_logprobs else None,
-                    finish_reason=_finish_reason(c.finish_reason),
+                    finish_reason=self._chat_finish_reason(c),
                 )
                 for c, o in zip(self.run.choices, self.outputs, strict=True)
             ]
@@ -116,6 +130,31 @@ class Responder:
                 for c, o in zip(self.run.choices, self.outputs, strict=True)
             ]
         return self._envelope(choices, is_chunk=False, usage=self.usage())
+
+    def _message(self, choice: Choice, output: _Output) -> schemas.AssistantMessage:
+        text = "".join(output.text)
+        if self.readers is None:
+            return schemas.AssistantMessage(role="assistant", content=text)
+        reader = self.readers[choice.index]
+        reader.feed(text)
+        reader.finish()
+        calls = [
+            schemas.ToolCallOut(
+                id=call.id,
+                function=schemas.ToolCallFunction(name=call.name, arguments=call.arguments),
+            )
+            for call in reader.calls
+        ]
+        return schemas.AssistantMessage(
+            role="assistant", content=reader.content, tool_calls=calls or None
+        )
+
+    def _chat_finish_reason(self, choice: Choice) -> str | None:
+        """OpenAI's finish reason; a choice that ended by calling tools says ``tool_calls``."""
+        reason = _finish_reason(choice.finish_reason)
+        if reason == "stop" and self.readers is not None and self.readers[choice.index].calls:
+            return "tool_calls"
+        return reason
 
     def _envelope(
         self, choices: list, *, is_chunk: bool, usage: schemas.Usage | None = None
@@ -142,6 +181,7 @@ class Responder:
         # finish chunk, the usage and [DONE].
         events: list[bytes] = []
         try:
+            await self._start_reading_tool_calls()
             if self.kind == "chat":
                 events += [
                     self._chat_chunk(choice, schemas.ChunkDelta(role="assistant", content=""))
@@ -149,10 +189,14 @@ class Responder:
                 ]
             num_open = len(self.run.choices)
             async for choice, delta in self.run.deltas():
-                if delta.text or delta.logprobs:
+                if self.readers is not None:
+                    events += self._tool_reader_events(choice, delta.text, delta.logprobs)
+                elif delta.text or delta.logprobs:
                     events.append(self._text_event(choice, delta.text, None, delta.logprobs))
                 if choice.finish_reason is not None:
-                    finish = _finish_reason(choice.finish_reason)
+                    if self.readers is not None:
+                        events += self._tool_reader_events(choice, None, None, is_last=True)
+                    finish = self._chat_finish_reason(choice)
                     events.append(self._text_event(choice, None, finish))
                     num_open -= 1
                 if num_open and events and not self.run.num_ready():
@@ -187,6 +231,30 @@ class Responder:
         )
         output.num_chars += len(text or "")
         return self._completion_chunk(choice, text or "", finish, completion_logprobs)
+
+    def _tool_reader_events(
+        self,
+        choice: Choice,
+        text: str | None,
+        logprobs: list[TokenLogprobs] | None,
+        *,
+        is_last: bool = False,
+    ) -> list[bytes]:
+        """The events of a chat that may call tools: its text read back as content and
+        tool call pieces (``delta.tool_calls``, OpenAI's index/id/name/arguments)."""
+        reader = self.readers[choice.index]
+        pieces = reader.finish() if is_last else reader.feed(text or "")
+        events = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                events.append(self._text_event(choice, piece, None))
+            else:
+                delta = schemas.ChunkDelta(tool_calls=[_call(piece)])
+                events.append(self._chat_chunk(choice, delta))
+        if logprobs and self.plan.logprobs is not None:
+            chunk_logprobs = _chat_logprobs(logprobs)
+            events.append(self._chat_chunk(choice, schemas.ChunkDelta(), None, chunk_logprobs))
+        return events
 
     def _text_template(self, choice: Choice) -> tuple[bytes, bytes]:
         """The bytes of a plain text event of ``choice`` before and after its JSON-encoded
@@ -234,6 +302,13 @@ _TEXT_PLACEHOLDER = "\ue000text\ue000"
 
 def _event(payload: msgspec.Struct) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def _call(piece: CallDelta) -> schemas.ToolCallDelta:
+    function = schemas.ToolCallFunctionDelta(name=piece.name, arguments=piece.arguments)
+    if piece.id is None:
+        return schemas.ToolCallDelta(index=piece.index, function=function)
+    return schemas.ToolCallDelta(index=piece.index, id=piece.id, type="function", function=function)
 
 
 def _finish_reason(reason: FinishReason | None) -> str | None:

@@ -36,15 +36,92 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only on an assistant turn that calls tools
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool turn answers
+    refusal: str | None = None  # echoed back by SDKs on assistant turns; not shown to the model
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    schema: dict | None = None  # None: any JSON object
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextFormat(msgspec.Struct, forbid_unknown_fields=True, tag="text", tag_field="type"):
+    pass
+
+
+class JsonObjectFormat(
+    msgspec.Struct, forbid_unknown_fields=True, tag="json_object", tag_field="type"
+):
+    pass
+
+
+class JsonSchemaResponseFormat(
+    msgspec.Struct, forbid_unknown_fields=True, tag="json_schema", tag_field="type"
+):
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's extension: constrain the output to a JSON schema, a regex, one of some strings
+    or an EBNF grammar (exactly one)."""
+
+    json: dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -69,6 +146,16 @@ class _GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     ignore_eos: bool | None = None
     # vLLM's: lower values are served first; a caller may only lower its plan's priority
     priority: Priority | None = None
+    # token id (as a string, JSON's keys) -> a bias in [-100, 100] added to its logit
+    logit_bias: dict[str, float] | None = None
+    # stored on the usage record: up to 16 string pairs, as OpenAI takes them
+    metadata: dict[str, str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # accepted for compatibility and ignored: every request is served at its plan's tier and
+    # nothing is stored beyond the usage record
+    service_tier: str | None = None
+    store: bool | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -76,6 +163,9 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -116,10 +206,22 @@ class ChoiceLogprobs(msgspec.Struct):
     content: list[TokenLogprob] | None
 
 
+class ToolCallFunction(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -139,9 +241,25 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class ToolCallFunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A piece of a streamed tool call: the first of a call carries its ``id``, ``type`` and
+    name; later ones add to its ``arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunctionDelta | None = None
+
+
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

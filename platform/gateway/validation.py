@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from gateway import structured
 from gateway.errors import invalid
 from gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
-from inference_engine.protocol import GenerateRequest, InvalidParam, Message, SamplingParams
+from gateway.structured import ToolPlan
+from inference_engine.protocol import GenerateRequest, InvalidParam, SamplingParams
 from serving.budget import PromptTokens, message_tokens, text_tokens, token_id_tokens
 from serving.runs import RunSpec
 
@@ -19,7 +21,11 @@ MAX_USER_CHARS = 256
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _FIELD = re.compile(r"field `([^`]+)`")
 # where the API calls a sampling parameter otherwise
-_API_PARAM = {"logprobs": "top_logprobs", "stop_token_ids": "stop"}
+_API_PARAM = {
+    "logprobs": "top_logprobs",
+    "stop_token_ids": "stop",
+    "structured_outputs": "response_format",
+}
 
 
 @dataclass
@@ -35,6 +41,9 @@ class GenerationPlan:
     prompt_tokens: PromptTokens  # of all the prompts, before the engine counts them
     max_tokens_param: str = "max_tokens"  # what the request called it
     priority: int | None = None  # as asked; the plan's tier is the floor (see serving.runs)
+    tool_plan: ToolPlan | None = None  # how the output is read back as tool calls
+    user: str | None = None  # the caller's end user, stored on the usage record
+    metadata: dict[str, str] | None = None  # stored on the usage record
 
     def run_spec(self, response_id: str) -> RunSpec:
         """The run of this request; its usage record is filed under ``response_id``."""
@@ -45,6 +54,8 @@ class GenerationPlan:
             max_tokens_name=self.max_tokens_param,
             choices_per_prompt=self.n,
             priority=self.priority,
+            end_user=self.user,
+            metadata=self.metadata,
         )
 
     def engine_requests(self, response_id: str) -> list[GenerateRequest]:
@@ -98,6 +109,7 @@ def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
         raise invalid("stream_options is only allowed when stream is true.", "stream_options")
     if request.user is not None and len(request.user) > MAX_USER_CHARS:
         raise invalid(f"user must be at most {MAX_USER_CHARS} characters.", "user")
+    structured.check_metadata(request.metadata)
 
 
 def _sampling_params(
@@ -106,6 +118,7 @@ def _sampling_params(
     max_tokens: int | None,
     max_tokens_param: str,
     logprobs: int | None,
+    tool_plan: ToolPlan | None = None,
 ) -> SamplingParams:
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     values = {
@@ -121,6 +134,8 @@ def _sampling_params(
         "stop": stop,
         "ignore_eos": request.ignore_eos,
         "logprobs": logprobs,
+        "logit_bias": structured.logit_bias(request.logit_bias),
+        "structured_outputs": structured.constraint(request, tool_plan),
     }
     given = {name: value for name, value in values.items() if value is not None}
     try:
@@ -147,20 +162,32 @@ def plan_chat(body: bytes) -> GenerationPlan:
     max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
+    tool_plan = structured.tool_plan(request)
     params = _sampling_params(
-        request, max_tokens=max_tokens, max_tokens_param=max_tokens_param, logprobs=logprobs
+        request,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        logprobs=logprobs,
+        tool_plan=tool_plan,
     )
-    messages = [Message(role=m.role, content=m.text()) for m in request.messages]
+    messages = structured.engine_messages(request)
+    tools = structured.engine_tools(request, tool_plan)
+    prompt_tokens = message_tokens(messages)
+    if extra := structured.extra_prompt_text(request, tools):
+        prompt_tokens += text_tokens(extra)
     return GenerationPlan(
         model=request.model,
-        prompts=[GenerateRequest(messages=messages, params=params)],
+        prompts=[GenerateRequest(messages=messages, params=params, tools=tools)],
         n=request.n or 1,
         stream=bool(request.stream),
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=logprobs,
-        prompt_tokens=message_tokens(messages),
+        prompt_tokens=prompt_tokens,
         max_tokens_param=max_tokens_param,
         priority=request.priority,
+        tool_plan=tool_plan,
+        user=request.user,
+        metadata=request.metadata,
     )
 
 
@@ -183,6 +210,8 @@ def plan_completion(body: bytes) -> GenerationPlan:
         logprobs=request.logprobs,
         prompt_tokens=prompt_tokens,
         priority=request.priority,
+        user=request.user,
+        metadata=request.metadata,
     )
 
 

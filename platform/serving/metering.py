@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 
@@ -70,13 +71,15 @@ async def metered(
     on_finish: Callable[[Meter], None] | None = None,
     precondition: Callable[[], None] | None = None,
     counts_per_minute: bool = True,
+    labels: dict[str, Any] | None = None,
 ) -> AsyncIterator[Meter]:
     """See the module docstring; ``on_finish`` sees the final meter (metrics, logs).
     ``precondition`` runs on the worker thread just before admission; what it raises
     propagates with nothing admitted or recorded (the API checks its cached authorization
     there, saving a thread trip of its own). ``estimated_tokens`` is the most the request may
     use, ``likely_tokens`` what it probably will, ``num_sequences`` how many engine sequences
-    it runs, and whether it ``counts_per_minute`` (see ``quotas.admission_acquire``)."""
+    it runs, and whether it ``counts_per_minute`` (see ``quotas.admission_acquire``).
+    ``labels`` are the caller's own fields for the usage record (``end_user``, ``metadata``)."""
     started_at = time.time()
     admission = asyncio.ensure_future(
         _admit(
@@ -102,6 +105,7 @@ async def metered(
             user=user,
             model=model,
             source=source,
+            labels=labels,
         )
         admission.add_done_callback(settle_orphan)
         raise
@@ -120,7 +124,7 @@ async def metered(
         meter.finished_at = time.time()
         # Shielded: a second cancellation must not lose the record or leak the slot.
         await asyncio.shield(
-            settle(_settlement(meter, ticket, tenant, api_key, user, model, source))
+            settle(_settlement(meter, ticket, tenant, api_key, user, model, source, labels))
         )
         if on_finish is not None:
             on_finish(meter)
@@ -136,6 +140,7 @@ def _settle_orphan(
     user: AbstractBaseUser | None,
     model: str,
     source: str,
+    labels: dict[str, Any] | None,
 ) -> None:
     """The admission of a request cancelled while it ran, once it is done: settle it (if it
     admitted anything) as a cancelled request with no tokens."""
@@ -143,7 +148,9 @@ def _settle_orphan(
         return  # refused, or failed: nothing was admitted
     meter = Meter(request_id=request_id, started_at=started_at, finished_at=time.time())
     meter.fail("cancelled", UsageRecord.Status.CANCELLED)
-    settlement = _settlement(meter, admission.result(), tenant, api_key, user, model, source)
+    settlement = _settlement(
+        meter, admission.result(), tenant, api_key, user, model, source, labels
+    )
     task = asyncio.ensure_future(settle(settlement))
     _orphans.add(task)  # held until it is done: the loop keeps only a weak reference
     task.add_done_callback(_orphan_settled)
@@ -188,6 +195,7 @@ def _settlement(
     user: AbstractBaseUser | None,
     model: str,
     source: str,
+    labels: dict[str, Any] | None = None,
 ) -> Settlement:
     ttft = meter.first_token_at
     return Settlement(
@@ -209,5 +217,6 @@ def _settlement(
             "latency_ms": (meter.finished_at - meter.started_at) * 1000,
             "started_at": datetime.fromtimestamp(meter.started_at, UTC),
             "finished_at": datetime.fromtimestamp(meter.finished_at, UTC),
+            **(labels or {}),
         },
     )

@@ -66,6 +66,15 @@ class EnginePool:
         stats = await self._recent_stats(endpoint)
         return stats.max_model_len if stats is not None and stats.max_model_len else None
 
+    async def tool_call_parser(self, endpoints: list[str]) -> str:
+        """How the deployment's model writes tool calls (``StatsResponse.tool_call_parser``),
+        as its replicas last said; "" when none has."""
+        for endpoint in endpoints:
+            stats = await self._recent_stats(endpoint)
+            if stats is not None:
+                return stats.tool_call_parser
+        return ""
+
     async def ready_max_model_len(self, endpoints: list[str]) -> int | None:
         """The context length the deployment's ready replicas serve (the smallest, should
         they differ); None when none of them is ready."""

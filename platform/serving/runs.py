@@ -142,6 +142,17 @@ class RunSpec:
     max_tokens_name: str = "max_tokens"  # what the caller calls it, for messages
     choices_per_prompt: int = 1
     priority: int | None = None  # as asked; the caller's tier is the floor
+    # the caller's labels for its usage record: its end user and metadata (the API's)
+    end_user: str | None = None
+    metadata: dict[str, str] | None = None
+
+    def labels(self) -> dict[str, object]:
+        labels: dict[str, object] = {}
+        if self.end_user:
+            labels["end_user"] = self.end_user
+        if self.metadata:
+            labels["metadata"] = self.metadata
+        return labels
 
 
 @dataclass
@@ -250,6 +261,7 @@ class Run:
             on_finish=self._on_finish,
             precondition=caller.precondition,
             counts_per_minute=caller.counts_per_minute,
+            labels=self.spec.labels(),
         )
         try:
             return await self._stack.enter_async_context(admission)

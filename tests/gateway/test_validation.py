@@ -51,7 +51,7 @@ def _error(plan, body: bytes) -> ApiError:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"tools": []}, "tools"),
+        ({"functions": []}, "functions"),  # unknown fields name themselves
         ({"model": ""}, "model"),
         ({"user": "u" * 300}, "user"),
         ({"top_k": -2}, "top_k"),
