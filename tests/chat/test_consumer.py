@@ -395,10 +395,10 @@ async def test_a_lone_surrogate_in_any_field_is_refused_naming_it(
     error = await chat.receive()
     assert error["type"] == "error" and error["code"] == "invalid_request", error
     assert f"'{field}'" in error["message"] and "surrogate" in error["message"]
-    await chat.send(type="settings", system_prompt="Still here \ud83d\ude00.")
+    await chat.send(type="settings", system_prompt="Still here \U0001f600.")
     settings = await chat.receive()
     await chat.close()
-    assert settings["settings"]["system_prompt"] == "Still here \ud83d\ude00."
+    assert settings["settings"]["system_prompt"] == "Still here \U0001f600."
     assert await _messages(chat_world["conversation"]) == []
 
 
