@@ -123,7 +123,10 @@ class EngineCore:
     def _attach_grammar(self, request: Request) -> tuple[ErrorCode, str] | None:
         error = self.check_structured_outputs(request.sampling_params)
         if error is None:
-            request.grammar = self.grammars.matcher(request.sampling_params.structured_outputs)
+            spec = request.sampling_params.structured_outputs
+            request.grammar = self.grammars.matcher(spec)
+            if spec.kind() in ("json", "json_object"):
+                request.closing_tokens = self.grammars.closing_tokens()
             # the request ends where its language does
             request.eos_token_ids = request.eos_token_ids | self.grammars.stop_token_ids
         return error

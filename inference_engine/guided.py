@@ -33,6 +33,7 @@ CACHE_LIMIT_BYTES = 256 << 20
 # xgrammar prefixes its messages with a time and a C++ source position
 _SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
+_CLOSING_CHARS = set('"]}')
 
 
 class InvalidGrammar(ValueError):
@@ -55,6 +56,7 @@ class GrammarCompiler:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = eos_token_ids or frozenset(() if eos is None else (eos,))
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._closing_tokens: tuple[list[int], list[float]] | None = None
         self._lock = threading.Lock()
 
     def _library(self) -> xgrammar.GrammarCompiler:
@@ -95,6 +97,28 @@ class GrammarCompiler:
         except RuntimeError as exc:
             reason = _SOURCE_PREFIX.sub("", str(exc).strip())
             raise InvalidGrammar(f"structured_outputs.{kind} cannot be compiled: {reason}") from exc
+
+    def closing_tokens(self) -> tuple[list[int], list[float]]:
+        """The tokens that close JSON values and how strongly a request near its token limit
+        is steered to each (``Request.wants_closing``): EOS most (the value is complete),
+        then a token that starts with a quote (inside a string it ends the string; outside
+        one the grammar rules it out, except to open a key or an empty string), then the
+        other tokens made only of quotes, brackets and braces, and last a comma (where the
+        grammar allows no bracket: a number or a string before a required key)."""
+        with self._lock:
+            if self._closing_tokens is None:
+                texts = self._tokenizer.batch_decode([[i] for i in range(len(self._tokenizer))])
+                weights = {}
+                for token_id, text in enumerate(texts):
+                    text = text.strip()
+                    if text == ",":  # on to a required key, where a bracket cannot end it yet
+                        weights[token_id] = 0.5
+                    elif text and set(text) <= _CLOSING_CHARS:
+                        weights[token_id] = 2.0 if text.startswith('"') else 1.0
+                weights.update(dict.fromkeys(self.stop_token_ids, 3.0))
+                ids = sorted(weights)
+                self._closing_tokens = ids, [weights[token_id] for token_id in ids]
+            return self._closing_tokens
 
     def matcher(self, spec: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
         """A new matcher at the start of ``spec``'s language."""

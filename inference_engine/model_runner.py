@@ -403,6 +403,7 @@ class ModelRunner:
                 r.output_token_ids,
                 r.eos_token_ids,
                 r.grammar,
+                r.closing_tokens if r.wants_closing else None,
             )
             for r in sampling
         ]

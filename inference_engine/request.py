@@ -9,6 +9,8 @@ from inference_engine.protocol import FinishReason, RequestTimings, SamplingPara
 
 # the sampled "token" of a request whose grammar allows none: the request fails instead
 NO_TOKEN = -1
+# tokens a JSON-guided request keeps at least for closing its value (``wants_closing``)
+MIN_CLOSING_TOKENS = 32
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,8 +62,10 @@ class Request:
         self.timings = RequestTimings(arrival=time.time() if arrival_time is None else arrival_time)
         # set by the scheduler: FCFS order within one priority
         self.arrival_order = 0
-        # structured outputs: an xgrammar matcher the sampler advances token by token
+        # structured outputs: an xgrammar matcher the sampler advances token by token, and for
+        # JSON the tokens that close a value with their weights (see ``wants_closing``)
         self.grammar = None
+        self.closing_tokens: tuple[list[int], list[float]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,11 +102,24 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    @property
+    def wants_closing(self) -> bool:
+        """Whether a JSON-guided request is near its token limit: from then on the sampler
+        favours the tokens that close the value (quotes, brackets, EOS), so that the output
+        parses instead of being cut off mid-value. The last quarter of its budget (at least
+        ``MIN_CLOSING_TOKENS``) is kept for closing."""
+        if self.closing_tokens is None:
+            return False
+        budget = self.max_num_tokens - self.num_prompt_tokens
+        tokens_left = self.max_num_tokens - self.num_tokens
+        return tokens_left <= max(MIN_CLOSING_TOKENS, budget // 4)
+
     def check_stop(self) -> FinishReason | None:
         """Stop reason after the last appended token, if any (stop strings are checked outside)."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        # a grammar decides alone where its output ends (the sampler lets EOS through only there)
+        if self.num_output_tokens >= params.min_tokens or self.grammar is not None:
             if not params.ignore_eos and last in self.eos_token_ids:
                 return FinishReason.STOP
             if params.stop_token_ids and last in params.stop_token_ids:

@@ -30,6 +30,10 @@ from inference_engine.request import NO_TOKEN
 if TYPE_CHECKING:
     import xgrammar
 
+# added to the closing tokens' logits of a JSON-guided row near its limit: far above any
+# model's spread of logits, so a closing token the grammar allows is always drawn
+CLOSING_BIAS = 1e4
+
 
 @dataclass
 class SamplingRow:
@@ -42,6 +46,9 @@ class SamplingRow:
     eos_token_ids: frozenset[int]
     # structured outputs: the request's matcher, advanced by every token it is given
     grammar: xgrammar.GrammarMatcher | None = None
+    # a JSON-guided request near its token limit: these tokens (closers, EOS) are favoured,
+    # each by its weight times CLOSING_BIAS
+    closing_tokens: tuple[list[int], list[float]] | None = None
 
 
 class Sampler:
@@ -77,6 +84,7 @@ class Sampler:
         logits = logits.clone()
         self._mask_min_tokens(logits, rows)
         self._apply_logit_bias(logits, rows)
+        self._favour_closing(logits, rows)
         self._apply_penalties(logits, rows)
         if guided_rows:
             self._apply_grammar_masks(logits, guided_rows, bitmask)
@@ -121,6 +129,24 @@ class Sampler:
             if not has_any[j] or not rows[i].grammar.accept_token(token_ids[i]):
                 token_ids[i] = NO_TOKEN
         return result
+
+    def _favour_closing(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Rows near their token limit: the closing tokens get ``CLOSING_BIAS`` times their
+        weight, so where the grammar allows one it is taken, and the value ends before the
+        limit cuts it."""
+        closing_rows: list[int] = []
+        closing_ids: list[int] = []
+        weights: list[float] = []
+        for i, row in enumerate(rows):
+            if row.closing_tokens:
+                ids, row_weights = row.closing_tokens
+                closing_rows.extend([i] * len(ids))
+                closing_ids.extend(ids)
+                weights.extend(row_weights)
+        if closing_ids:
+            index = self._upload(np.array([closing_rows, closing_ids], np.int64))
+            bias = self._upload(np.array(weights, np.float32) * CLOSING_BIAS)
+            logits.index_put_((index[0], index[1]), bias, accumulate=True)
 
     def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         bias_rows: list[int] = []
@@ -299,5 +325,6 @@ def _needs_processing(row: SamplingRow) -> bool:
     return (
         _has_penalty(row.params)
         or bool(row.params.logit_bias)
+        or bool(row.closing_tokens)
         or (len(row.output_token_ids) < row.params.min_tokens and row.grammar is None)
     )
