@@ -5,7 +5,7 @@
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db.models import QuerySet, Sum
+from django.db.models import Count, QuerySet, Sum
 
 from batches.models import ACTIVE_STATUSES, Batch
 from console.selectors import DateRange, daily_rollups
@@ -50,17 +50,24 @@ class BatchUsage:
     price_factor: Decimal | None  # the tenant's plan's; None across tenants
 
 
-def batch_usage(*, date_range: DateRange, tenant: Tenant | None = None) -> BatchUsage:
+def batch_usage(
+    *, date_range: DateRange, tenant: Tenant | None = None, end_user: str | None = None
+) -> BatchUsage:
     """Batch usage over the range against the rest, for one tenant or all of them (each
-    tenant's batch tokens weighed by its own plan's factor)."""
-    rows: QuerySet = (
-        daily_rollups(date_range=date_range, tenant=tenant)
-        .values("source", "tenant__plan__batch_price_factor")
-        .annotate(
-            requests=Sum("requests"),
-            prompt=Sum("prompt_tokens"),
-            completion=Sum("completion_tokens"),
+    tenant's batch tokens weighed by its own plan's factor); with ``end_user``, only its
+    requests, read from the raw records (the roll-ups do not carry it)."""
+    if end_user is None:
+        rows: QuerySet = daily_rollups(date_range=date_range, tenant=tenant)
+        requests = Sum("requests")
+    else:
+        start, end = date_range.bounds
+        rows = UsageRecord.objects.filter(
+            end_user=end_user, started_at__gte=start, started_at__lt=end
         )
+        rows = rows.filter(tenant=tenant) if tenant is not None else rows
+        requests = Count("id")
+    rows = rows.values("source", "tenant__plan__batch_price_factor").annotate(
+        requests=requests, prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")
     )
     batch_requests = batch_tokens = other_tokens = 0
     billed = Decimal(0)

@@ -55,6 +55,19 @@ class DateRangeForm(forms.Form):
         ]
 
 
+class EndUserForm(forms.Form):
+    """``end_user`` (optional): the API requests' ``user`` to narrow a tenant's usage to."""
+
+    end_user = forms.CharField(required=False, max_length=256, label="End user")  # as stored
+
+    def end_user_or_none(self) -> str | None:
+        """The end user asked for, or None (every request) when none or an invalid one was."""
+        return (self.cleaned_data["end_user"] if self.is_valid() else "") or None
+
+    def error_messages(self) -> list[str]:
+        return _labelled_errors(self)
+
+
 class ApiKeyCreateForm(forms.Form):
     name = forms.CharField(max_length=200, required=False)
     expires_in_days = forms.IntegerField(
@@ -62,11 +75,15 @@ class ApiKeyCreateForm(forms.Form):
     )
 
     def error_messages(self) -> list[str]:
-        return [
-            f"{self.fields[name].label or name.title()}: {message}"
-            for name, messages in self.errors.items()
-            for message in messages
-        ]
+        return _labelled_errors(self)
+
+
+def _labelled_errors(form: forms.Form) -> list[str]:
+    return [
+        f"{form.fields[name].label or name.title()}: {message}"
+        for name, messages in form.errors.items()
+        for message in messages
+    ]
 
 
 def object_id(value: str | None) -> int | None:

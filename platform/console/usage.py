@@ -112,6 +112,7 @@ class UsageReport:
     total: Totals
     as_of: datetime  # the raw records are read up to now
     rolled_up_until: datetime | None  # roll-ups cover the hours before; None: none yet
+    end_user: str | None = None  # set: only its requests, all read from the raw records
     tokens_by: dict[str, list[float]] = field(default_factory=dict)
     requests_by: dict[str, list[float]] = field(default_factory=dict)
 
@@ -191,14 +192,19 @@ def usage_report(
     tenant: Tenant | None = None,
     group_by: str = "model",
     granularity: str = "day",
+    end_user: str | None = None,
     now: datetime | None = None,
 ) -> UsageReport:
     """Usage in ``date_range`` (the last ``MAX_HOURLY_DAYS`` of it per hour) for one tenant or
-    all, grouped by ``model``, ``key`` or ``tenant``."""
+    all, grouped by ``model``, ``key`` or ``tenant``.
+
+    With ``end_user`` (the API requests' ``user``), only that end user's requests: the
+    roll-ups and the refusal counts do not carry it, so the whole range is read from the raw
+    records, and refusals before admission (which have no record) are left out."""
     now = now or timezone.now()
     starts, end, step = _periods(date_range, granularity)
     start = starts[0] if starts else end
-    handover = rolled_up_until() or start
+    handover = start if end_user is not None else rolled_up_until() or start
     handover = min(max(handover, start), end)
     by_period = [Totals() for _ in starts]
     by_label: dict[str, Totals] = defaultdict(Totals)
@@ -228,6 +234,8 @@ def usage_report(
         )
         count(index(row.period_start), label, lambda totals, row=row: totals.add_rollup(row))
     records = scoped(UsageRecord.objects).filter(started_at__gte=handover, started_at__lt=end)
+    if end_user is not None:
+        records = records.filter(end_user=end_user)
     for record in records.values(
         "tenant_id", "api_key_id", "model", "source", "status", "prompt_tokens",
         "completion_tokens", "cached_tokens", "time_to_first_token_ms", "latency_ms",
@@ -241,6 +249,8 @@ def usage_report(
         )
         count(index(record["started_at"]), label, lambda totals, r=record: totals.add_record(r))
     refusals = scoped(RefusalCount.objects).filter(hour__gte=start, hour__lt=end)
+    if end_user is not None:
+        refusals = refusals.none()
     for group in refusals.values("tenant_id", "api_key_id", "model", "source", "hour").annotate(
         n=Sum("count")
     ):
@@ -264,6 +274,7 @@ def usage_report(
         total=total,
         as_of=now,
         rolled_up_until=rolled_up_until(),
+        end_user=end_user,
         tokens_by=_top_series(tokens_by, order),
         requests_by=_top_series(requests_by, order),
     )

@@ -31,11 +31,13 @@ def _range_form(request: HttpRequest) -> forms.DateRangeForm:
     return forms.DateRangeForm(request.GET, today=timezone.now().date())
 
 
-def _refuse_range(request: HttpRequest, form: forms.DateRangeForm) -> int:
-    """Show why the range was refused (the page shows the default range); the status."""
-    for message in form.error_messages():
+def _refuse(request: HttpRequest, *filter_forms: forms.DateRangeForm | forms.EndUserForm) -> int:
+    """Show why a filter was refused (the page shows it unset: the default range, every end
+    user); the status."""
+    errors = [message for form in filter_forms for message in form.error_messages()]
+    for message in errors:
         messages.error(request, message)
-    return 400
+    return 400 if errors else 200
 
 
 def tenant_page(view):
@@ -89,15 +91,19 @@ def _usage_charts(report: usage.UsageReport) -> dict[str, str]:
 
 @tenant_page
 def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
-    range_form = _range_form(request)
-    status = _refuse_range(request, range_form) if range_form.errors else 200
-    date_range = range_form.date_range()
+    range_form, end_user_form = _range_form(request), forms.EndUserForm(request.GET)
+    status = _refuse(request, range_form, end_user_form)
+    date_range, end_user = range_form.date_range(), end_user_form.end_user_or_none()
     group_by = request.GET.get("group", "model")
     if group_by not in ("model", "key", "source"):
         group_by = "model"
     granularity = _granularity(request, date_range)
     report = usage.usage_report(
-        date_range=date_range, tenant=tenant, group_by=group_by, granularity=granularity
+        date_range=date_range,
+        tenant=tenant,
+        group_by=group_by,
+        granularity=granularity,
+        end_user=end_user,
     )
     return render(
         request,
@@ -108,10 +114,13 @@ def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             date_range=date_range,
             group_by=group_by,
             granularity=granularity,
+            end_user=end_user,
             summary=report,
             **_usage_charts(report),
             quota_rows=selectors.quota_rows(tenant=tenant),
-            batch_usage=batches_selectors.batch_usage(date_range=date_range, tenant=tenant),
+            batch_usage=batches_selectors.batch_usage(
+                date_range=date_range, tenant=tenant, end_user=end_user
+            ),
         ),
         status=status,
     )
@@ -213,7 +222,7 @@ def _change_members(request: HttpRequest, tenant: Tenant) -> None:
 @staff_member_required
 def platform(request: HttpRequest) -> HttpResponse:
     range_form = _range_form(request)
-    status = _refuse_range(request, range_form) if range_form.errors else 200
+    status = _refuse(request, range_form)
     date_range = range_form.date_range()
     granularity = _granularity(request, date_range)
     report = usage.usage_report(date_range=date_range, group_by="tenant", granularity=granularity)

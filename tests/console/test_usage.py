@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.urls import reverse
 
-from console import charts, usage
+from console import batches_selectors, charts, usage
 from console.selectors import DateRange
 from tenants import rollups, services
 from tenants.models import UsageRecord
@@ -127,3 +127,58 @@ def test_the_dashboard_says_as_of_when_and_formats_numbers(client, django_user_m
     assert 'name="period"' in page and "Tokens per day" in page  # 14 days by default
     url = reverse("console:dashboard", args=[tenant.slug])
     assert "Tokens per hour" in client.get(url, {"period": "hour"}).content.decode()
+
+
+def _end_user_record(key, request_id, end_user, started_at, prompt, completion, **fields):
+    usage_record_add(
+        request_id=request_id, tenant=key.tenant, api_key=key, model="demo-chat", status="ok",
+        source=fields.pop("source", "api"), started_at=started_at, finished_at=started_at,
+        prompt_tokens=prompt, completion_tokens=completion, end_user=end_user, **fields,
+    )  # fmt: skip
+
+
+def test_an_end_user_s_usage_is_read_from_its_records_only(key, tenant, other_tenant):
+    other_key = services.api_key_create(tenant=other_tenant, name="prod")[0]
+    _end_user_record(key, "a-old", "alice", NOW - timedelta(hours=5), 100, 11)
+    _end_user_record(key, "a-new", "alice", NOW, 100, 11, source="batch")
+    _end_user_record(key, "b", "bob", NOW - timedelta(hours=5), 500, 55)
+    _end_user_record(other_key, "g", "alice", NOW, 700, 77)
+    refusal_record(tenant_id=tenant.pk, api_key_id=key.pk, source="api",
+                   code="rate_limit_exceeded", model="demo-chat", at=NOW)  # fmt: skip
+    rollups.rollup_pending(now=NOW)  # the hour of a-old and b is rolled up, without end users
+
+    alice = _report(tenant, end_user="alice", granularity="hour")
+    assert (alice.total.requests, alice.total.tokens, alice.total.refused) == (2, 222, 0)
+    assert alice.end_user == "alice" and [p.tokens for p in alice.by_period][10:16] == [
+        111, 0, 0, 0, 0, 111
+    ]  # fmt: skip
+    assert _report(tenant).total.tokens == 222 + 555
+    assert _report(tenant, end_user="carol").total.requests == 0
+    batch = batches_selectors.batch_usage(date_range=TODAY, tenant=tenant, end_user="alice")
+    assert (batch.batch_requests, batch.batch_tokens, batch.other_tokens) == (1, 111, 111)
+
+
+def test_the_dashboard_filters_by_end_user(client, django_user_model, key, tenant, other_tenant):
+    owner = django_user_model.objects.create_user("owner", password="pw-owner-123")
+    services.membership_set(tenant=tenant, user=owner, role="owner", actor=None)
+    other_key = services.api_key_create(tenant=other_tenant, name="prod")[0]
+    now = datetime.now(UTC)
+    _end_user_record(key, "a-old", "alice", now - timedelta(days=2), 1000, 111)
+    _end_user_record(key, "a-new", "alice", now, 1000, 111)
+    _end_user_record(key, "b", "bob", now - timedelta(days=2), 5000, 55)
+    _end_user_record(other_key, "g", "alice", now, 7000, 777)
+    rollups.rollup_pending()
+    client.force_login(owner)
+    url = reverse("console:dashboard", args=[tenant.slug])
+
+    everyone = client.get(url).content.decode()
+    assert 'name="end_user"' in everyone and ">7,277<" in everyone
+    assert "filtered by end user" not in everyone
+    page = client.get(url, {"end_user": "alice"}).content.decode()
+    assert ">2,222<" in page and 'value="alice"' in page  # acme's alice only
+    assert ">7,277<" not in page and ">9,999<" not in page and "5,055" not in page
+    assert "filtered by end user: read from request records" in page
+    response = client.get(url, {"end_user": "x" * 257})
+    assert response.status_code == 400 and ">7,277<" in response.content.decode()
+    other = reverse("console:dashboard", args=[other_tenant.slug])
+    assert client.get(other, {"end_user": "alice"}).status_code == 404
