@@ -183,6 +183,28 @@ def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int) -> to
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
+def unpack_bits_on_host(bitmask: torch.Tensor, vocab_size: int):
+    """``[R, ⌈V/32⌉]`` int32 words as ``[R, V]`` uint8 bits, by numpy (a CPU tensor in)."""
+    import numpy as np
+
+    # little-endian words: bit k of word w is bit k % 8 of byte 4w + k // 8
+    as_bytes = bitmask.numpy().view(np.uint8)
+    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size]
+
+
+def unpack_bits_on_device(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The same as ``unpack_bits_on_host`` with torch's shifts, where the words are."""
+    import torch
+
+    shifts = _BIT_SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[bitmask.device] = torch.arange(
+            32, dtype=torch.int32, device=bitmask.device
+        )
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: the sign bit works too
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size]
+
+
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set ``logits[rows[i], j]`` to -inf wherever bit ``j`` of ``bitmask[i]`` is 0, in place.
     ``rows`` and ``bitmask`` are on the logits' device. On the CPU numpy unpacks the bits
@@ -192,20 +214,9 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
 
     vocab_size = logits.shape[-1]
     if logits.device.type == "cpu":
-        import numpy as np
-
-        # little-endian words: bit k of word w is bit k % 8 of byte 4w + k // 8
-        as_bytes = bitmask.numpy().view(np.uint8)
-        bits = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size]
-        disallowed = torch.from_numpy(bits == 0)
+        disallowed = torch.from_numpy(unpack_bits_on_host(bitmask, vocab_size) == 0)
     else:
-        shifts = _BIT_SHIFTS.get(logits.device)
-        if shifts is None:
-            shifts = _BIT_SHIFTS[logits.device] = torch.arange(
-                32, dtype=torch.int32, device=logits.device
-            )
-        bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: the sign bit works too
-        disallowed = bits.view(bitmask.shape[0], -1)[:, :vocab_size] == 0
+        disallowed = unpack_bits_on_device(bitmask, vocab_size) == 0
     if rows.numel() == logits.shape[0]:  # every row guided (rows are distinct, ascending)
         logits.masked_fill_(disallowed, float("-inf"))
     else:

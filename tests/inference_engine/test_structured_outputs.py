@@ -298,6 +298,17 @@ def test_the_bitmask_masks_exactly_the_cleared_bits():
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == allowed
 
 
+def test_the_device_unpacking_equals_the_host_one():
+    """A GPU unpacks the bits with torch's shifts; the same words give the same bits."""
+    from inference_engine.guided import unpack_bits_on_device, unpack_bits_on_host
+
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 4), dtype=torch.int32, generator=generator)
+    host = torch.from_numpy(unpack_bits_on_host(bitmask, 100)).to(torch.int32)
+    assert torch.equal(unpack_bits_on_device(bitmask, 100), host)
+    assert host.shape == (5, 100)
+
+
 def test_the_filled_mask_of_a_choice_allows_its_first_tokens(tokenizer):
     grammars = GrammarCompiler(tokenizer, len(tokenizer), frozenset({EOS}))
     matcher = grammars.matcher(StructuredOutputsParams(choice=["hello", "world"]))
