@@ -18,6 +18,9 @@ from inference_engine.scheduler import RequestRejected, Scheduler
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# constraints whose output is JSON: steered to close near their token limit
+JSON_KINDS = ("json", "json_object")
+
 
 class EngineCore:
     def __init__(
@@ -118,6 +121,9 @@ class EngineCore:
             self.grammars.compile(params.structured_outputs)
         except InvalidGrammar as exc:
             return ErrorCode.INVALID_REQUEST, str(exc)
+        if params.structured_outputs.kind() in JSON_KINDS:
+            # decoded with the tokenizer the I/O thread owns; the busy loop finds it cached
+            self.grammars.closing_tokens()
         return None
 
     def _attach_grammar(self, request: Request) -> tuple[ErrorCode, str] | None:
@@ -125,7 +131,7 @@ class EngineCore:
         if error is None:
             spec = request.sampling_params.structured_outputs
             request.grammar = self.grammars.matcher(spec)
-            if spec.kind() in ("json", "json_object"):
+            if spec.kind() in JSON_KINDS:
                 request.closing_tokens = self.grammars.closing_tokens()
             # the request ends where its language does
             request.eos_token_ids = request.eos_token_ids | self.grammars.stop_token_ids
