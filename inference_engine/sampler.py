@@ -83,8 +83,7 @@ class Sampler:
         raw_logits = logits
         logits = logits.clone()
         self._mask_min_tokens(logits, rows)
-        self._apply_logit_bias(logits, rows)
-        self._favour_closing(logits, rows)
+        self._apply_biases(logits, rows)
         self._apply_penalties(logits, rows)
         if guided_rows:
             self._apply_grammar_masks(logits, guided_rows, bitmask)
@@ -130,33 +129,24 @@ class Sampler:
                 token_ids[i] = NO_TOKEN
         return result
 
-    def _favour_closing(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        """Rows near their token limit: the closing tokens get ``CLOSING_BIAS`` times their
-        weight, so where the grammar allows one it is taken, and the value ends before the
-        limit cuts it."""
-        closing_rows: list[int] = []
-        closing_ids: list[int] = []
-        weights: list[float] = []
-        for i, row in enumerate(rows):
-            if row.closing_tokens:
-                ids, row_weights = row.closing_tokens
-                closing_rows.extend([i] * len(ids))
-                closing_ids.extend(ids)
-                weights.extend(row_weights)
-        if closing_ids:
-            index = self._upload(np.array([closing_rows, closing_ids], np.int64))
-            bias = self._upload(np.array(weights, np.float32) * CLOSING_BIAS)
-            logits.index_put_((index[0], index[1]), bias, accumulate=True)
-
-    def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def _apply_biases(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Add each row's ``logit_bias``, and for a JSON-guided row near its token limit
+        ``CLOSING_BIAS`` times each closing token's weight (so where the grammar allows one it
+        is taken, and the value ends before the limit cuts it), in one scatter."""
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
         for i, row in enumerate(rows):
+            entries = []
             if row.params.logit_bias:
-                bias_rows.extend([i] * len(row.params.logit_bias))
-                bias_ids.extend(row.params.logit_bias.keys())
-                bias_values.extend(row.params.logit_bias.values())
+                entries.append((row.params.logit_bias.keys(), row.params.logit_bias.values()))
+            if row.closing_tokens:
+                ids, weights = row.closing_tokens
+                entries.append((ids, [weight * CLOSING_BIAS for weight in weights]))
+            for ids, values in entries:
+                bias_rows.extend([i] * len(ids))
+                bias_ids.extend(ids)
+                bias_values.extend(values)
         if bias_ids:
             index = self._upload(np.array([bias_rows, bias_ids], np.int64))
             values = self._upload(np.array(bias_values, np.float32))
