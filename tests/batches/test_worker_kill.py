@@ -6,7 +6,6 @@ and exactly one usage record per line."""
 import json
 import os
 import signal
-import sqlite3
 import time
 
 import openai
@@ -20,6 +19,7 @@ from tests.config.live_platform import (
     run_platform_on_tiny_model,
     session_members,
     stop,
+    usage_records,
     wait_for_http,
     wait_restarted,
 )
@@ -65,17 +65,6 @@ def _lines() -> list[dict]:
     ]
 
 
-def _batch_records(tmp_path) -> list[dict]:
-    database = tmp_path / "var" / "db.sqlite3"
-    with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=10) as connection:
-        connection.row_factory = sqlite3.Row
-        rows = connection.execute(
-            "SELECT request_id, status, completion_tokens FROM tenants_usagerecord "
-            "WHERE source = 'batch'"
-        ).fetchall()
-    return [dict(row) for row in rows]
-
-
 def test_a_batch_completes_exactly_once_across_a_killed_worker(platform, tmp_path):
     process, client = platform
     file = client.files.create(file=("in.jsonl", jsonl(_lines())), purpose="batch")
@@ -113,7 +102,7 @@ def test_a_batch_completes_exactly_once_across_a_killed_worker(platform, tmp_pat
         assert line["error"] is None and line["response"]["status_code"] == 200, line
         usage = line["response"]["body"]["usage"]
         assert usage["completion_tokens"] == MAX_TOKENS, line
-    records = _batch_records(tmp_path)
+    records = [r for r in usage_records(tmp_path).values() if r["source"] == "batch"]
     assert len(records) == NUM_LINES
     assert {r["request_id"] for r in records} == {line["response"]["request_id"] for line in output}
     # a line the dead worker left running was run again under its request id: its record
