@@ -145,10 +145,12 @@ class KVCacheManager:
         request: CacheableRequest,
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
+        num_reserved_blocks: int = 0,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` after the request's computed tokens (counting
-        ``computed_blocks``, the prefix hits of a newly admitted request). Returns the new
-        block ids, or None and changes nothing when there are not enough free blocks."""
+        ``computed_blocks``, the prefix hits of a newly admitted request), leaving at least
+        ``num_reserved_blocks`` free. Returns the new block ids, or None and changes nothing
+        when there are not enough free blocks."""
         computed_blocks = computed_blocks or []
         held = self.req_to_blocks.get(request.req_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -156,7 +158,7 @@ class KVCacheManager:
         num_needed -= len(computed_blocks)
         # hits that sit in the free queue stop being free once we take them
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
-        if max(num_needed, 0) > self.num_free_blocks - num_evictable_hits:
+        if max(num_needed, 0) > self.num_free_blocks - num_evictable_hits - num_reserved_blocks:
             return None
         blocks = self.req_to_blocks.setdefault(request.req_id, [])
         block_ids = self.req_to_block_ids.setdefault(request.req_id, [])

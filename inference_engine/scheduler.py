@@ -6,6 +6,14 @@ next chunk) out of ``max_num_batched_tokens``, then admits waiting requests whil
 by recompute: its blocks are freed and it goes back to the front of its waiting queue. The
 waiting queue's policy (``waiting_queue.py``: ``fcfs``, ``priority`` or ``fair``, the default)
 orders admission and picks the victim; lower priority values go first, as in vLLM.
+
+Under ``fair`` admission leaves ``num_reserved_blocks`` free, except for a tenant below its
+fair share of the blocks held, and such a tenant's request that still does not fit preempts
+the most-served tenant's newest request (of the same or a lower priority), also in a step that
+preempted already. Without that, one tenant's flood keeps the cache full to the last block, its
+running requests preempt its own newest ones to grow in most steps, and a step that preempted
+admits nobody: another tenant's request waited at the head of the queue for a step that
+neither preempted nor found the cache full.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from inference_engine.kv_cache import KVCacheManager
 from inference_engine.protocol import FinishReason
 from inference_engine.request import Request, RequestStatus
 from inference_engine.waiting_queue import make_waiting_queue
+
+# 1/64 of the cache (8 of 512 blocks)
+RESERVE_FRACTION = 64
 
 
 class RequestRejected(ValueError):
@@ -64,6 +75,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = make_waiting_queue(policy)
+        # under fair, blocks that only a tenant below its fair share may take at admission
+        self.num_reserved_blocks = num_blocks // RESERVE_FRACTION if self.waiting.is_fair else 0
         self._arrival_counter = itertools.count()
         self.num_preemptions = 0
 
@@ -134,15 +147,42 @@ class Scheduler:
                 self._charge(item)
                 budget -= num_new_tokens
 
+        preempted_tenants = {self.requests[req_id].tenant_id for req_id in output.preempted_req_ids}
         while (
-            not output.preempted_req_ids
-            and budget > 0
+            budget > 0
             and len(self.running) < self.max_num_seqs
             and (request := self.waiting.peek()) is not None
         ):
+            # memory is short once this step preempted: only a tenant below its fair share
+            # goes on, if it lost no request itself (fcfs and priority know no shares)
+            if output.preempted_req_ids and not self.waiting.is_fair:
+                break
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_cached, budget)
-            if self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+            new_block_ids = None
+            if not output.preempted_req_ids:
+                new_block_ids = self.kv_cache.allocate_slots(
+                    request, num_new_tokens, computed_blocks, self._num_reserved_for_admission()
+                )
+            if (
+                new_block_ids is None
+                and request.tenant_id not in preempted_tenants
+                and self._is_below_fair_share(request.tenant_id)
+            ):
+                num_blocks = self.kv_cache.num_blocks_for(num_cached + num_new_tokens)
+                while (
+                    new_block_ids := self.kv_cache.allocate_slots(
+                        request, num_new_tokens, computed_blocks
+                    )
+                ) is None and (victim := self._fair_victim(request, num_blocks)) is not None:
+                    self._preempt(victim)
+                    output.preempted_req_ids.append(victim.req_id)
+                    preempted_tenants.add(victim.tenant_id)
+                    if victim.req_id in scheduled:
+                        unscheduled = scheduled.pop(victim.req_id)
+                        self._charge(unscheduled, refund=True)
+                        budget += unscheduled.num_new_tokens
+            if new_block_ids is None:
                 break
             self.waiting.pop(request)
             request.status = RequestStatus.RUNNING
@@ -160,6 +200,46 @@ class Scheduler:
 
         output.scheduled = list(scheduled.values())
         return output
+
+    def _num_reserved_for_admission(self) -> int:
+        """Free blocks an admission must leave (fair only, and only beside running requests:
+        alone, a request may have the whole cache)."""
+        return self.num_reserved_blocks if self.running else 0
+
+    def _num_blocks_by_tenant(self) -> dict[str, int]:
+        """tenant -> KV blocks its running requests hold (a shared prefix block counts for
+        each request that holds it: what each request would need alone)."""
+        num_held: dict[str, int] = {}
+        for request in self.running:
+            num_blocks = len(self.kv_cache.get_block_ids(request.req_id))
+            num_held[request.tenant_id] = num_held.get(request.tenant_id, 0) + num_blocks
+        return num_held
+
+    def _is_below_fair_share(self, tenant: str, num_held: dict[str, int] | None = None) -> bool:
+        if not self.waiting.is_fair:
+            return False
+        num_held = self._num_blocks_by_tenant() if num_held is None else num_held
+        return self.waiting.is_below_fair_share(tenant, num_held, sum(num_held.values()))
+
+    def _fair_victim(self, request: Request, num_blocks: int) -> Request | None:
+        """The running request to preempt so that ``request`` (of a tenant below its fair
+        share, ``num_blocks`` blocks once admitted) fits: the newest of the most-served tenant
+        among those at or above their share that still hold more than ``request``'s tenant
+        once the move is done (weighed by their shares, so two tenants never take a request
+        back and forth), and never one of a higher priority than ``request``'s."""
+        num_held = self._num_blocks_by_tenant()
+        num_after = (num_held.get(request.tenant_id, 0) + num_blocks) / request.weight
+        candidates = [
+            running
+            for running in self.running
+            if running.tenant_id != request.tenant_id
+            and running.priority >= request.priority
+            and not self._is_below_fair_share(running.tenant_id, num_held)
+            and (num_held[running.tenant_id] - len(self.kv_cache.get_block_ids(running.req_id)))
+            / running.weight
+            >= num_after
+        ]
+        return self.waiting.victim(candidates) if candidates else None
 
     def _charge(self, item: ScheduledRequest, refund: bool = False) -> None:
         """Tell the waiting queue what this step serves ``item``'s tenant: positions computed

@@ -10,7 +10,12 @@
   tenants with work in the engine, so idling banks no credit. Preemption under memory
   pressure takes the newest request of the most-served tenant at the lowest priority.
 
-Running requests are never preempted for fairness alone: the queue only orders admission.
+Running requests are never preempted for fairness alone. Under ``fair`` a tenant below its
+fair share (of the KV blocks the running requests hold, split by weight among the tenants with
+work in the engine) may take the few blocks that admission otherwise leaves free, and when its
+request does not fit even so, that is memory pressure: the scheduler preempts the newest
+request of the most-served tenant at or above its share. So one tenant's flood cannot keep a
+newcomer waiting until its requests finish.
 Pure Python, no torch, so it is tested without a model.
 """
 
@@ -33,6 +38,9 @@ def _is_waiting(request: Request) -> bool:
 
 class WaitingQueue:
     """FCFS or priority order in one heap; aborted entries are skipped lazily."""
+
+    # whether tenants have shares of the KV cache (``is_below_fair_share``)
+    is_fair = False
 
     def __init__(self, use_priority: bool) -> None:
         self.use_priority = use_priority
@@ -80,9 +88,16 @@ class WaitingQueue:
     def num_waiting_by_tenant(self) -> dict[str, int]:
         return dict(self._waiting_counts)
 
+    def is_below_fair_share(self, tenant: str, num_held: dict[str, int], num_blocks: int) -> bool:
+        """Whether ``tenant`` holds fewer than its share of ``num_blocks`` KV blocks, given the
+        blocks each tenant holds (tenant -> blocks). Only the fair queue has shares."""
+        return False
+
 
 class FairQueue(WaitingQueue):
     """Priority, then the least-served tenant (virtual token counters), then arrival."""
+
+    is_fair = True
 
     def __init__(self) -> None:
         super().__init__(use_priority=True)
@@ -90,6 +105,8 @@ class FairQueue(WaitingQueue):
         self._tenants: dict[int, dict[str, list[tuple[int, Request]]]] = defaultdict(dict)
         self.counters: dict[str, float] = {}
         self._num_unfinished: dict[str, int] = defaultdict(int)
+        # tenant -> weight of its latest request
+        self._weights: dict[str, float] = {}
 
     def push(self, request: Request) -> None:
         tenant = request.tenant_id
@@ -97,6 +114,7 @@ class FairQueue(WaitingQueue):
             if self._num_unfinished[tenant] == 0:
                 self._lift(tenant)
             self._num_unfinished[tenant] += 1
+            self._weights[tenant] = request.weight
         self._waiting_counts[tenant] += 1
         queue = self._tenants[request.priority].setdefault(tenant, [])
         heapq.heappush(queue, (request.arrival_order, request))
@@ -143,6 +161,12 @@ class FairQueue(WaitingQueue):
         self._num_unfinished[tenant] -= 1
         if self._num_unfinished[tenant] <= 0:
             del self._num_unfinished[tenant]
+            self._weights.pop(tenant, None)
+
+    def is_below_fair_share(self, tenant: str, num_held: dict[str, int], num_blocks: int) -> bool:
+        total_weight = sum(self._weights.values())
+        share = num_blocks * self._weights.get(tenant, 0.0) / total_weight if total_weight else 0
+        return num_held.get(tenant, 0) < share
 
     def victim(self, running: Iterable[Request]) -> Request:
         return max(

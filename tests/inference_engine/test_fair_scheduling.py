@@ -186,3 +186,113 @@ def test_tenant_metric_labels_are_bounded():
         m for m in metrics.registry.collect() if m.name.endswith("tenant_requests_waiting")
     ]
     assert {s.labels["tenant"]: s.value for s in waiting.samples} == {"t1": 3, OTHER_TENANTS: 2}
+
+
+def run_flood_with_newcomers(s: Scheduler, num_newcomers: int) -> list[int]:
+    """Tenant a keeps 40 requests in the engine (a finished one is replaced at once) in a cache
+    that holds a share of them; every 7 steps tenant b sends one request. Returns how many
+    steps each of b's requests waited before its first step."""
+    for _ in range(40):
+        s.add_request(request("a"))
+    waits, newcomer, waited = [], None, 0
+    for t in range(40 + 7 * num_newcomers):
+        if t >= 40 and t % 7 == 0 and newcomer is None:
+            newcomer, waited = request("b"), 0
+            s.add_request(newcomer)
+        output = s.schedule()
+        if newcomer is not None:
+            if any(item.request is newcomer for item in output.scheduled):
+                waits.append(waited)
+                newcomer = None
+            else:
+                waited += 1
+        sampled = {item.request.req_id: 7 for item in output.scheduled if item.is_sampling}
+        for r in s.update_from_output(output, sampled):
+            if r.is_finished and r.tenant_id == "a":
+                s.add_request(request("a"))
+    return waits
+
+
+def test_a_newcomer_is_admitted_at_once_into_a_cache_full_of_a_flood():
+    # 24 blocks of 4 tokens: a's flood fills the cache and keeps preempting its own newest
+    # requests to grow; b's request must not wait for a's to finish or free a block
+    s = scheduler(num_blocks=24, max_num_seqs=64)
+    waits = run_flood_with_newcomers(s, 30)
+    assert len(waits) == 30 and waits == [0] * 30, waits
+    assert s.num_preemptions > 0  # the cache was full
+
+
+def test_under_fcfs_a_newcomer_still_waits_for_the_flood():
+    s = scheduler(policy="fcfs", num_blocks=24, max_num_seqs=64)
+    waits = run_flood_with_newcomers(s, 5)
+    assert min(waits, default=1000) > 0, waits
+
+
+def fill_the_cache(s: Scheduler, num_requests: int) -> list[Request]:
+    """Tenant a's requests of 6 distinct prompt tokens (2 blocks of 4 each, room for two
+    decodes): one step admits and prefills them all."""
+    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
+    flood = [
+        Request(f"a-{next(ids)}", list(range(10 * i, 10 * i + 6)), params, tenant_id="a")
+        for i in range(num_requests)
+    ]
+    for r in flood:
+        s.add_request(r)
+    step(s, Counter())
+    return flood
+
+
+def test_a_newcomer_takes_the_place_of_the_most_served_tenants_newest_request():
+    s = scheduler(num_blocks=8, max_num_seqs=8)
+    flood = fill_the_cache(s, 5)
+    assert s.num_running == 4 and s.kv_cache.num_free_blocks == 0
+    newcomer = request("b")
+    s.add_request(newcomer)
+    output = s.schedule()
+    # the running decodes need no new block: the newcomer's request alone is short of memory
+    assert output.preempted_req_ids == [flood[3].req_id]
+    assert [item.request for item in output.scheduled] == flood[:3] + [newcomer]
+
+
+def test_a_newcomer_of_a_lower_priority_preempts_nobody():
+    s = scheduler(num_blocks=8, max_num_seqs=8)
+    flood = fill_the_cache(s, 5)
+    newcomer = request("b", priority=1)
+    s.add_request(newcomer)
+    output = s.schedule()
+    assert not output.preempted_req_ids
+    assert [item.request for item in output.scheduled] == flood[:4]
+
+
+def test_a_tenant_at_its_share_is_not_preempted_for_another():
+    # a and b hold half the cache each; b's next request waits for b's own blocks
+    s = scheduler(num_blocks=8, max_num_seqs=8)
+    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
+    for i, tenant in enumerate("abab"):
+        s.add_request(
+            Request(f"{tenant}{i}", list(range(10 * i, 10 * i + 6)), params, tenant_id=tenant)
+        )
+    step(s, Counter())
+    assert s.kv_cache.num_free_blocks == 0
+    s.add_request(request("b"))
+    output = s.schedule()
+    assert not output.preempted_req_ids and len(output.scheduled) == 4
+
+
+def test_a_lone_flood_leaves_the_reserve_to_a_newcomer():
+    s = scheduler(num_blocks=256, max_num_seqs=256, max_num_batched_tokens=4096)
+    assert s.num_reserved_blocks == 4
+    fill_the_cache(s, 150)
+    assert s.kv_cache.num_free_blocks == s.num_reserved_blocks
+    newcomer = request("b")
+    s.add_request(newcomer)
+    output = s.schedule()
+    assert newcomer in [item.request for item in output.scheduled]
+    assert not output.preempted_req_ids
+
+
+def test_fcfs_and_priority_keep_no_reserve():
+    for policy in ("fcfs", "priority"):
+        s = scheduler(policy=policy, num_blocks=256, max_num_seqs=256, max_num_batched_tokens=4096)
+        fill_the_cache(s, 150)
+        assert s.kv_cache.num_free_blocks == 0

@@ -15,10 +15,10 @@ def make_scheduler(**overrides) -> Scheduler:
     return Scheduler(**options)
 
 
-def make_request(req_id, num_prompt_tokens, max_tokens=4, priority=0, first_token=100):
+def make_request(req_id, num_prompt_tokens, max_tokens=4, priority=0, first_token=100, tenant=""):
     prompt = list(range(first_token, first_token + num_prompt_tokens))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(req_id, prompt, params, priority=priority)
+    return Request(req_id, prompt, params, priority=priority, tenant_id=tenant)
 
 
 def run_step(scheduler: Scheduler, token_id: int = 7):
@@ -182,6 +182,7 @@ def test_random_traffic_never_leaks_or_double_frees_blocks(actions, num_blocks, 
                 max_tokens,
                 priority=choice % 2,
                 first_token=100 * (choice % 2),
+                tenant="abc"[length % 3],  # the fair policy's shares and preemptions too
             )
             counter += 1
             try:
