@@ -1,7 +1,8 @@
 """All torch for one step: load an HF causal LM, allocate paged KV tensors, pack, forward, sample.
 
 Dtype ``"auto"`` means the checkpoint's dtype, except that float16 on CPU becomes bfloat16
-(CPU float16 matmuls are very slow); float32 and bfloat16 are kept as they are.
+(CPU float16 matmuls are very slow); float32 and bfloat16 are kept as they are. On a CPU
+without bf16 matrix units the batched linear layers multiply in float32 (``cpu_linear.py``).
 
 On a GPU a step's inputs are packed on the host into one pinned buffer and copied once; the
 attention is one Triton launch per layer; decode-only steps replay CUDA graphs; and the one
@@ -27,6 +28,7 @@ from inference_engine.attention import (
     VarlenMetadata,
 )
 from inference_engine.config import EngineConfig
+from inference_engine.cpu_linear import should_widen, widen_linears
 from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from inference_engine.protocol import SamplingParams, TokenLogprobs
 from inference_engine.sampler import Sampler, SamplingRow
@@ -222,6 +224,9 @@ class ModelRunner:
             config.model, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME
         )
         self.model.to(self.device).eval()
+        if should_widen(config.cpu_gemm, self.device, self.dtype):
+            count = widen_linears(self.model)
+            logger.info("%d %s linear layers multiply batches in float32", count, self.dtype)
         self.vocab_size = self.model.config.vocab_size
         self.spec = model_spec(self.model.config, getattr(self.model, "generation_config", None))
         self.block_size = config.block_size

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from inference_engine import SamplingParams
+from inference_engine.cpu_linear import WidenedLinear
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, device: str = "cpu") -> list[int]:
@@ -131,10 +132,27 @@ def test_greedy_parity_on_cuda_in_float32(model_dirs, enforce_eager):
         assert output.token_ids == hf_greedy(hf_model, prompt, n, device="cuda")
 
 
-@needs_cuda
-def test_greedy_parity_on_cuda_in_bfloat16_up_to_near_ties(model_dirs):
+def assert_parity_up_to_near_ties(llm, hf_model, prompts, max_tokens, device: str) -> None:
     """bf16 rounds differently in every kernel: outputs agree with HF's until HF's own top two
     logits are within rounding of each other (the near-tie rule)."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(prompts, params)
+    for prompt, n, output in zip(prompts, max_tokens, outputs, strict=True):
+        expected = hf_greedy(hf_model, prompt, n, device=device)
+        agreed = next(
+            (i for i, (a, b) in enumerate(zip(output.token_ids, expected, strict=True)) if a != b),
+            n,
+        )
+        if agreed < n:
+            with torch.inference_mode():
+                ids = torch.tensor([prompt + expected[:agreed]], device=device)
+                top2 = hf_model(ids).logits[0, -1].float().topk(2).values
+            margin = (top2[0] - top2[1]).item()
+            assert margin < 0.05 * top2[0].abs().item() + 0.1, (prompt, agreed, margin)
+
+
+@needs_cuda
+def test_greedy_parity_on_cuda_in_bfloat16_up_to_near_ties(model_dirs):
     from transformers import AutoModelForCausalLM
 
     from inference_engine import LLM
@@ -143,17 +161,20 @@ def test_greedy_parity_on_cuda_in_bfloat16_up_to_near_ties(model_dirs):
     hf_model = hf_model.to("cuda").eval()
     llm = LLM(model_dirs["llama"], dtype="bfloat16", device="cuda", max_num_batched_tokens=24)
     prompts, max_tokens = mixed_batch(seed=6)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    outputs = llm.generate(prompts, params)
-    for prompt, n, output in zip(prompts, max_tokens, outputs, strict=True):
-        expected = hf_greedy(hf_model, prompt, n, device="cuda")
-        agreed = next(
-            (i for i, (a, b) in enumerate(zip(output.token_ids, expected, strict=True)) if a != b),
-            n,
-        )
-        if agreed < n:
-            with torch.inference_mode():
-                ids = torch.tensor([prompt + expected[:agreed]], device="cuda")
-                top2 = hf_model(ids).logits[0, -1].float().topk(2).values
-            margin = (top2[0] - top2[1]).item()
-            assert margin < 0.05 * top2[0].abs().item() + 0.1, (prompt, agreed, margin)
+    assert_parity_up_to_near_ties(llm, hf_model, prompts, max_tokens, device="cuda")
+
+
+@pytest.mark.parametrize("cpu_gemm", ["native", "widened"])
+def test_greedy_parity_on_cpu_in_bfloat16_up_to_near_ties(model_dirs, cpu_gemm):
+    """Widened linears (float32 products of bf16 values, rounded to bf16) follow HF's bf16
+    model as closely as torch's own bf16 kernels do."""
+    from transformers import AutoModelForCausalLM
+
+    from inference_engine import LLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype="bfloat16").eval()
+    llm = LLM(model_dirs["llama"], dtype="bfloat16", device="cpu", cpu_gemm=cpu_gemm)
+    widened = [m for m in llm.core.runner.model.modules() if type(m) is WidenedLinear]
+    assert bool(widened) == (cpu_gemm == "widened")
+    prompts, max_tokens = mixed_batch(seed=6)
+    assert_parity_up_to_near_ties(llm, hf_model, prompts, max_tokens, device="cpu")
