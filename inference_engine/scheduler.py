@@ -132,7 +132,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
-                victim = self.waiting.victim(self.running)
+                victim = self._memory_victim()
                 self._preempt(victim)
                 output.preempted_req_ids.append(victim.req_id)
                 if victim.req_id in scheduled:
@@ -220,6 +220,19 @@ class Scheduler:
             return False
         num_held = self._num_blocks_by_tenant() if num_held is None else num_held
         return self.waiting.is_below_fair_share(tenant, num_held, sum(num_held.values()))
+
+    def _memory_victim(self) -> Request:
+        """The running request to preempt when a running one needs blocks: the queue's pick
+        (lowest priority, most served, newest); under fair, within the lowest priority, a
+        request of a tenant at or above its fair share where there is one, so a newcomer
+        lifted to the others' counter is not the one to go."""
+        if not self.waiting.is_fair:
+            return self.waiting.victim(self.running)
+        lowest = max(request.priority for request in self.running)
+        pool = [request for request in self.running if request.priority == lowest]
+        num_held = self._num_blocks_by_tenant()
+        over = [r for r in pool if not self._is_below_fair_share(r.tenant_id, num_held)]
+        return self.waiting.victim(over or pool)
 
     def _fair_victim(self, request: Request, num_blocks: int) -> Request | None:
         """The running request to preempt so that ``request`` (of a tenant below its fair

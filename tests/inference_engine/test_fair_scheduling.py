@@ -296,3 +296,27 @@ def test_fcfs_and_priority_keep_no_reserve():
         s = scheduler(policy=policy, num_blocks=256, max_num_seqs=256, max_num_batched_tokens=4096)
         fill_the_cache(s, 150)
         assert s.kv_cache.num_free_blocks == 0
+
+
+def test_memory_pressure_takes_no_request_of_a_tenant_below_its_share():
+    s = scheduler(num_blocks=8, max_num_seqs=8)
+    flood = fill_the_cache(s, 4)
+    newcomer = request("b")
+    s.add_request(newcomer)
+    step(s, Counter())  # in, in place of a's newest
+    s.waiting.counters["b"] = 1e6  # the most served by its counter, but not by its memory
+    output = s.schedule()
+    # b's first decode needs a third block: a, over its share, gives one up
+    assert output.preempted_req_ids == [flood[2].req_id]
+    assert [item.request for item in output.scheduled] == flood[:2] + [newcomer]
+
+
+def test_memory_pressure_takes_a_lower_priority_first_even_below_its_share():
+    s = scheduler(num_blocks=8, max_num_seqs=8)
+    flood = fill_the_cache(s, 3)
+    batch = request("b", priority=1)
+    s.add_request(batch)
+    step(s, Counter())  # the last two free blocks
+    output = s.schedule()
+    assert output.preempted_req_ids == [batch.req_id]
+    assert [item.request for item in output.scheduled] == flood
