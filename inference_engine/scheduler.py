@@ -13,7 +13,9 @@ the most-served tenant's newest request (of the same or a lower priority), also 
 preempted already. Without that, one tenant's flood keeps the cache full to the last block, its
 running requests preempt its own newest ones to grow in most steps, and a step that preempted
 admits nobody: another tenant's request waited at the head of the queue for a step that
-neither preempted nor found the cache full.
+neither preempted nor found the cache full. And when the head of the queue is a tenant with
+nothing running, its first chunk gets a short step of its own before the next full one
+(``_newcomer_step_excludes``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Scheduler:
         # under fair, blocks that only a tenant below its fair share may take at admission
         self.num_reserved_blocks = num_blocks // RESERVE_FRACTION if self.waiting.is_fair else 0
         self._arrival_counter = itertools.count()
+        self._was_newcomer_step = False
         self.num_preemptions = 0
 
     @property
@@ -124,9 +127,11 @@ class Scheduler:
         output = SchedulerOutput()
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.max_num_batched_tokens
+        busy_tenants = self._newcomer_step_excludes()
+        self._was_newcomer_step = busy_tenants is not None
 
         for request in list(self.running):
-            if budget == 0:
+            if budget == 0 or busy_tenants is not None:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -156,6 +161,8 @@ class Scheduler:
             # memory is short once this step preempted: only a tenant below its fair share
             # goes on, if it lost no request itself (fcfs and priority know no shares)
             if output.preempted_req_ids and not self.waiting.is_fair:
+                break
+            if busy_tenants is not None and request.tenant_id in busy_tenants:
                 break
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_cached, budget)
@@ -200,6 +207,22 @@ class Scheduler:
 
         output.scheduled = list(scheduled.values())
         return output
+
+    def _newcomer_step_excludes(self) -> set[str] | None:
+        """Under fair, when the request at the head of the waiting queue is of a tenant with
+        nothing running (and as urgent as anything running), this step admits only such
+        tenants' requests and runs nothing else: the tenants with requests running (returned)
+        wait that one short step, as decodes waited for prefills in vLLM V0's steps, and the
+        newcomer's first token waits for the step under way but not also for a full one of
+        theirs. Never two such steps in a row, so the running requests lose at most every
+        other step, each a short one."""
+        if not (self.waiting.is_fair and self.running) or self._was_newcomer_step:
+            return None
+        head = self.waiting.peek()
+        if head is None or head.priority > min(request.priority for request in self.running):
+            return None
+        busy_tenants = {request.tenant_id for request in self.running}
+        return None if head.tenant_id in busy_tenants else busy_tenants
 
     def _num_reserved_for_admission(self) -> int:
         """Free blocks an admission must leave (fair only, and only beside running requests:

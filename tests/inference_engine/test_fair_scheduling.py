@@ -251,7 +251,7 @@ def test_a_newcomer_takes_the_place_of_the_most_served_tenants_newest_request():
     output = s.schedule()
     # the running decodes need no new block: the newcomer's request alone is short of memory
     assert output.preempted_req_ids == [flood[3].req_id]
-    assert [item.request for item in output.scheduled] == flood[:3] + [newcomer]
+    assert [item.request for item in output.scheduled] == [newcomer]
 
 
 def test_a_newcomer_of_a_lower_priority_preempts_nobody():
@@ -320,3 +320,30 @@ def test_memory_pressure_takes_a_lower_priority_first_even_below_its_share():
     output = s.schedule()
     assert output.preempted_req_ids == [batch.req_id]
     assert [item.request for item in output.scheduled] == flood
+
+
+def run_one_step(s: Scheduler) -> list[Request]:
+    output = s.schedule()
+    s.update_from_output(output, {i.request.req_id: 7 for i in output.scheduled if i.is_sampling})
+    return [item.request for item in output.scheduled]
+
+
+def test_a_newcomers_first_chunk_gets_a_step_of_its_own():
+    # its first token waits for the step under way, not also for a step full of the others'
+    s = scheduler(num_blocks=64, max_num_seqs=8)
+    flood = fill_the_cache(s, 3)
+    newcomer, second = request("b"), request("c")
+    s.add_request(newcomer)
+    assert run_one_step(s) == [newcomer]
+    # never two such steps in a row: the next newcomer rides with everybody
+    s.add_request(second)
+    assert run_one_step(s) == [*flood, newcomer, second]
+
+
+def test_a_newcomer_of_a_lower_priority_or_under_fcfs_gets_no_step_of_its_own():
+    for policy, priority in (("fair", 1), ("fcfs", 0), ("priority", 0)):
+        s = scheduler(policy=policy, num_blocks=64, max_num_seqs=8)
+        flood = fill_the_cache(s, 3)
+        newcomer = request("b", priority=priority)
+        s.add_request(newcomer)
+        assert run_one_step(s) == [*flood, newcomer], policy
