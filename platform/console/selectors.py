@@ -12,7 +12,7 @@ from django.db.models import Count, Q, QuerySet
 
 from gateway.metrics import supervisor_status
 from serving.models import ModelDeployment
-from tenants.models import ApiKey, Tenant, UsageRollup
+from tenants.models import Tenant, UsageRollup
 from tenants.quotas import quota_usage
 from tenants.rollups import histogram_merge, histogram_percentile
 from tenants.selectors import tenant_limits, tenant_priority, tenant_share
@@ -64,26 +64,6 @@ USAGE_CSV_HEADER = [
     "date", "model", "source", "api_key", "requests", "prompt_tokens", "completion_tokens",
     "cached_tokens", "errors",
 ]  # fmt: skip
-
-
-def usage_csv_rows(*, date_range: DateRange, tenant: Tenant) -> list[list]:
-    """The rows under ``USAGE_CSV_HEADER``, one per daily roll-up."""
-    key_names = dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name"))
-    rows = daily_rollups(date_range=date_range, tenant=tenant).order_by("period_start", "model")
-    return [
-        [
-            row.period_start.date().isoformat(),
-            row.model,
-            row.source,
-            key_names.get(row.api_key_id, ""),
-            row.requests,
-            row.prompt_tokens,
-            row.completion_tokens,
-            row.cached_tokens,
-            row.errors,
-        ]
-        for row in rows
-    ]
 
 
 class QuotaRow(NamedTuple):

@@ -280,6 +280,51 @@ def usage_report(
     )
 
 
+def usage_csv_rows(
+    *, date_range: DateRange, tenant: Tenant, end_user: str | None = None
+) -> list[list]:
+    """The CSV export's rows (``USAGE_CSV_HEADER``): one per day, model, source and API key,
+    read as the dashboard reads them: roll-ups up to the cursor, raw records after it (so
+    today is there), and with ``end_user`` that end user's records only."""
+    start, end = date_range.bounds
+    handover = start if end_user is not None else rolled_up_until() or start
+    handover = min(max(handover, start), end)
+    key_names = dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name"))
+    by_row: dict[tuple, Totals] = defaultdict(Totals)
+
+    def scoped(queryset):
+        return queryset.filter(tenant=tenant)
+
+    for row in _rollups(scoped, "day", start, handover):
+        day = row.period_start.astimezone(UTC).date()
+        by_row[(day, row.model, row.source, row.api_key_id)].add_rollup(row)
+    records = scoped(UsageRecord.objects).filter(started_at__gte=handover, started_at__lt=end)
+    if end_user is not None:
+        records = records.filter(end_user=end_user)
+    for record in records.values(
+        "api_key_id", "model", "source", "status", "prompt_tokens", "completion_tokens",
+        "cached_tokens", "time_to_first_token_ms", "latency_ms", "started_at",
+    ):  # fmt: skip
+        day = record["started_at"].astimezone(UTC).date()
+        by_row[(day, record["model"], record["source"], record["api_key_id"])].add_record(record)
+    return [
+        [
+            day.isoformat(),
+            model,
+            source,
+            key_names.get(api_key_id, ""),
+            totals.requests,
+            totals.prompt_tokens,
+            totals.completion_tokens,
+            totals.cached_tokens,
+            totals.errors,
+        ]
+        for (day, model, source, api_key_id), totals in sorted(
+            by_row.items(), key=lambda item: (item[0][0], item[0][1], item[0][2], item[0][3] or 0)
+        )
+    ]
+
+
 def _refuse(totals: Totals, n: int) -> None:
     totals.refused += n
 

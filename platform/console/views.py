@@ -128,18 +128,17 @@ def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
 
 @tenant_page
 def usage_csv(request: HttpRequest, tenant: Tenant) -> HttpResponse:
-    range_form = _range_form(request)
-    if range_form.errors:
-        return HttpResponseBadRequest(
-            "\n".join(range_form.error_messages()), content_type="text/plain"
-        )
-    date_range = range_form.date_range()
+    range_form, end_user_form = _range_form(request), forms.EndUserForm(request.GET)
+    if range_form.errors or end_user_form.errors:
+        messages = range_form.error_messages() + end_user_form.error_messages()
+        return HttpResponseBadRequest("\n".join(messages), content_type="text/plain")
+    date_range, end_user = range_form.date_range(), end_user_form.end_user_or_none()
     response = HttpResponse(content_type="text/csv")
     filename = f"usage-{tenant.slug}-{date_range.start}-{date_range.end}.csv"
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     writer = csv.writer(response)
     writer.writerow(selectors.USAGE_CSV_HEADER)
-    writer.writerows(selectors.usage_csv_rows(date_range=date_range, tenant=tenant))
+    writer.writerows(usage.usage_csv_rows(date_range=date_range, tenant=tenant, end_user=end_user))
     return response
 
 

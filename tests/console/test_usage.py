@@ -131,8 +131,9 @@ def test_the_dashboard_says_as_of_when_and_formats_numbers(client, django_user_m
 
 def _end_user_record(key, request_id, end_user, started_at, prompt, completion, **fields):
     usage_record_add(
-        request_id=request_id, tenant=key.tenant, api_key=key, model="demo-chat", status="ok",
-        source=fields.pop("source", "api"), started_at=started_at, finished_at=started_at,
+        request_id=request_id, tenant=key.tenant, api_key=key, model="demo-chat",
+        status=fields.pop("status", "ok"), source=fields.pop("source", "api"),
+        started_at=started_at, finished_at=started_at,
         prompt_tokens=prompt, completion_tokens=completion, end_user=end_user, **fields,
     )  # fmt: skip
 
@@ -182,3 +183,46 @@ def test_the_dashboard_filters_by_end_user(client, django_user_model, key, tenan
     assert response.status_code == 400 and ">7,277<" in response.content.decode()
     other = reverse("console:dashboard", args=[other_tenant.slug])
     assert client.get(other, {"end_user": "alice"}).status_code == 404
+
+
+def _csv(client, tenant, **params) -> list[list[str]]:
+    response = client.get(reverse("console:usage-csv", args=[tenant.slug]), params)
+    assert response.status_code == 200 and response["Content-Type"] == "text/csv"
+    lines = response.content.decode().strip().splitlines()
+    assert lines[0].startswith("date,model,source,api_key,requests")
+    return [line.split(",") for line in lines[1:]]
+
+
+def test_the_csv_has_what_is_not_rolled_up_yet_and_filters_by_end_user(
+    client, django_user_model, key, tenant, other_tenant
+):
+    owner = django_user_model.objects.create_user("owner", password="pw-owner-123")
+    services.membership_set(tenant=tenant, user=owner, role="owner", actor=None)
+    other_key = services.api_key_create(tenant=other_tenant, name="prod")[0]
+    now = datetime.now(UTC)
+    two_days_ago = now - timedelta(days=2)
+    _end_user_record(key, "a-old", "alice", two_days_ago, 1000, 111)
+    _end_user_record(key, "b", "bob", two_days_ago, 5000, 55, status="error")
+    rollups.rollup_pending()  # two days ago is rolled up; what follows is not
+    _end_user_record(key, "a-new", "alice", now, 1000, 111)
+    _end_user_record(key, "a-batch", "alice", now, 10, 1, source="batch")
+    _end_user_record(other_key, "g", "alice", now, 7000, 777)
+    client.force_login(owner)
+
+    rows = _csv(client, tenant)
+    by_day = {(row[0], row[2]): row for row in rows}
+    old, today = two_days_ago.date().isoformat(), now.date().isoformat()
+    assert by_day[(old, "api")][3:] == ["prod", "2", "6000", "166", "0", "1"]
+    assert by_day[(today, "api")][3:] == ["prod", "1", "1000", "111", "0", "0"]
+    assert by_day[(today, "batch")][4:7] == ["1", "10", "1"]
+    assert len(rows) == 3  # other_tenant's alice is not acme's
+
+    alice = _csv(client, tenant, end_user="alice")
+    assert sorted((row[0], row[2], row[4], row[6]) for row in alice) == [
+        (old, "api", "1", "111"), (today, "api", "1", "111"), (today, "batch", "1", "1"),
+    ]  # fmt: skip
+    assert _csv(client, tenant, end_user="carol") == []
+    url = reverse("console:usage-csv", args=[tenant.slug])
+    assert client.get(url, {"end_user": "x" * 257}).status_code == 400
+    page = client.get(reverse("console:dashboard", args=[tenant.slug]), {"end_user": "alice"})
+    assert "end_user=alice" in page.content.decode()  # the export link keeps the filter
