@@ -4,9 +4,13 @@ one run, on the engine process over ZeroMQ (the real engine and client, no web t
 Tenant A keeps ``--flood`` long requests in flight (a finished one is replaced at once);
 tenant B sends one short request a second. The engine's KV cache holds only a share of A's
 flood, so A's requests queue. Printed: B's TTFT p50/p99 under each policy, beside B's TTFT on
-an idle engine, and A's throughput under each policy.
+an idle engine, A's throughput under each policy, and the flood's step time (the running
+requests over the tokens generated a second, from the engine's STATS) with its preemptions
+a second: B's first token rides in a step beside A's running requests, so even a request
+admitted at once waits for the step under way and then its own.
 
     .venv/bin/python bench/noisy_neighbour.py [--flood 200] [--seconds 20] [--model DIR]
+        [--policies fcfs,fair]
 """
 
 from __future__ import annotations
@@ -99,17 +103,24 @@ async def measure(endpoint: str, flood_size: int, seconds: float) -> dict:
     client = AsyncEngineClient(endpoint)
     try:
         await client.wait_ready(timeout=180)
-        idle = [await ttft(client, "b") for _ in range(5)]
+        for _ in range(2):  # the first requests after the engine starts pay its warm-up
+            await ttft(client, "b")
+        idle = [await ttft(client, "b") for _ in range(9)]
         stop, tokens = asyncio.Event(), [0]
         flooders = [asyncio.create_task(flood(client, tokens, stop)) for _ in range(flood_size)]
         await asyncio.sleep(min(10.0, seconds / 2))  # the flood fills the engine
         start_tokens, began = tokens[0], time.perf_counter()
-        quiet = []
+        first_stats = await client.stats()
+        quiet, running = [], []
         for _ in range(int(seconds)):
             tick = time.perf_counter()
             quiet.append(await ttft(client, "b"))
+            running.append((await client.stats()).num_requests_running)
             await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - tick)))
-        a_rate = (tokens[0] - start_tokens) / (time.perf_counter() - began)
+        elapsed = time.perf_counter() - began
+        a_rate = (tokens[0] - start_tokens) / elapsed
+        last_stats = await client.stats()
+        generated = last_stats.generation_tokens_total - first_stats.generation_tokens_total
         stop.set()
         for task in flooders:
             task.cancel()
@@ -119,6 +130,10 @@ async def measure(endpoint: str, flood_size: int, seconds: float) -> dict:
             "b_p50": statistics.median(quiet),
             "b_p99": sorted(quiet)[max(0, int(len(quiet) * 0.99) - 1)],
             "a_tok_s": a_rate,
+            # every running request samples about one token a step: the flood's step time,
+            # which no scheduling can take off B's first token
+            "step_s": statistics.mean(running) * elapsed / max(generated, 1),
+            "preemptions_s": (last_stats.num_preemptions - first_stats.num_preemptions) / elapsed,
         }
     finally:
         client.close()
@@ -133,22 +148,33 @@ def main() -> None:
         "--kv-cache-memory", type=int, default=48 << 20, help="bytes: a share of A's flood"
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--policies", default="fcfs,fair", help="comma-separated; fcfs first for the ratio"
+    )
     args = parser.parse_args()
     results = {}
-    for policy in ("fcfs", "fair"):
+    for policy in args.policies.split(","):
         with engine(args.model, policy, args.kv_cache_memory, args.threads) as endpoint:
             results[policy] = asyncio.run(measure(endpoint, args.flood, args.seconds))
         print(policy, {k: round(v, 4) for k, v in results[policy].items()}, flush=True)
     idle = statistics.median(r["idle_p50"] for r in results.values())
     print()
     print(f"B's TTFT alone on an idle engine: p50 {idle * 1e3:.0f} ms")
-    print(f"{'policy':8} {'B TTFT p50':>11} {'B TTFT p99':>11} {'x idle':>7} {'A tok/s':>8}")
+    print(
+        f"{'policy':8} {'B TTFT p50':>11} {'B TTFT p99':>11} {'x idle':>7} {'A tok/s':>8} "
+        f"{'step':>8} {'preempt/s':>9}"
+    )
     for policy, r in results.items():
         print(
             f"{policy:8} {r['b_p50'] * 1e3:9.0f} ms {r['b_p99'] * 1e3:9.0f} ms "
-            f"{r['b_p50'] / idle:7.1f} {r['a_tok_s']:8.0f}"
+            f"{r['b_p50'] / idle:7.1f} {r['a_tok_s']:8.0f} {r['step_s'] * 1e3:5.0f} ms "
+            f"{r['preemptions_s']:9.1f}"
         )
-    print(f"A keeps {results['fair']['a_tok_s'] / results['fcfs']['a_tok_s']:.0%} of its fcfs rate")
+    if "fcfs" in results:
+        for policy, r in results.items():
+            if policy != "fcfs":
+                share = r["a_tok_s"] / results["fcfs"]["a_tok_s"]
+                print(f"A keeps {share:.0%} of its fcfs rate under {policy}")
 
 
 if __name__ == "__main__":
