@@ -204,8 +204,7 @@ def usage_report(
     now = now or timezone.now()
     starts, end, step = _periods(date_range, granularity)
     start = starts[0] if starts else end
-    handover = start if end_user is not None else rolled_up_until() or start
-    handover = min(max(handover, start), end)
+    handover = _handover(start, end, end_user)
     by_period = [Totals() for _ in starts]
     by_label: dict[str, Totals] = defaultdict(Totals)
     tokens_by: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(starts))
@@ -233,14 +232,7 @@ def usage_report(
             tenant_id=row.tenant_id, api_key_id=row.api_key_id, model=row.model, source=row.source
         )
         count(index(row.period_start), label, lambda totals, row=row: totals.add_rollup(row))
-    records = scoped(UsageRecord.objects).filter(started_at__gte=handover, started_at__lt=end)
-    if end_user is not None:
-        records = records.filter(end_user=end_user)
-    for record in records.values(
-        "tenant_id", "api_key_id", "model", "source", "status", "prompt_tokens",
-        "completion_tokens", "cached_tokens", "time_to_first_token_ms", "latency_ms",
-        "started_at",
-    ):  # fmt: skip
+    for record in _raw_records(scoped, handover, end, end_user):
         label = label_of(
             tenant_id=record["tenant_id"],
             api_key_id=record["api_key_id"],
@@ -287,8 +279,7 @@ def usage_csv_rows(
     read as the dashboard reads them: roll-ups up to the cursor, raw records after it (so
     today is there), and with ``end_user`` that end user's records only."""
     start, end = date_range.bounds
-    handover = start if end_user is not None else rolled_up_until() or start
-    handover = min(max(handover, start), end)
+    handover = _handover(start, end, end_user)
     key_names = dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name"))
     by_row: dict[tuple, Totals] = defaultdict(Totals)
 
@@ -298,13 +289,7 @@ def usage_csv_rows(
     for row in _rollups(scoped, "day", start, handover):
         day = row.period_start.astimezone(UTC).date()
         by_row[(day, row.model, row.source, row.api_key_id)].add_rollup(row)
-    records = scoped(UsageRecord.objects).filter(started_at__gte=handover, started_at__lt=end)
-    if end_user is not None:
-        records = records.filter(end_user=end_user)
-    for record in records.values(
-        "api_key_id", "model", "source", "status", "prompt_tokens", "completion_tokens",
-        "cached_tokens", "time_to_first_token_ms", "latency_ms", "started_at",
-    ):  # fmt: skip
+    for record in _raw_records(scoped, handover, end, end_user):
         day = record["started_at"].astimezone(UTC).date()
         by_row[(day, record["model"], record["source"], record["api_key_id"])].add_record(record)
     return [
@@ -323,6 +308,26 @@ def usage_csv_rows(
             by_row.items(), key=lambda item: (item[0][0], item[0][1], item[0][2], item[0][3] or 0)
         )
     ]
+
+
+def _handover(start: datetime, end: datetime, end_user: str | None) -> datetime:
+    """Where the roll-ups hand over to the raw records: the cursor, within the range; the
+    range's start for an end user's usage (the roll-ups do not carry end users)."""
+    handover = start if end_user is not None else rolled_up_until() or start
+    return min(max(handover, start), end)
+
+
+def _raw_records(scoped, handover: datetime, end: datetime, end_user: str | None):
+    """The usage records from ``handover`` to ``end`` (an end user's only, if one is given),
+    as the dicts ``Totals.add_record`` reads, with their tenant, key, model and source."""
+    records = scoped(UsageRecord.objects).filter(started_at__gte=handover, started_at__lt=end)
+    if end_user is not None:
+        records = records.filter(end_user=end_user)
+    return records.values(
+        "tenant_id", "api_key_id", "model", "source", "status", "prompt_tokens",
+        "completion_tokens", "cached_tokens", "time_to_first_token_ms", "latency_ms",
+        "started_at",
+    )  # fmt: skip
 
 
 def _refuse(totals: Totals, n: int) -> None:
