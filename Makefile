@@ -6,14 +6,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+KERNELS_STAMP := $(VENV)/.cpu-kernels
 PYTEST_ARGS ?= --durations=20
 
 .PHONY: run test lint format worker migrate clean
 
-run: $(RUN_STAMP)
+run: $(RUN_STAMP) $(KERNELS_STAMP)
 	exec $(BIN)/python manage.py runplatform
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) $(KERNELS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -42,6 +43,12 @@ $(RUN_STAMP): requirements.txt | $(BIN)/python
 	$(BIN)/python -c "import pathlib, sysconfig; root = pathlib.Path.cwd(); \
 	pathlib.Path(sysconfig.get_paths()['purelib'], 'llm_platform.pth').write_text( \
 	f'{root / \"platform\"}\n{root}\n')"
+	touch $@
+
+# The engine's C++ CPU kernels, built for this CPU before any engine starts (a machine
+# without a compiler runs without them: the engine falls back to torch ops).
+$(KERNELS_STAMP): inference_engine/csrc/paged_decode_attention.cpp $(RUN_STAMP)
+	$(BIN)/python -m inference_engine.cpu_kernels
 	touch $@
 
 $(TEST_STAMP): requirements-test.txt $(RUN_STAMP)

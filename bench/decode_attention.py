@@ -1,13 +1,14 @@
-"""One decode bucket's attention on the CPU: the engine's block-major path against the
-heads-first gather it replaced (kept here as the peer), measured in the same run.
+"""A step's decode attention on the CPU: the compiled kernel the engine uses against the two
+torch-op paths it falls back to (a padded bucket of batched matmuls; one SDPA call per
+request, which the fallback takes for contexts of 256 tokens or more), in the same run.
 
     .venv/bin/python bench/decode_attention.py [--batch 64] [--context 160] [--kv-heads 4]
                                                [--dtype bfloat16] [--threads 1] [--repeat 5]
 
-Both read the same K/V (the peer a token-major copy of the engine's block-major cache), for
-``--batch`` decodes of contexts from half ``--context`` to ``--context`` in scattered 16-token
-blocks, 4 query heads of 64; each prints its median ms per call of the best of ``--repeat``
-rounds.
+All three read the same block-major paged cache, for ``--batch`` decodes of contexts from half
+``--context`` to ``--context`` in scattered 16-token blocks, 4 query heads of 64; each prints
+its best and median ms per call over ``--repeat`` rounds, and the largest difference from the
+kernel's output.
 """
 
 from __future__ import annotations
@@ -18,30 +19,16 @@ import time
 
 import torch
 
-from inference_engine.attention import DecodeBucket, _attend_decode_bucket
+from inference_engine.attention import (
+    DecodeBucket,
+    LongDecodes,
+    _attend_decode_bucket,
+    _attend_long_decodes,
+)
+from inference_engine.cpu_kernels import paged_decode_attention
 from inference_engine.model_runner import keep_freed_memory
 
 BLOCK_SIZE, NUM_HEADS, HEAD_DIM = 16, 4, 64
-
-
-def heads_first_bucket(out, q, key_cache, value_cache, bucket, scale):
-    """The previous formulation: token-major cache, one gather, one transpose-and-widen copy
-    into float32 ``[B, KVH, L, D]``, two matmuls over it."""
-
-    def gather(cache):
-        batch, num_blocks = bucket.block_table.shape
-        tokens = cache.flatten(1).index_select(0, bucket.block_table.view(-1))
-        tokens = tokens.view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
-        heads_first = torch.empty(tokens.transpose(1, 2).shape, dtype=torch.float32)
-        return heads_first.copy_(tokens.transpose(1, 2))
-
-    keys, values = gather(key_cache), gather(value_cache)
-    batch, num_kv_heads = keys.shape[:2]
-    queries = q.index_select(0, bucket.query_index).view(batch, num_kv_heads, -1, HEAD_DIM)
-    scores = torch.matmul(queries.float(), keys.transpose(-1, -2))
-    scores.mul_(scale).masked_fill_(bucket.padding, float("-inf"))
-    result = torch.matmul(torch.softmax(scores, dim=-1), values)
-    out.index_copy_(0, bucket.query_index, result.view(batch, -1, HEAD_DIM).to(out.dtype))
 
 
 def time_ms(fn, repeat: int) -> tuple[float, float]:
@@ -67,6 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     keep_freed_memory()  # as the engine runs: no fresh mmap per temporary
+    kernel = paged_decode_attention()
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
     num_blocks = -(-args.context // BLOCK_SIZE)
@@ -74,36 +62,53 @@ def main() -> None:
     shape = (num_cache_blocks, args.kv_heads, BLOCK_SIZE, HEAD_DIM)
     key_cache = torch.randn(shape, generator=generator).to(dtype)
     value_cache = torch.randn(shape, generator=generator).to(dtype)
-    token_major = key_cache.transpose(1, 2).contiguous(), value_cache.transpose(1, 2).contiguous()
     table = torch.randperm(num_cache_blocks, generator=generator)[: args.batch * num_blocks]
+    table = table.view(args.batch, num_blocks)
     lens = torch.randint(
         args.context // 2 + 1, args.context + 1, (args.batch,), generator=generator
     )
     padding = torch.arange(num_blocks * BLOCK_SIZE)[None, :] >= lens[:, None]
-    bucket = DecodeBucket(
-        torch.arange(args.batch), table.view(args.batch, num_blocks), padding[:, None, None, :]
+    rows = torch.arange(args.batch)
+    bucket = DecodeBucket(rows, table, padding[:, None, None, :])
+    used = (-(-lens // BLOCK_SIZE)).tolist()
+    long_decodes = LongDecodes(
+        rows.tolist(),
+        lens.tolist(),
+        [sum(used[:i]) * BLOCK_SIZE for i in range(args.batch)],
+        torch.cat([table[i, :n] for i, n in enumerate(used)]),
     )
     q = torch.randn(args.batch, NUM_HEADS, HEAD_DIM, generator=generator).to(dtype)
     scale = HEAD_DIM**-0.5
-    ours, peer = torch.empty_like(q), torch.empty_like(q)
+    outputs = {name: torch.empty_like(q) for name in ("bucket", "long")}
 
-    def run_ours():
-        _attend_decode_bucket(ours, q, key_cache, value_cache, bucket, scale)
+    def run_kernel():
+        outputs["kernel"] = kernel(q, key_cache, value_cache, table, lens, scale)
 
-    def run_peer():
-        heads_first_bucket(peer, q, *token_major, bucket, scale)
+    def run_bucket():
+        _attend_decode_bucket(outputs["bucket"], q, key_cache, value_cache, bucket, scale)
 
-    run_ours(), run_peer()
-    error = (ours.float() - peer.float()).abs().max().item()
-    peer_ms, ours_ms = time_ms(run_peer, args.repeat), time_ms(run_ours, args.repeat)
+    def run_long():
+        _attend_long_decodes(outputs["long"], q, key_cache, value_cache, long_decodes, scale)
+
+    runs = {"kernel": run_kernel, "bucket": run_bucket, "long": run_long}
+    for run in runs.values():
+        run()
+    timings = {name: time_ms(run, args.repeat) for name, run in runs.items()}
     print(
         f"batch {args.batch}, contexts {args.context // 2 + 1}-{args.context}, "
-        f"{args.kv_heads} KV heads, {args.dtype}, {args.threads} thread(s); "
-        f"max difference {error:.1e}"
+        f"{args.kv_heads} KV heads, {args.dtype}, {args.threads} thread(s)"
     )
-    print(f"heads-first gather (before)  best {peer_ms[0]:6.2f} ms  median {peer_ms[1]:6.2f} ms")
-    print(f"block-major blocks (engine)  best {ours_ms[0]:6.2f} ms  median {ours_ms[1]:6.2f} ms")
-    print(f"ratio (before / engine)      best {peer_ms[0] / ours_ms[0]:.2f}x")
+    labels = {
+        "bucket": "torch ops, one padded bucket",
+        "long": "torch ops, SDPA per request",
+        "kernel": "compiled kernel (engine)",
+    }
+    for name, label in labels.items():
+        best, median = timings[name]
+        error = (outputs[name].float() - outputs["kernel"].float()).abs().max().item()
+        print(f"{label:30s} best {best:7.2f} ms  median {median:7.2f} ms  diff {error:.1e}")
+    fallback = min(timings["bucket"][0], timings["long"][0])
+    print(f"ratio (best torch ops / kernel) {fallback / timings['kernel'][0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ every attention call. This function writes the step's K/V into the paged cache o
 - the ``torch`` backend keeps each layer's cache block-major, ``[num_blocks, KVH, block_size,
   D]``, so a block is one contiguous ``[KVH, block_size, D]`` tile; the GPU backends keep it
   token-major, ``[num_blocks, block_size, KVH, D]`` (``kv_cache_shape``);
+- with the compiled CPU kernel (``cpu_kernels.py``, the default where a C++ compiler is found),
+  every decode of the step is attended in one call that reads each one's K/V straight from
+  its blocks; otherwise:
 - short decodes (one new token) are batched in buckets of similar context length: one
   ``index_select`` of their blocks, kept as blocks (``[B, N, KVH, block_size, D]``, no
   transpose into one long sequence), then batched matmuls per block, a masked softmax over all
@@ -27,6 +30,7 @@ every attention call. This function writes the step's K/V into the paged cache o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +55,16 @@ class LongDecodes:
     context_lens: list[int]
     token_offsets: list[int]  # where each one's tokens start in the gathered blocks
     block_ids: torch.Tensor  # [sum of their block counts]
+
+
+@dataclass
+class CompiledDecodes:
+    """Every decode of the step, for the compiled CPU kernel (``cpu_kernels.py``)."""
+
+    rows: torch.Tensor  # [B] their rows in the packed step
+    block_table: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [B] int64
+    kernel: Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -92,6 +106,7 @@ class PagedMetadata:
     cache_rows: torch.Tensor | None = None
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     long_decodes: LongDecodes | None = None
+    compiled_decodes: CompiledDecodes | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     varlen: VarlenMetadata | None = None
     unified: UnifiedMetadata | None = None
@@ -238,6 +253,17 @@ def paged_attention_forward(
             enable_gqa=gqa,
         )
         out[rows] = result[0].transpose(0, 1)
+    if meta.compiled_decodes is not None:
+        decodes = meta.compiled_decodes
+        result = decodes.kernel(
+            q.index_select(0, decodes.rows).to(key_cache.dtype),
+            key_cache,
+            value_cache,
+            decodes.block_table,
+            decodes.context_lens,
+            head_dim**-0.5 if scaling is None else scaling,
+        )
+        out.index_copy_(0, decodes.rows, result.to(out.dtype))
     if meta.long_decodes is not None:
         _attend_long_decodes(out, q, key_cache, value_cache, meta.long_decodes, scaling)
     for bucket in meta.decode_buckets:

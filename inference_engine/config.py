@@ -21,6 +21,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # how a CPU multiplies bf16/fp16 linear layers (cpu_linear.py)
 CPU_GEMM_MODES = ("auto", "native", "widened")
+# how a CPU attends decodes (cpu_kernels.py)
+CPU_ATTENTION_MODES = ("auto", "compiled", "torch")
 
 
 def option(default: Any, description: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -70,6 +72,13 @@ class EngineConfig:
         "keeps torch's kernels, auto widens where the CPU has no bf16/fp16 matrix unit",
         CPU_GEMM_MODES,
     )
+    cpu_attention: str = option(
+        "auto",
+        "decode attention on a CPU: compiled is a C++ kernel built at start-up for this CPU "
+        "(needs a C++ compiler; 3-10x faster than torch ops), torch is torch's ops, auto is "
+        "compiled where it builds",
+        CPU_ATTENTION_MODES,
+    )
     scheduling_policy: str = option(
         "fair",
         "admission order: fcfs, priority, or fair (priority, then the least-served tenant by "
@@ -80,7 +89,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path")
-        for name in ("dtype", "attention_backend", "cpu_gemm", "scheduling_policy"):
+        for name in (
+            "dtype",
+            "attention_backend",
+            "cpu_gemm",
+            "cpu_attention",
+            "scheduling_policy",
+        ):
             _check_choice(self, name)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))

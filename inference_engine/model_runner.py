@@ -20,6 +20,7 @@ import torch
 
 from inference_engine import attention
 from inference_engine.attention import (
+    CompiledDecodes,
     DecodeBucket,
     LongDecodes,
     PagedMetadata,
@@ -28,6 +29,7 @@ from inference_engine.attention import (
     VarlenMetadata,
 )
 from inference_engine.config import EngineConfig
+from inference_engine.cpu_kernels import paged_decode_attention, use_compiled_attention
 from inference_engine.cpu_linear import should_widen, widen_linears
 from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from inference_engine.protocol import SamplingParams, TokenLogprobs
@@ -232,6 +234,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.backend = attention.select_backend(config.attention_backend, self.device)
+        self.decode_kernel = (
+            paged_decode_attention()
+            if use_compiled_attention(config.cpu_attention, self.device, self.backend)
+            else None
+        )
         self.sampler = Sampler(self.device)
         self.staging = HostStaging(self.device)
         self.num_blocks = self._num_kv_blocks()
@@ -499,6 +506,17 @@ class ModelRunner:
             meta.prefill_chunks.append(
                 PrefillChunk(int(cu_lens[i]), num_new, context_len, block_ids, mask)
             )
+        if self.decode_kernel is not None:
+            decodes = np.flatnonzero(lens == 1)
+            if len(decodes):
+                num_blocks = -(-int(context_lens[decodes].max()) // block_size)
+                meta.compiled_decodes = CompiledDecodes(
+                    to_device(cu_lens[decodes]),
+                    to_device(np.ascontiguousarray(table[decodes, :num_blocks], np.int64)),
+                    to_device(context_lens[decodes].astype(np.int64)),
+                    self.decode_kernel,
+                )
+            return
         long_decodes = np.flatnonzero((lens == 1) & (context_lens >= LONG_DECODE_MIN_CONTEXT))
         if len(long_decodes):
             num_blocks = -(-context_lens[long_decodes] // block_size)

@@ -1,7 +1,8 @@
 """The paged attention's CPU paths against a float64 reference computed over each request's
-own tokens: decode buckets (padding must weigh nothing, grouped heads must read their own KV
-head, bf16 inputs must keep float32 accuracy), long decodes and prefill chunks over cached
-blocks, all reading the block-major cache the ``torch`` backend keeps."""
+own tokens: the compiled decode kernel, decode buckets (padding must weigh nothing, grouped
+heads must read their own KV head, bf16 inputs must keep float32 accuracy), long decodes and
+prefill chunks over cached blocks, all reading the block-major cache the ``torch`` backend
+keeps."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from inference_engine import cpu_kernels
 from inference_engine.attention import (
+    CompiledDecodes,
     DecodeBucket,
     LongDecodes,
     PagedMetadata,
@@ -24,6 +27,15 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 HEAD_DIM = 16
 CASES = [(torch.float32, 4, 4, 1e-5), (torch.float32, 6, 2, 1e-5), (torch.bfloat16, 4, 2, 1e-2)]
+COMPILED_CASES = [*CASES, (torch.float16, 8, 2, 2e-3), (torch.float32, 8, 1, 1e-5)]
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    try:
+        return cpu_kernels.paged_decode_attention()
+    except cpu_kernels.KernelUnavailable as error:
+        pytest.skip(f"the compiled CPU kernel cannot be built here: {error}")
 
 
 def reference(query, keys, values, num_kv_heads, causal_offset=None):
@@ -100,6 +112,47 @@ def test_block_major_rows_write_each_token_to_its_slot():
     for slot, token in zip(slots.tolist(), tokens, strict=True):
         assert torch.equal(cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE], token)
     assert cache.count_nonzero() == tokens.count_nonzero()
+
+
+@pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "tolerance"), COMPILED_CASES)
+def test_compiled_decodes_match_attention_over_each_requests_own_tokens(
+    decode_kernel, dtype, num_heads, num_kv_heads, tolerance
+):
+    generator = torch.Generator().manual_seed(3)
+    cache = Cache(dtype, num_kv_heads, generator)
+    # inside, at and across block boundaries, one token, and one long beside short ones
+    context_lens = [1, 3, 4, 5, 9, 16, 61]
+    block_table = cache.block_table(context_lens)  # padded with block 0, which others use
+    # request i is packed at row rows[i], not in order
+    rows = torch.tensor([6, 0, 5, 1, 3, 4, 2])
+    num_tokens = len(rows)
+    slot_mapping = torch.zeros(num_tokens, dtype=torch.long)
+    for i, row in enumerate(rows.tolist()):
+        slot_mapping[row] = slots_of(block_table, i, context_lens[i] - 1)
+    decodes = CompiledDecodes(rows, block_table, torch.tensor(context_lens), decode_kernel)
+    query, new_keys, new_values = new_qkv(num_heads, num_kv_heads, num_tokens, dtype, generator)
+
+    meta = cache.metadata(slot_mapping, compiled_decodes=decodes)
+    out = attend(meta, query, new_keys, new_values)
+
+    for i, (row, context_len) in enumerate(zip(rows.tolist(), context_lens, strict=True)):
+        keys, values = cache.tokens(block_table[i, : -(-context_len // BLOCK_SIZE)], context_len)
+        assert torch.equal(keys[-1], new_keys[0, :, row])
+        expected = reference(query[0, :, row : row + 1], keys, values, num_kv_heads)
+        error = (out[row].double() - expected[:, 0]).abs().max().item()
+        assert error < tolerance, (row, context_len, error)
+
+
+def test_compiled_kernel_refuses_mismatched_inputs(decode_kernel):
+    cache = Cache(torch.float32, 2, torch.Generator().manual_seed(4))
+    query = torch.randn(1, 4, HEAD_DIM)
+    table, lens = torch.tensor([[0]]), torch.tensor([1])
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        decode_kernel(query.bfloat16(), cache.keys, cache.values, table, lens, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        decode_kernel(query, cache.keys, cache.values, table.int(), lens, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        decode_kernel(torch.randn(1, 3, HEAD_DIM), cache.keys, cache.values, table, lens, 1.0)
 
 
 @pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "tolerance"), CASES)

@@ -94,12 +94,16 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm_cache):
     assert len(draws) > 1
 
 
+@pytest.mark.parametrize("cpu_attention", ["auto", "torch"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_greedy_parity_with_long_contexts(family, llm_cache, hf_models):
-    """Contexts past LONG_DECODE_MIN_CONTEXT take the one-by-one decode path."""
+def test_greedy_parity_with_long_contexts(family, cpu_attention, llm_cache, hf_models):
+    """Long and short contexts in one batch: with torch ops, those past
+    LONG_DECODE_MIN_CONTEXT take the one-by-one decode path, the others a bucket; the
+    compiled kernel (where it builds) attends them all in one call."""
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 384) for _ in range(n)] for n in (250, 300, 420, 12)]
-    assert_parity(llm_cache(family), hf_models(family), prompts, [12, 6, 9, 10])
+    llm = llm_cache(family, cpu_attention=cpu_attention)
+    assert_parity(llm, hf_models(family), prompts, [12, 6, 9, 10])
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
