@@ -47,7 +47,7 @@ $(RUN_STAMP): requirements.txt | $(BIN)/python
 
 # The engine's C++ CPU kernels, built for this CPU before any engine starts (a machine
 # without a compiler runs without them: the engine falls back to torch ops).
-$(KERNELS_STAMP): inference_engine/csrc/paged_decode_attention.cpp $(RUN_STAMP)
+$(KERNELS_STAMP): inference_engine/csrc/paged_attention.cpp $(RUN_STAMP)
 	$(BIN)/python -m inference_engine.cpu_kernels
 	touch $@
 

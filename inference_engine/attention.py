@@ -58,13 +58,15 @@ class LongDecodes:
 
 
 @dataclass
-class CompiledDecodes:
-    """Every decode of the step, for the compiled CPU kernel (``cpu_kernels.py``)."""
+class CompiledAttention:
+    """The step's requests attended by the compiled CPU kernel (``cpu_kernels.py``): every
+    decode, and every chunk that extends a cached context or is short."""
 
-    rows: torch.Tensor  # [B] their rows in the packed step
-    block_table: torch.Tensor  # [B, max_blocks] int64, padded with 0
-    context_lens: torch.Tensor  # [B] int64
-    kernel: Callable[..., torch.Tensor]
+    block_table: torch.Tensor  # [R, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [R] int64: tokens with KV once the step's are written
+    query_starts: torch.Tensor  # [R] int64: the first row of each in the packed step
+    query_lens: torch.Tensor  # [R] int64
+    kernel: Callable[..., None]
 
 
 @dataclass
@@ -106,7 +108,7 @@ class PagedMetadata:
     cache_rows: torch.Tensor | None = None
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     long_decodes: LongDecodes | None = None
-    compiled_decodes: CompiledDecodes | None = None
+    compiled: CompiledAttention | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     varlen: VarlenMetadata | None = None
     unified: UnifiedMetadata | None = None
@@ -253,17 +255,19 @@ def paged_attention_forward(
             enable_gqa=gqa,
         )
         out[rows] = result[0].transpose(0, 1)
-    if meta.compiled_decodes is not None:
-        decodes = meta.compiled_decodes
-        result = decodes.kernel(
-            q.index_select(0, decodes.rows).to(key_cache.dtype),
+    if meta.compiled is not None:
+        compiled = meta.compiled
+        compiled.kernel(
+            out,
+            q,
             key_cache,
             value_cache,
-            decodes.block_table,
-            decodes.context_lens,
+            compiled.block_table,
+            compiled.context_lens,
+            compiled.query_starts,
+            compiled.query_lens,
             head_dim**-0.5 if scaling is None else scaling,
         )
-        out.index_copy_(0, decodes.rows, result.to(out.dtype))
     if meta.long_decodes is not None:
         _attend_long_decodes(out, q, key_cache, value_cache, meta.long_decodes, scaling)
     for bucket in meta.decode_buckets:

@@ -1,9 +1,11 @@
 """C++ kernels for the CPU, compiled on the machine that runs them.
 
 torch ops cost several microseconds each on a CPU however little they compute, and a decode's
-attention in torch ops is a dozen of them per layer, or one unfused SDPA call per request: at
-a batch of 80 long contexts that is most of a step. ``csrc/paged_decode_attention.cpp`` attends
-every decode of a step in one call, reading K and V once from the paged cache in its own dtype.
+attention in torch ops is a dozen of them per layer, or one unfused SDPA call per request (a
+chunk after a cached prefix: a gather, a mask and an SDPA call): at a batch of 80 long contexts
+that is most of a step. ``csrc/paged_attention.cpp`` attends every decode and every chunk that
+extends a cached context in one call per layer, reading K and V from the paged cache in its
+own dtype.
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 15 s) for this
 CPU (``-march=native``) into torch's extensions cache (``$TORCH_EXTENSIONS_DIR`` or
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 EXTENSION_NAME = "inference_engine_cpu_kernels"
 
 logger = logging.getLogger(__name__)
@@ -43,10 +45,13 @@ class KernelUnavailable(RuntimeError):
     """The C++ kernels cannot be built or loaded here; the message says why."""
 
 
-def paged_decode_attention() -> Callable[..., torch.Tensor]:
-    """``op(query [B, H, D], key_cache, value_cache [N, KVH, block_size, D], block_table
-    [B, max_blocks] int64, context_lens [B] int64, scale) -> [B, H, D]``, building it on the
-    first call in this process. Raises ``KernelUnavailable`` when it cannot be built."""
+def paged_attention() -> Callable[..., None]:
+    """``op(out [T, H, D], query [T, H, D], key_cache, value_cache [N, KVH, block_size, D],
+    block_table [R, max_blocks], context_lens [R], query_starts [R], query_lens [R], scale)``,
+    all indices int64: request r's queries are rows ``query_starts[r]`` on of ``query``, its
+    last one at position ``context_lens[r] - 1``, each attending causally to the cache (where
+    their own K and V already are); it writes their rows of ``out``. Built on the first call
+    in this process; raises ``KernelUnavailable`` when it cannot be built."""
     with _lock:
         if not _loaded and not _failure:
             try:
@@ -55,7 +60,7 @@ def paged_decode_attention() -> Callable[..., torch.Tensor]:
                 _failure.append(str(error))
         if _failure:
             raise KernelUnavailable(_failure[0])
-        return _loaded["paged_decode_attention"]
+        return _loaded["paged_attention"]
 
 
 def _build() -> None:
@@ -83,8 +88,8 @@ def _build() -> None:
             )
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         raise KernelUnavailable(f"building {SOURCE.name} failed: {error}") from error
-    _loaded["paged_decode_attention"] = torch.ops.inference_engine.paged_decode_attention
-    logger.info("CPU decode attention kernel ready in %.1f s", time.monotonic() - started)
+    _loaded["paged_attention"] = torch.ops.inference_engine.paged_attention
+    logger.info("CPU attention kernel ready in %.1f s", time.monotonic() - started)
 
 
 def _build_directory() -> Path:
@@ -108,16 +113,17 @@ def _cpu_features() -> str:
 
 
 def use_compiled_attention(mode: str, device: torch.device, backend: str) -> bool:
-    """Whether the runner attends decodes with the compiled kernel: only on the CPU's torch
-    backend; ``compiled`` insists (raising ``KernelUnavailable``), ``auto`` falls back."""
+    """Whether the runner attends decodes and chunks with the compiled kernel: only on the
+    CPU's torch backend; ``compiled`` insists (raising ``KernelUnavailable``), ``auto`` falls
+    back."""
     if mode == "torch" or device.type != "cpu" or backend != "torch":
         return False
     try:
-        paged_decode_attention()
+        paged_attention()
     except KernelUnavailable as error:
         if mode == "compiled":
             raise
-        logger.warning("decode attention runs in torch ops: %s", error)
+        logger.warning("attention runs in torch ops: %s", error)
         return False
     return True
 
@@ -126,6 +132,6 @@ if __name__ == "__main__":
     # `make` builds the kernel ahead of the engine; a machine that cannot build it still runs
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        paged_decode_attention()
+        paged_attention()
     except KernelUnavailable as error:
-        logger.warning("the CPU decode attention kernel is not available: %s", error)
+        logger.warning("the CPU attention kernel is not available: %s", error)

@@ -20,7 +20,7 @@ import torch
 
 from inference_engine import attention
 from inference_engine.attention import (
-    CompiledDecodes,
+    CompiledAttention,
     DecodeBucket,
     LongDecodes,
     PagedMetadata,
@@ -29,7 +29,7 @@ from inference_engine.attention import (
     VarlenMetadata,
 )
 from inference_engine.config import EngineConfig
-from inference_engine.cpu_kernels import paged_decode_attention, use_compiled_attention
+from inference_engine.cpu_kernels import paged_attention, use_compiled_attention
 from inference_engine.cpu_linear import should_widen, widen_linears
 from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from inference_engine.protocol import SamplingParams, TokenLogprobs
@@ -40,6 +40,8 @@ from inference_engine.scheduler import ScheduledRequest
 DECODE_BUCKET_RATIO = 0.5
 # decodes with at least this many context tokens are attended one by one, unmasked
 LONG_DECODE_MIN_CONTEXT = 256
+# with the compiled CPU kernel, a fresh prompt chunk longer than this is one causal SDPA call
+COMPILED_MAX_FRESH_TOKENS = 64
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
@@ -234,8 +236,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.backend = attention.select_backend(config.attention_backend, self.device)
-        self.decode_kernel = (
-            paged_decode_attention()
+        self.attention_kernel = (
+            paged_attention()
             if use_compiled_attention(config.cpu_attention, self.device, self.backend)
             else None
         )
@@ -496,7 +498,11 @@ class ModelRunner:
 
     def _plan_cpu_attention(self, meta, table, lens, starts, context_lens, cu_lens, to_device):
         block_size = self.block_size
-        for i in np.flatnonzero(lens > 1):
+        compiled = np.zeros(len(lens), bool)
+        if self.attention_kernel is not None:
+            # a long fresh prompt is one causal SDPA call, faster than the kernel's tiles
+            compiled = (starts > 0) | (lens <= COMPILED_MAX_FRESH_TOKENS)
+        for i in np.flatnonzero((lens > 1) & ~compiled):
             start, num_new, context_len = int(starts[i]), int(lens[i]), int(context_lens[i])
             block_ids = mask = None
             if start > 0:
@@ -506,15 +512,16 @@ class ModelRunner:
             meta.prefill_chunks.append(
                 PrefillChunk(int(cu_lens[i]), num_new, context_len, block_ids, mask)
             )
-        if self.decode_kernel is not None:
-            decodes = np.flatnonzero(lens == 1)
-            if len(decodes):
-                num_blocks = -(-int(context_lens[decodes].max()) // block_size)
-                meta.compiled_decodes = CompiledDecodes(
-                    to_device(cu_lens[decodes]),
-                    to_device(np.ascontiguousarray(table[decodes, :num_blocks], np.int64)),
-                    to_device(context_lens[decodes].astype(np.int64)),
-                    self.decode_kernel,
+        if self.attention_kernel is not None:
+            rows = np.flatnonzero(compiled)
+            if len(rows):
+                num_blocks = -(-int(context_lens[rows].max()) // block_size)
+                meta.compiled = CompiledAttention(
+                    to_device(np.ascontiguousarray(table[rows, :num_blocks], np.int64)),
+                    to_device(context_lens[rows].astype(np.int64)),
+                    to_device(cu_lens[rows].astype(np.int64)),
+                    to_device(lens[rows].astype(np.int64)),
+                    self.attention_kernel,
                 )
             return
         long_decodes = np.flatnonzero((lens == 1) & (context_lens >= LONG_DECODE_MIN_CONTEXT))

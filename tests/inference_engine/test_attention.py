@@ -1,8 +1,8 @@
 """The paged attention's CPU paths against a float64 reference computed over each request's
-own tokens: the compiled decode kernel, decode buckets (padding must weigh nothing, grouped
-heads must read their own KV head, bf16 inputs must keep float32 accuracy), long decodes and
-prefill chunks over cached blocks, all reading the block-major cache the ``torch`` backend
-keeps."""
+own tokens: the compiled kernel (decodes, and chunks that extend a cached context), decode
+buckets (padding must weigh nothing, grouped heads must read their own KV head, bf16 inputs
+must keep float32 accuracy), long decodes and prefill chunks over cached blocks, all reading
+the block-major cache the ``torch`` backend keeps."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from inference_engine import cpu_kernels
 from inference_engine.attention import (
-    CompiledDecodes,
+    CompiledAttention,
     DecodeBucket,
     LongDecodes,
     PagedMetadata,
@@ -31,9 +31,9 @@ COMPILED_CASES = [*CASES, (torch.float16, 8, 2, 2e-3), (torch.float32, 8, 1, 1e-
 
 
 @pytest.fixture(scope="module")
-def decode_kernel():
+def attention_kernel():
     try:
-        return cpu_kernels.paged_decode_attention()
+        return cpu_kernels.paged_attention()
     except cpu_kernels.KernelUnavailable as error:
         pytest.skip(f"the compiled CPU kernel cannot be built here: {error}")
 
@@ -115,44 +115,149 @@ def test_block_major_rows_write_each_token_to_its_slot():
 
 
 @pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "tolerance"), COMPILED_CASES)
-def test_compiled_decodes_match_attention_over_each_requests_own_tokens(
-    decode_kernel, dtype, num_heads, num_kv_heads, tolerance
+def test_compiled_kernel_attends_decodes_and_chunks_over_each_requests_own_tokens(
+    attention_kernel, dtype, num_heads, num_kv_heads, tolerance
 ):
     generator = torch.Generator().manual_seed(3)
     cache = Cache(dtype, num_kv_heads, generator)
-    # inside, at and across block boundaries, one token, and one long beside short ones
-    context_lens = [1, 3, 4, 5, 9, 16, 61]
+    # decodes inside, at and across block boundaries, one token, one long beside short ones;
+    # chunks after a cached prefix (ending inside a block), a whole prompt, and a chunk longer
+    # than the kernel's 16-token tiles
+    context_lens = [1, 3, 4, 5, 9, 16, 61, 11, 7, 40]
+    query_lens = [1, 1, 1, 1, 1, 1, 1, 5, 7, 21]
     block_table = cache.block_table(context_lens)  # padded with block 0, which others use
-    # request i is packed at row rows[i], not in order
-    rows = torch.tensor([6, 0, 5, 1, 3, 4, 2])
-    num_tokens = len(rows)
+    # the requests are packed in another order than theirs
+    order = [6, 0, 8, 5, 1, 9, 3, 4, 2, 7]
+    query_starts = [0] * len(order)
+    row = 0
+    for i in order:
+        query_starts[i] = row
+        row += query_lens[i]
+    num_tokens = row
     slot_mapping = torch.zeros(num_tokens, dtype=torch.long)
-    for i, row in enumerate(rows.tolist()):
-        slot_mapping[row] = slots_of(block_table, i, context_lens[i] - 1)
-    decodes = CompiledDecodes(rows, block_table, torch.tensor(context_lens), decode_kernel)
+    for i, (start, count) in enumerate(zip(query_starts, query_lens, strict=True)):
+        positions = torch.arange(context_lens[i] - count, context_lens[i])
+        slot_mapping[start : start + count] = slots_of(block_table, i, positions)
+    compiled = CompiledAttention(
+        block_table,
+        torch.tensor(context_lens),
+        torch.tensor(query_starts),
+        torch.tensor(query_lens),
+        attention_kernel,
+    )
     query, new_keys, new_values = new_qkv(num_heads, num_kv_heads, num_tokens, dtype, generator)
 
-    meta = cache.metadata(slot_mapping, compiled_decodes=decodes)
-    out = attend(meta, query, new_keys, new_values)
+    out = attend(cache.metadata(slot_mapping, compiled=compiled), query, new_keys, new_values)
 
-    for i, (row, context_len) in enumerate(zip(rows.tolist(), context_lens, strict=True)):
+    for i, (start, count) in enumerate(zip(query_starts, query_lens, strict=True)):
+        context_len, rows = context_lens[i], slice(start, start + count)
         keys, values = cache.tokens(block_table[i, : -(-context_len // BLOCK_SIZE)], context_len)
-        assert torch.equal(keys[-1], new_keys[0, :, row])
-        expected = reference(query[0, :, row : row + 1], keys, values, num_kv_heads)
-        error = (out[row].double() - expected[:, 0]).abs().max().item()
-        assert error < tolerance, (row, context_len, error)
+        # the step's own tokens were written to the cache before attending
+        assert torch.equal(keys[-count:], new_keys[0, :, rows].transpose(0, 1))
+        expected = reference(
+            query[0, :, rows], keys, values, num_kv_heads, causal_offset=context_len - count
+        )
+        error = (out[rows].transpose(0, 1).double() - expected).abs().max().item()
+        assert error < tolerance, (i, context_len, count, error)
 
 
-def test_compiled_kernel_refuses_mismatched_inputs(decode_kernel):
+@pytest.mark.parametrize("head_dim", [12, 16, 48, 80, 128, 144])
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_kernel_holds_for_any_head_dim_and_block_size(
+    attention_kernel, head_dim, block_size, dtype
+):
+    """Head dims that are multiples of 16 take the vectorised path where the CPU has AVX2,
+    the others (12) the portable one; both must give float64's answer."""
+    generator = torch.Generator().manual_seed(head_dim + block_size)
+    num_heads, num_kv_heads, num_blocks = 6, 2, 40
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    keys = torch.randn(shape, generator=generator).to(dtype)
+    values = torch.randn(shape, generator=generator).to(dtype)
+    context_lens, query_lens, query_starts = [1, 9, 70, 33], [1, 1, 3, 18], [22, 0, 1, 4]
+    width = -(-max(context_lens) // block_size)
+    table = torch.randint(0, num_blocks, (len(context_lens), width), generator=generator)
+    query = torch.randn(1, num_heads, 23, head_dim, generator=generator).to(dtype)
+    out = torch.zeros(23, num_heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+
+    q = query[0].transpose(0, 1)  # [T, H, D] with the engine's strides
+    attention_kernel(
+        out,
+        q,
+        keys,
+        values,
+        table,
+        torch.tensor(context_lens),
+        torch.tensor(query_starts),
+        torch.tensor(query_lens),
+        scale,
+    )
+
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    for i, (start, count) in enumerate(zip(query_starts, query_lens, strict=True)):
+        context_len, rows = context_lens[i], slice(start, start + count)
+        blocks = table[i, : -(-context_len // block_size)]
+
+        def tokens(cache, blocks=blocks, context_len=context_len):
+            return cache[blocks].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:context_len]
+
+        group = num_heads // num_kv_heads
+        k = tokens(keys).double().repeat_interleave(group, dim=1).transpose(0, 1)
+        v = tokens(values).double().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.einsum("hnd,hld->hnl", q[rows].transpose(0, 1).double(), k) * scale
+        visible = (
+            torch.arange(context_len)[None, :]
+            <= torch.arange(context_len - count, context_len)[:, None]
+        )
+        expected = torch.einsum(
+            "hnl,hld->hnd", torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v
+        )
+        error = (out[rows].transpose(0, 1).double() - expected).abs().max().item()
+        assert error < tolerance, (i, error)
+
+
+def test_compiled_kernel_refuses_inputs_it_would_read_out_of_bounds(attention_kernel):
     cache = Cache(torch.float32, 2, torch.Generator().manual_seed(4))
-    query = torch.randn(1, 4, HEAD_DIM)
-    table, lens = torch.tensor([[0]]), torch.tensor([1])
+    query = torch.randn(3, 4, HEAD_DIM)
+    out = torch.empty_like(query)
+    table, lens, starts, counts = (
+        torch.tensor([[0, 1]]),
+        torch.tensor([6]),
+        torch.tensor([0]),
+        torch.tensor([3]),
+    )
+
+    def call(**changed):
+        args = {"out": out, "query": query, "table": table, "lens": lens, "starts": starts}
+        args.update(changed)
+        attention_kernel(
+            args["out"],
+            args["query"],
+            cache.keys,
+            cache.values,
+            args["table"],
+            args["lens"],
+            args["starts"],
+            changed.get("counts", counts),
+            1.0,
+        )
+
+    call()  # the inputs as they are are fine
     with pytest.raises(RuntimeError, match="dtypes differ"):
-        decode_kernel(query.bfloat16(), cache.keys, cache.values, table, lens, 1.0)
+        call(query=query.bfloat16())
     with pytest.raises(RuntimeError, match="int64"):
-        decode_kernel(query, cache.keys, cache.values, table.int(), lens, 1.0)
+        call(table=table.int())
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
-        decode_kernel(torch.randn(1, 3, HEAD_DIM), cache.keys, cache.values, table, lens, 1.0)
+        call(query=torch.randn(3, 3, HEAD_DIM), out=torch.empty(3, 3, HEAD_DIM))
+    with pytest.raises(RuntimeError, match="outside the cache's 64 blocks"):
+        call(table=torch.tensor([[0, NUM_BLOCKS]]))
+    with pytest.raises(RuntimeError, match="does not hold"):
+        call(lens=torch.tensor([2 * BLOCK_SIZE + 1]))  # past the table's two blocks
+    with pytest.raises(RuntimeError, match="does not hold"):
+        call(counts=torch.tensor([7]))  # more queries than context
+    with pytest.raises(RuntimeError, match="outside \\[0, 3\\)"):
+        call(starts=torch.tensor([1]))  # rows 1-3 of a 3-row query
 
 
 @pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "tolerance"), CASES)

@@ -1,4 +1,4 @@
-"""When the engine attends decodes with the compiled CPU kernel, and what it does where the
+"""When the engine attends with the compiled CPU kernel, and what it does where the
 kernel cannot be built (the kernel's arithmetic is tested in test_attention.py)."""
 
 from __future__ import annotations
@@ -42,22 +42,34 @@ def test_compiled_refuses_to_start_without_the_kernel(no_compiler):
         cpu_kernels.use_compiled_attention("compiled", CPU, "torch")
     # the failure is remembered: no second build attempt in this process
     with pytest.raises(cpu_kernels.KernelUnavailable):
-        cpu_kernels.paged_decode_attention()
+        cpu_kernels.paged_attention()
 
 
-def test_the_runner_attends_decodes_with_the_kernel_where_it_builds(model_dirs):
+def test_the_runner_attends_with_the_kernel_where_it_builds(model_dirs):
     from inference_engine import LLM, SamplingParams
 
     try:
-        cpu_kernels.paged_decode_attention()
+        cpu_kernels.paged_attention()
     except cpu_kernels.KernelUnavailable as error:
         pytest.skip(f"the compiled CPU kernel cannot be built here: {error}")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # a prompt in chunks (a fresh one, then one after it), a short one, then a prefix-cache
+    # hit that extends a cached context by a few tokens
+    first, second = [[5, 6, 7], [9] * 40], [[9] * 40 + [3, 4, 5]]
     outputs = {}
     for mode in ("auto", "torch"):
-        llm = LLM(model_dirs["llama"], dtype="float32", device="cpu", cpu_attention=mode)
-        assert (llm.core.runner.decode_kernel is not None) == (mode == "auto")
-        outputs[mode] = [o.token_ids for o in llm.generate([[5, 6, 7], [9] * 40], params)]
+        llm = LLM(
+            model_dirs["llama"],
+            dtype="float32",
+            device="cpu",
+            cpu_attention=mode,
+            max_num_batched_tokens=32,
+        )
+        assert (llm.core.runner.attention_kernel is not None) == (mode == "auto")
+        outputs[mode] = [o.token_ids for o in llm.generate(first, params)]
+        hit = llm.generate(second, params)
+        assert hit[0].num_cached_tokens > 0
+        outputs[mode] += [o.token_ids for o in hit]
     assert outputs["auto"] == outputs["torch"]
 
 
