@@ -82,13 +82,29 @@ def engine(model: str, policy: str, kv_bytes: int, threads: int):
         log.close()
 
 
-async def ttft(client: AsyncEngineClient, tenant: str) -> float:
-    began = time.perf_counter()
-    first = None
+# B's TTFT split by the engine's timings (time.time() on the same host): the client's frame
+# to the engine's I/O thread, waiting there for a step, the step that samples its first
+# token, and that token's way back to the client
+PHASES = ("to_engine", "to_step", "first_step", "to_client")
+
+
+async def ttft(client: AsyncEngineClient, tenant: str, phases: list | None = None) -> float:
+    began, began_wall = time.perf_counter(), time.time()
+    first = first_wall = None
     request = GenerateRequest(prompt=SHORT_PROMPT, params=SHORT, tenant_id=tenant)
     async for delta in client.generate(request):
         if first is None and delta.token_ids:
-            first = time.perf_counter() - began
+            first, first_wall = time.perf_counter() - began, time.time()
+        if delta.timings is not None and phases is not None and first_wall is not None:
+            t = delta.timings
+            phases.append(
+                (
+                    t.arrival - began_wall,
+                    t.first_scheduled - t.arrival,
+                    t.first_token - t.first_scheduled,
+                    first_wall - t.first_token,
+                )
+            )
     return first if first is not None else float("nan")
 
 
@@ -111,10 +127,10 @@ async def measure(endpoint: str, flood_size: int, seconds: float) -> dict:
         await asyncio.sleep(min(10.0, seconds / 2))  # the flood fills the engine
         start_tokens, began = tokens[0], time.perf_counter()
         first_stats = await client.stats()
-        quiet, running = [], []
+        quiet, running, phases = [], [], []
         for _ in range(int(seconds)):
             tick = time.perf_counter()
-            quiet.append(await ttft(client, "b"))
+            quiet.append(await ttft(client, "b", phases))
             running.append((await client.stats()).num_requests_running)
             await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - tick)))
         elapsed = time.perf_counter() - began
@@ -134,6 +150,10 @@ async def measure(endpoint: str, flood_size: int, seconds: float) -> dict:
             # which no scheduling can take off B's first token
             "step_s": statistics.mean(running) * elapsed / max(generated, 1),
             "preemptions_s": (last_stats.num_preemptions - first_stats.num_preemptions) / elapsed,
+            **{
+                f"b_{name}_p50": statistics.median(p[i] for p in phases)
+                for i, name in enumerate(PHASES)
+            },
         }
     finally:
         client.close()
@@ -170,6 +190,10 @@ def main() -> None:
             f"{r['b_p50'] / idle:7.1f} {r['a_tok_s']:8.0f} {r['step_s'] * 1e3:5.0f} ms "
             f"{r['preemptions_s']:9.1f}"
         )
+    print()
+    print("B's TTFT p50 by phase (ms): " + ", ".join(PHASES))
+    for policy, r in results.items():
+        print(f"{policy:8} " + " ".join(f"{r[f'b_{n}_p50'] * 1e3:9.1f}" for n in PHASES))
     if "fcfs" in results:
         for policy, r in results.items():
             if policy != "fcfs":

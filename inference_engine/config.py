@@ -139,6 +139,11 @@ class ServerConfig:
     async_output: bool = option(
         True, "detokenize and serialize on an output thread, not in the busy loop"
     )
+    mid_step_admission: bool = option(
+        True,
+        "under fair, on a CPU: a tenant's request arriving while nothing of its tenant runs "
+        "gets its first chunk between two layers of the step under way, not after it",
+    )
     shutdown_grace_period: float = option(
         30.0, "seconds in-flight requests get to finish after SIGTERM"
     )

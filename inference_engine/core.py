@@ -7,13 +7,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from inference_engine.config import EngineConfig
 from inference_engine.guided import GrammarCompiler, InvalidGrammar
 from inference_engine.protocol import EngineOutput, ErrorCode, FinishReason, SamplingParams
 from inference_engine.request import NO_TOKEN, Request
-from inference_engine.scheduler import RequestRejected, Scheduler
+from inference_engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -54,6 +56,9 @@ class EngineCore:
             policy=config.scheduling_policy,
         )
         self._pending: list[EngineOutput] = []
+        # mid-step admission (admit_mid_step)
+        self._take_inputs: Callable[[], bool] | None = None
+        self._deliver: Callable[[list[EngineOutput]], None] | None = None
 
     def add_request(
         self,
@@ -157,6 +162,24 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
+    def admit_mid_step(
+        self,
+        take_inputs: Callable[[], bool],
+        deliver: Callable[[list[EngineOutput]], None],
+    ) -> bool:
+        """Let a newcomer's first chunk run inside a step under way, between two of the
+        model's layers, instead of after it: at each layer boundary ``take_inputs()`` adds the
+        requests that arrived meanwhile (True when it added any; nothing else may change the
+        core then: aborts wait for the step's end), and when the scheduler finds a newcomer
+        (``Scheduler.schedule_newcomers``) its step runs at once and ``deliver`` gets its
+        outputs. At most one such step inside another. Only where the runner pauses between
+        layers (the CPU: a GPU's host runs ahead of its kernels) and under ``fair``; returns
+        whether it is on."""
+        if not (self.runner.has_layer_boundaries and self.scheduler.waiting.is_fair):
+            return False
+        self._take_inputs, self._deliver = take_inputs, deliver
+        return True
+
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model and return one delta per request that got a token or
         finished (including queued errors and aborts)."""
@@ -164,6 +187,27 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return outputs
+        if self._take_inputs is not None:
+            self.runner.layer_boundary = partial(self._at_layer_boundary, scheduler_output)
+        try:
+            outputs.extend(self._run(scheduler_output))
+        finally:
+            self.runner.layer_boundary = None
+        return outputs
+
+    def _at_layer_boundary(self, in_flight: SchedulerOutput) -> None:
+        if not self._take_inputs():
+            return
+        newcomers = self.scheduler.schedule_newcomers(in_flight)
+        if newcomers.is_empty:
+            return
+        self.runner.layer_boundary = None  # one newcomer's step inside a step, not nested
+        outputs, self._pending = self._pending, []
+        outputs.extend(self._run(newcomers))
+        self._deliver(outputs)
+
+    def _run(self, scheduler_output: SchedulerOutput) -> list[EngineOutput]:
+        """Run the model on a scheduled step; the deltas of its requests."""
         kv_cache = self.scheduler.kv_cache
         block_tables = [
             kv_cache.get_block_ids(item.request.req_id) for item in scheduler_output.scheduled
@@ -175,15 +219,14 @@ class EngineCore:
             self.scheduler.abort_requests([request.req_id for request in requests])
             self.runner.release([request.req_id for request in requests])
             message = f"model step failed: {type(exc).__name__}: {exc}"
-            outputs.extend(
+            return [
                 self._output(r, FinishReason.ERROR, ErrorCode.ENGINE_ERROR, message)
                 for r in requests
-            )
-            return outputs
+            ]
         stuck = [req_id for req_id, token in sampled.items() if token == NO_TOKEN]
         for req_id in stuck:
             del sampled[req_id]
-        finished = []
+        outputs, finished = [], []
         for request in self.scheduler.update_from_output(scheduler_output, sampled):
             output = self._output(request, request.finish_reason)
             output.new_token_ids = [request.output_token_ids[-1]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Container
 from typing import Protocol
 
 
@@ -125,9 +126,13 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, tokens[start : start + size], request.cache_salt))
 
-    def get_computed_blocks(self, request: CacheableRequest) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(
+        self, request: CacheableRequest, unwritten: Container[int] = ()
+    ) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks for a request that holds no blocks yet, and its
-        length in tokens. Never covers the last token, so there is always something to compute."""
+        length in tokens, stopping at a block id in ``unwritten`` (blocks a step in flight is
+        filling: cached as they were allocated, but not all written yet). Never covers the
+        last token, so there is always something to compute."""
         if not self.enable_prefix_caching:
             return [], 0
         self._update_block_hashes(request)
@@ -135,7 +140,7 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.cached_blocks.get(block_hash)
-            if block is None:
+            if block is None or block.block_id in unwritten:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,6 +244,10 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device)
         self.staging = HostStaging(self.device)
+        # while set, called before each decoder layer and the LM head of an eager CPU forward
+        # (EngineCore.admit_mid_step); a GPU's host runs ahead of its kernels, so not there
+        self.layer_boundary: Callable[[], None] | None = None
+        self.has_layer_boundaries = self.device.type == "cpu" and self._hook_layer_boundaries()
         self.num_blocks = self._num_kv_blocks()
         # decode graphs pad their batches with requests on one scratch block past the
         # scheduler's, so the Triton backend keeps one
@@ -268,6 +273,29 @@ class ModelRunner:
                 self.graphs.max_batch_size,
                 seconds,
             )
+
+    def _hook_layer_boundaries(self) -> bool:
+        """Hook the model's decoder layers and LM head so that a forward calls
+        ``layer_boundary`` before each; False where the model has no list of layers."""
+        decoder = self.model.get_decoder()
+        # `layers` in most families, `h` in GPT-2's: the one list with a module per layer
+        lists = [
+            child
+            for child in decoder.children()
+            if isinstance(child, torch.nn.ModuleList) and len(child) == self.spec.num_layers
+        ]
+        if len(lists) != 1:
+            logger.info("no list of decoder layers found: a step is not paused for newcomers")
+            return False
+        [layers] = lists
+        for module in [*layers, self.model.get_output_embeddings()]:
+            if module is not None:
+                module.register_forward_pre_hook(self._at_layer_boundary)
+        return True
+
+    def _at_layer_boundary(self, module: torch.nn.Module, args: tuple) -> None:
+        if (boundary := self.layer_boundary) is not None:
+            boundary()
 
     def decode_graphs(self, *, capture: bool) -> DecodeGraphs:
         """Decode graphs over this runner's caches (scratch block: the one past the

@@ -15,7 +15,8 @@ running requests preempt its own newest ones to grow in most steps, and a step t
 admits nobody: another tenant's request waited at the head of the queue for a step that
 neither preempted nor found the cache full. And when the head of the queue is a tenant with
 nothing running, its first chunk gets a short step of its own before the next full one
-(``_newcomer_step_excludes``).
+(``_newcomer_step_excludes``), or, on engines that pause a step between layers for it
+(``EngineCore``'s mid-step admission), inside the step under way (``schedule_newcomers``).
 """
 
 from __future__ import annotations
@@ -191,22 +192,77 @@ class Scheduler:
                         budget += unscheduled.num_new_tokens
             if new_block_ids is None:
                 break
-            self.waiting.pop(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            if not request.timings.first_scheduled:
-                request.timings.first_scheduled = time.time()
-            self.running.append(request)
-            item = ScheduledRequest(request, num_new_tokens, num_cached)
+            item = self._admit(request, num_cached, num_new_tokens)
             scheduled[request.req_id] = item
-            # charged as it is admitted, so the next admission of this step sees it
-            self._charge(item)
             budget -= num_new_tokens
 
         output.scheduled = list(scheduled.values())
         return output
+
+    def schedule_newcomers(self, in_flight: SchedulerOutput) -> SchedulerOutput:
+        """A newcomer's step inside the step ``in_flight`` (whose model run is paused between
+        two layers): under fair, when the head of the waiting queue is of a tenant with
+        nothing running (``_newcomer_step_excludes``), admit such tenants' requests into free
+        blocks, preempting nobody, and reusing no cached block that ``in_flight`` is still
+        writing. Empty when there is no such request, or no room for it, or ``in_flight`` is
+        itself a newcomer's step. So a newcomer's first token waits for a layer of a long step,
+        not for all of it."""
+        output = SchedulerOutput()
+        busy_tenants = self._newcomer_step_excludes()  # None while in_flight is a newcomer's
+        if busy_tenants is None:
+            return output
+        being_written: set[int] | None = None
+        budget = self.max_num_batched_tokens
+        while (
+            budget > 0
+            and len(self.running) < self.max_num_seqs
+            and (request := self.waiting.peek()) is not None
+            and request.tenant_id not in busy_tenants
+        ):
+            if being_written is None:
+                being_written = self._blocks_being_written(in_flight)
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request, being_written)
+            num_new_tokens = min(request.num_tokens - num_cached, budget)
+            reserve = (
+                0
+                if self._is_below_fair_share(request.tenant_id)
+                else self._num_reserved_for_admission()
+            )
+            new_block_ids = self.kv_cache.allocate_slots(
+                request, num_new_tokens, computed_blocks, reserve
+            )
+            if new_block_ids is None:
+                break
+            output.scheduled.append(self._admit(request, num_cached, num_new_tokens))
+            budget -= num_new_tokens
+        return output
+
+    def _blocks_being_written(self, step: SchedulerOutput) -> set[int]:
+        """The blocks that ``step``'s new tokens go into (their KV is not all there yet)."""
+        size = self.kv_cache.block_size
+        written: set[int] = set()
+        for item in step.scheduled:
+            if item.request.status != RequestStatus.RUNNING:
+                continue
+            block_ids = self.kv_cache.get_block_ids(item.request.req_id)
+            first, last = item.start // size, (item.start + item.num_new_tokens - 1) // size
+            written.update(block_ids[first : last + 1])
+        return written
+
+    def _admit(self, request: Request, num_cached: int, num_new_tokens: int) -> ScheduledRequest:
+        """Move ``request`` (the head of the waiting queue, its blocks allocated) to running."""
+        self.waiting.pop(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        if not request.timings.first_scheduled:
+            request.timings.first_scheduled = time.time()
+        self.running.append(request)
+        item = ScheduledRequest(request, num_new_tokens, num_cached)
+        # charged as it is admitted, so the next admission of this step sees it
+        self._charge(item)
+        return item
 
     def _newcomer_step_excludes(self) -> set[str] | None:
         """Under fair, when the request at the head of the waiting queue is of a tenant with

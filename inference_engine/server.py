@@ -116,6 +116,8 @@ class EngineServer:
         self._next_silence_check = 0.0
         self.controller = ModelController(engine_config, self._queue_switch)
         self._pending_switch: QueuedInput | None = None
+        # inputs taken between a step's layers that wait for its end (aborts, switches)
+        self._deferred_inputs: list[QueuedInput] = []
         self.ctx = zmq.Context()
         self._outputs_endpoint = f"inproc://engine-outputs-{id(self)}"
 
@@ -178,6 +180,8 @@ class EngineServer:
         """Serve ``loaded`` (None: nothing). Only the busy loop calls this, between steps and
         with no request left in the current core."""
         self.core = loaded.core if loaded else None
+        if self.core is not None and self.config.mid_step_admission:
+            self.core.admit_mid_step(self._take_mid_step_inputs, self._deliver_mid_step)
         self.max_model_len = loaded.core.max_model_len if loaded else 0
         self.num_kv_blocks = loaded.core.scheduler.kv_cache.num_blocks if loaded else 0
         if loaded is not None:
@@ -234,7 +238,8 @@ class EngineServer:
                 hand_off(StepOutputs(outputs, time.time()))
 
     def _apply_inputs(self, block: bool) -> None:
-        items = self.inputs.take_all(timeout=0.1 if block else None)
+        items, self._deferred_inputs = self._deferred_inputs, []
+        items.extend(self.inputs.take_all(timeout=0.1 if block and not items else None))
         aborts = []
         for item in items:
             if item.kind == InputKind.ABORT:
@@ -248,6 +253,27 @@ class EngineServer:
             self.core.abort_requests(aborts)
         if items:
             self._publish_snapshot()
+
+    def _take_mid_step_inputs(self) -> bool:
+        """Between two layers of a step (``EngineCore.admit_mid_step``): add the requests
+        that arrived, keep aborts and switches for the step's end. True when any was added."""
+        if self.inputs.empty():
+            return False
+        added = False
+        for item in self.inputs.take_all():
+            if item.kind == InputKind.ADD:
+                self._add(item.add)
+                added = True
+            else:
+                self._deferred_inputs.append(item)
+        if added:
+            self._publish_snapshot()
+        return added
+
+    def _deliver_mid_step(self, outputs: list[EngineOutput]) -> None:
+        self._publish_snapshot()
+        if outputs:
+            self._hand_off(StepOutputs(outputs, time.time()))
 
     def _add(self, add: QueuedAdd) -> None:
         self._num_adds_taken += 1

@@ -347,3 +347,93 @@ def test_a_newcomer_of_a_lower_priority_or_under_fcfs_gets_no_step_of_its_own():
         newcomer = request("b", priority=priority)
         s.add_request(newcomer)
         assert run_one_step(s) == [*flood, newcomer], policy
+
+
+def finish_step(s: Scheduler, output) -> None:
+    s.update_from_output(output, {i.request.req_id: 7 for i in output.scheduled if i.is_sampling})
+
+
+def test_a_newcomer_is_admitted_inside_the_step_in_flight():
+    s = scheduler(num_blocks=16, max_num_seqs=8)
+    flood = fill_the_cache(s, 4)
+    in_flight = s.schedule()  # a's decodes, running
+    newcomer = request("b")
+    s.add_request(newcomer)
+    inside = s.schedule_newcomers(in_flight)
+    assert [item.request for item in inside.scheduled] == [newcomer]
+    assert inside.scheduled[0].start == 0 and not inside.preempted_req_ids
+    finish_step(s, inside)  # the newcomer's step ends first, within the other
+    finish_step(s, in_flight)
+    assert [r.num_output_tokens for r in flood] == [2] * 4 and newcomer.num_output_tokens == 1
+    assert [item.request for item in s.schedule().scheduled] == flood + [newcomer]
+
+
+def test_inside_a_step_a_newcomer_preempts_nobody():
+    s = scheduler(num_blocks=8, max_num_seqs=8)
+    fill_the_cache(s, 5)  # 4 running, no block free
+    in_flight = s.schedule()
+    newcomer = request("b")
+    s.add_request(newcomer)
+    assert s.schedule_newcomers(in_flight).is_empty
+    assert s.num_preemptions == 0 and len(s.running) == 4
+    finish_step(s, in_flight)
+    # between steps it may take the place of a's newest
+    assert newcomer in [item.request for item in s.schedule().scheduled]
+
+
+def test_inside_a_step_only_a_tenant_with_nothing_running_is_admitted():
+    s = scheduler(num_blocks=64, max_num_seqs=8)
+    fill_the_cache(s, 2)
+    in_flight = s.schedule()
+    s.add_request(request("a"))
+    assert s.schedule_newcomers(in_flight).is_empty
+    s.add_request(request("b", priority=1))  # less urgent than what runs
+    assert s.schedule_newcomers(in_flight).is_empty
+    assert s.num_waiting == 2
+
+
+def test_no_newcomer_step_inside_a_newcomers_step():
+    s = scheduler(num_blocks=64, max_num_seqs=8)
+    fill_the_cache(s, 2)
+    s.add_request(request("b"))
+    in_flight = s.schedule()  # b's own short step
+    assert [item.request.tenant_id for item in in_flight.scheduled] == ["b"]
+    s.add_request(request("c"))
+    assert s.schedule_newcomers(in_flight).is_empty
+
+
+def test_fcfs_admits_nobody_inside_a_step():
+    s = scheduler(policy="fcfs", num_blocks=64, max_num_seqs=8)
+    fill_the_cache(s, 2)
+    in_flight = s.schedule()
+    s.add_request(request("b"))
+    assert s.schedule_newcomers(in_flight).is_empty
+
+
+def test_inside_a_step_no_cached_block_that_the_step_is_still_writing_is_reused():
+    s = scheduler(num_blocks=64, max_num_seqs=8)
+    fill_the_cache(s, 2)
+    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
+    prompt = list(range(500, 513))  # three full blocks of 4 and a token
+    s.add_request(Request("a-shared", prompt, params, tenant_id="a"))
+    in_flight = s.schedule()  # a's decodes and a-shared's prompt, its blocks cached already
+    assert in_flight.scheduled[-1].request.req_id == "a-shared"
+    s.add_request(Request("b-early", prompt, params, tenant_id="b"))
+    inside = s.schedule_newcomers(in_flight)
+    assert [(i.request.req_id, i.start) for i in inside.scheduled] == [("b-early", 0)]
+    finish_step(s, inside)
+    finish_step(s, in_flight)
+    # once the step that wrote them is over, the blocks are hits
+    s.add_request(Request("c-late", prompt, params, tenant_id="c"))
+    in_flight = s.schedule()
+    assert [(i.request.req_id, i.start) for i in in_flight.scheduled] == [("c-late", 12)]
+
+
+def test_inside_a_step_a_newcomer_below_its_share_may_take_the_reserve():
+    s = scheduler(num_blocks=256, max_num_seqs=256, max_num_batched_tokens=4096)
+    fill_the_cache(s, 150)
+    assert s.kv_cache.num_free_blocks == s.num_reserved_blocks
+    in_flight = s.schedule()
+    newcomer = request("b")
+    s.add_request(newcomer)
+    assert [item.request for item in s.schedule_newcomers(in_flight).scheduled] == [newcomer]
