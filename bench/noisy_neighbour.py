@@ -6,11 +6,12 @@ tenant B sends one short request a second. The engine's KV cache holds only a sh
 flood, so A's requests queue. Printed: B's TTFT p50/p99 under each policy, beside B's TTFT on
 an idle engine, A's throughput under each policy, and the flood's step time (the running
 requests over the tokens generated a second, from the engine's STATS) with its preemptions
-a second: B's first token rides in a step beside A's running requests, so even a request
-admitted at once waits for the step under way and then its own.
+a second, and B's TTFT split into phases by the engine's timings. Under `fair` B's first chunk
+runs inside the step under way, between two of its layers (mid-step admission); the
+`fair-between-steps` row is the same policy with B waiting for the step under way to end.
 
     .venv/bin/python bench/noisy_neighbour.py [--flood 200] [--seconds 20] [--model DIR]
-        [--policies fcfs,fair]
+        [--policies fcfs,fair-between-steps,fair]
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# how each compared engine runs: the policy, and fair with a newcomer's first chunk only
+# between steps (the step under way finishes first) as well as inside the step under way
+VARIANTS = {
+    "fcfs": ["--scheduling-policy", "fcfs"],
+    "fair": ["--scheduling-policy", "fair"],
+    "fair-between-steps": ["--scheduling-policy", "fair", "--no-mid-step-admission"],
+}
+
+
 @contextlib.contextmanager
 def engine(model: str, policy: str, kv_bytes: int, threads: int):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -58,8 +68,7 @@ def engine(model: str, policy: str, kv_bytes: int, threads: int):
             model,
             "--endpoint",
             endpoint,
-            "--scheduling-policy",
-            policy,
+            *VARIANTS[policy],
             "--kv-cache-memory",
             str(kv_bytes),
             "--max-queued-requests",
@@ -169,7 +178,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--policies", default="fcfs,fair", help="comma-separated; fcfs first for the ratio"
+        "--policies",
+        default="fcfs,fair-between-steps,fair",
+        help=f"comma-separated of {', '.join(VARIANTS)}",
     )
     args = parser.parse_args()
     results = {}
@@ -181,19 +192,19 @@ def main() -> None:
     print()
     print(f"B's TTFT alone on an idle engine: p50 {idle * 1e3:.0f} ms")
     print(
-        f"{'policy':8} {'B TTFT p50':>11} {'B TTFT p99':>11} {'x idle':>7} {'A tok/s':>8} "
+        f"{'policy':18} {'B TTFT p50':>11} {'B TTFT p99':>11} {'x idle':>7} {'A tok/s':>8} "
         f"{'step':>8} {'preempt/s':>9}"
     )
     for policy, r in results.items():
         print(
-            f"{policy:8} {r['b_p50'] * 1e3:9.0f} ms {r['b_p99'] * 1e3:9.0f} ms "
+            f"{policy:18} {r['b_p50'] * 1e3:9.0f} ms {r['b_p99'] * 1e3:9.0f} ms "
             f"{r['b_p50'] / idle:7.1f} {r['a_tok_s']:8.0f} {r['step_s'] * 1e3:5.0f} ms "
             f"{r['preemptions_s']:9.1f}"
         )
     print()
     print("B's TTFT p50 by phase (ms): " + ", ".join(PHASES))
     for policy, r in results.items():
-        print(f"{policy:8} " + " ".join(f"{r[f'b_{n}_p50'] * 1e3:9.1f}" for n in PHASES))
+        print(f"{policy:18} " + " ".join(f"{r[f'b_{n}_p50'] * 1e3:9.1f}" for n in PHASES))
     if "fcfs" in results:
         for policy, r in results.items():
             if policy != "fcfs":

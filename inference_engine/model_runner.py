@@ -261,7 +261,7 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**30,
-            self.backend,
+            self.backend if self.attention_kernel is None else "the compiled CPU kernel",
         )
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager:
