@@ -71,6 +71,10 @@ class EngineMetrics:
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._mid_step_admissions = counter(
+            "mid_step_admissions",
+            "Newcomers' first chunks run between two layers of another step (fair, CPU).",
+        )
         self._success = Counter(
             PREFIX + "request_success",
             "Finished requests by finish reason.",
@@ -116,6 +120,9 @@ class EngineMetrics:
     def record_tokens(self, num_tokens: int) -> None:
         self.generation_tokens_total += num_tokens
         self._generation_tokens.inc(num_tokens)
+
+    def record_mid_step_admission(self) -> None:
+        self._mid_step_admissions.inc()
 
     def record_inter_token_latency(self, seconds: float) -> None:
         self._itl.observe(seconds)

@@ -6,7 +6,10 @@
   puts generates and aborts on the busy loop's ``InputQueue`` (``queues.py``). It also forwards
   the output thread's frames, which arrive on an inproc PULL socket, to the ROUTER.
 - The **busy loop** (the main thread) applies queued aborts, adds and model switches, then runs
-  ``EngineCore.step()`` and hands the outputs on. It does nothing else.
+  ``EngineCore.step()`` and hands the outputs on. It does nothing else, except that under
+  ``fair`` on the CPU a step pauses between layers to take the adds that arrived meanwhile
+  and run a newcomer's first chunk at once (``EngineCore.admit_mid_step``; aborts and
+  switches wait for the step's end).
 - The **output thread** runs ``OutputProcessor`` (detokenize, stop strings, serialize) on one
   step's outputs while the next step runs, and pushes one frame per client per step. With
   ``async_output=False`` the busy loop does this work inline.
@@ -271,6 +274,7 @@ class EngineServer:
         return added
 
     def _deliver_mid_step(self, outputs: list[EngineOutput]) -> None:
+        self.metrics.record_mid_step_admission()
         self._publish_snapshot()
         if outputs:
             self._hand_off(StepOutputs(outputs, time.time()))

@@ -100,25 +100,56 @@ def test_one_newcomers_step_inside_a_step(llama_dir):
     assert inside == [["t0"], ["t2"]]
 
 
-def test_the_server_takes_only_adds_between_layers(llama_dir):
+def loaded_server(model_dir: str, **server_options) -> EngineServer:
+    """A server with its model installed and its outputs collected in ``server.delivered``
+    (no sockets, no threads: the test drives its busy loop's calls)."""
     server = EngineServer(
-        EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=64),
-        ServerConfig(endpoint="inproc://unused"),
+        EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64),
+        ServerConfig(endpoint="inproc://unused", **server_options),
     )
     server._load()
-    core = server.core
-    assert core._take_inputs is not None
-    add = QueuedAdd(
-        req_id="c/1",
-        prompt_token_ids=newcomer_prompt(1),
+    server.delivered = []
+    server._hand_off = server.delivered.append
+    return server
+
+
+def queued_add(req_id: str, tenant: str, prompt: list[int]) -> QueuedAdd:
+    return QueuedAdd(
+        req_id=req_id,
+        prompt_token_ids=prompt,
         params=SHORT,
         priority=0,
         cache_salt=None,
         arrival_time=0.0,
-        tenant_id="b",
+        tenant_id=tenant,
         tenant_weight=1.0,
     )
-    server.inputs.put_add(add)
+
+
+def test_a_newcomer_arriving_during_a_step_streams_its_first_token_before_it_ends(llama_dir):
+    server = loaded_server(llama_dir)
+    core = server.core
+    for i in range(4):
+        core.add_request(f"a{i}", flood_prompt(i), FLOOD, tenant_id="a")
+    core.step()
+    # queued on the server's input queue as the I/O thread does, while nothing runs a step
+    server.inputs.put_add(queued_add("c/1", "b", newcomer_prompt(1)))
+    outputs = core.step()
+    [inside] = server.delivered
+    assert [(o.req_id, len(o.new_token_ids)) for o in inside.outputs] == [("c/1", 1)]
+    assert sorted(o.req_id for o in outputs) == ["a0", "a1", "a2", "a3"]
+    assert server.inputs.empty() and server.snapshot.num_running == 5
+    [admissions] = [
+        m for m in server.metrics.registry.collect() if m.name.endswith("mid_step_admissions")
+    ]
+    assert [s.value for s in admissions.samples if s.name.endswith("_total")] == [1.0]
+
+
+def test_the_server_takes_only_adds_between_layers(llama_dir):
+    server = loaded_server(llama_dir)
+    core = server.core
+    assert core._take_inputs is not None
+    server.inputs.put_add(queued_add("c/1", "b", newcomer_prompt(1)))
     server.inputs.put_abort(["c/1"])
     assert server._take_mid_step_inputs() is True
     assert "c/1" in core.scheduler.requests  # added; its abort waits for the step's end
@@ -131,12 +162,13 @@ def test_the_server_takes_only_adds_between_layers(llama_dir):
 
 
 def test_mid_step_admission_can_be_turned_off(llama_dir):
-    server = EngineServer(
-        EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=64),
-        ServerConfig(endpoint="inproc://unused", mid_step_admission=False),
-    )
-    server._load()
-    assert server.core._take_inputs is None
+    server = loaded_server(llama_dir, mid_step_admission=False)
+    core = server.core
+    core.add_request("a0", flood_prompt(0), FLOOD, tenant_id="a")
+    core.step()
+    server.inputs.put_add(queued_add("c/1", "b", newcomer_prompt(1)))
+    core.step()
+    assert not server.delivered and "c/1" not in core.scheduler.requests
 
 
 def test_not_under_fcfs(llama_dir):
