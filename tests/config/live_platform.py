@@ -105,13 +105,14 @@ def run_platform_on_tiny_model(
 
 @contextlib.contextmanager
 def long_context_platform(
-    tmp_path: Path, env: dict[str, str] | None = None
+    tmp_path: Path, env: dict[str, str] | None = None, engine_args: str = ""
 ) -> Iterator[tuple[subprocess.Popen, str, str]]:
     """The platform on a tiny model with a long context, so that streams run long, once it is
-    ready: (process, base URL, API key). Killed on the way out if it still runs."""
+    ready: (process, base URL, API key); ``engine_args`` adds engine flags. Killed on the way
+    out if it still runs."""
     process, base = run_platform_on_tiny_model(
         tmp_path,
-        engine_args="--dtype float32 --num-kv-blocks 1400",
+        engine_args=f"--dtype float32 --num-kv-blocks 1400 {engine_args}",
         env=env,
         max_position_embeddings=4096,
     )

@@ -20,7 +20,9 @@ NUM_STREAMS = 3
 
 @pytest.fixture
 def platform(tmp_path):
-    with long_context_platform(tmp_path) as running:
+    # runplatform gives the engine 10 s to finish open streams, in which a fast host streams
+    # all of a stream's 4000 tokens; 1 s keeps them open at the stop, as a long reply is
+    with long_context_platform(tmp_path, engine_args="--shutdown-grace-period 1") as running:
         yield running
 
 
