@@ -22,6 +22,7 @@ Prints a table and one JSON line per measurement (also to ``--out``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -100,6 +101,13 @@ def engine(model_dir: str, **options):
         **options,
     )
     return llm, time.perf_counter() - began
+
+
+def release(llm) -> None:
+    """Give the engine's device memory back before the next row loads its model."""
+    llm.close()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def bench_engine(llm, prompts, outs) -> tuple[float, float]:
@@ -218,8 +226,10 @@ def bench_hf_continuous(model_dir: str, prompts, outs, limit_s: float = 300) -> 
         generation_config=config, block=True, timeout=5
     ) as manager:
         manager.add_request(prompts[0][:16], request_id="warm", max_new_tokens=4, eos_token_id=-1)
+        warm_deadline = time.perf_counter() + 120  # its thread may die without a result
         while (result := manager.get_result(timeout=5)) is None or not result.is_finished():
-            pass
+            if time.perf_counter() > warm_deadline:
+                raise TimeoutError("transformers' continuous batching did not warm up in 120 s")
         began = time.perf_counter()
         for i, (prompt, n) in enumerate(zip(prompts, outs, strict=True)):
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
@@ -293,8 +303,8 @@ def main() -> None:
     prompts, outs = fixed_workload(num)
 
     llm, load_s = engine(args.model_dir)
-    graphs = llm.core.runner.graphs
-    report(out, row="engine load", seconds=round(load_s, 1), graph_sizes=len(graphs.sizes))
+    num_graphs = len(llm.core.runner.graphs.sizes)
+    report(out, row="engine load", seconds=round(load_s, 1), graph_sizes=num_graphs)
     ours, seconds = bench_engine(llm, prompts, outs)
     report(out, row="fixed: engine, CUDA graphs", tok_s=round(ours), seconds=round(seconds, 2))
     step = decode_step_time(llm)
@@ -313,19 +323,29 @@ def main() -> None:
         mixed_prompts, mixed_outs = mixed_workload(64 if args.quick else 512)
         mixed, seconds = bench_engine(llm, mixed_prompts, mixed_outs)
         report(out, row="mixed: engine, CUDA graphs", tok_s=round(mixed), seconds=round(seconds, 2))
+    release(llm)
     del llm
-    torch.cuda.empty_cache()
 
+    # a row that fails is reported and the rest still run
     if "eager" not in skip:
-        llm, _ = engine(args.model_dir, enforce_eager=True)
-        eager, seconds = bench_engine(llm, prompts, outs)
-        report(out, row="fixed: engine, eager", tok_s=round(eager), seconds=round(seconds, 2))
-        del llm
-        torch.cuda.empty_cache()
+        try:
+            llm, _ = engine(args.model_dir, enforce_eager=True)
+            eager, seconds = bench_engine(llm, prompts, outs)
+            release(llm)
+            del llm
+        except Exception as exc:  # noqa: BLE001
+            report(out, row="fixed: engine, eager", error=repr(exc)[:300])
+        else:
+            report(out, row="fixed: engine, eager", tok_s=round(eager), seconds=round(seconds, 2))
     hf = None
     if "hf" not in skip:
-        hf = bench_hf_static(args.model_dir, prompts, outs, batch=64)
-        report(out, row="fixed: HF generate, static batches of 64", tok_s=round(hf))
+        try:
+            hf = bench_hf_static(args.model_dir, prompts, outs, batch=64)
+        except Exception as exc:  # noqa: BLE001
+            report(out, row="fixed: HF generate, static batches of 64", error=repr(exc)[:300])
+        else:
+            report(out, row="fixed: HF generate, static batches of 64", tok_s=round(hf))
+        gc.collect()
         torch.cuda.empty_cache()
     if "cb" not in skip:
         try:

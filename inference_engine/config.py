@@ -21,6 +21,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # how a CPU multiplies bf16/fp16 linear layers (cpu_linear.py)
 CPU_GEMM_MODES = ("auto", "native", "widened")
+# how CONTROL load swaps models (model_control.py)
+MODEL_SWAP_MODES = ("auto", "beside", "replace")
 # how a CPU attends decodes (cpu_kernels.py)
 CPU_ATTENTION_MODES = ("auto", "compiled", "torch")
 
@@ -147,6 +149,13 @@ class ServerConfig:
     shutdown_grace_period: float = option(
         30.0, "seconds in-flight requests get to finish after SIGTERM"
     )
+    model_swap: str = option(
+        "auto",
+        "how CONTROL load swaps models: beside builds the new one next to the serving one (no "
+        "gap, memory for both), replace unloads first (refusing requests while it loads), "
+        "auto replaces on a GPU, whose memory the serving model sized its KV cache to fill",
+        MODEL_SWAP_MODES,
+    )
     max_frame_bytes: int = option(MAX_FRAME_BYTES, "larger client frames are dropped unread")
     client_timeout: float = option(
         5.0,
@@ -164,6 +173,7 @@ class ServerConfig:
                 f"shutdown_grace_period must be >= 0, got {self.shutdown_grace_period}"
             )
         _check_positive("max_frame_bytes", self.max_frame_bytes)
+        _check_choice(self, "model_swap")
         if not self.client_timeout > 0:
             raise ValueError(f"client_timeout must be > 0, got {self.client_timeout}")
         if self.metrics_port is not None:

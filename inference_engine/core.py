@@ -60,6 +60,16 @@ class EngineCore:
         self._take_inputs: Callable[[], bool] | None = None
         self._deliver: Callable[[list[EngineOutput]], None] | None = None
 
+    @property
+    def on_accelerator(self) -> bool:
+        """True when the model runs on a GPU (or another device that is not the CPU)."""
+        return self.runner.device.type != "cpu"
+
+    def close(self) -> None:
+        """Give back the model's memory now (weights, KV cache, CUDA graphs); the core
+        serves nothing after this."""
+        self.runner.close()
+
     def add_request(
         self,
         req_id: str,

@@ -123,7 +123,10 @@ class DecodeGraphs:
         self.host = torch.zeros(self.layout.size, dtype=torch.int64, pin_memory=pin)
         self.inputs = torch.zeros(self.layout.size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # every size's logits land in the first rows of one buffer: a buffer per captured size
+        # would hold the ladder's sum of rows (4,000 at 256) x the vocabulary on the device,
+        # outside what the KV cache was sized around
+        self.logits: torch.Tensor | None = None
 
     @property
     def max_batch_size(self) -> int:
@@ -150,7 +153,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._run(size)
+                self._run(size)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
         if self.capture_enabled:
@@ -168,7 +171,7 @@ class DecodeGraphs:
         if graph is None:
             return self._run(size)[:num_real]
         graph.replay()
-        return self.outputs[size][:num_real]
+        return self.logits[:num_real]
 
     def _upload(self, batch: DecodeBatch, size: int) -> None:
         # the host buffer is free again: the last step read its sampled ids back, which waits
@@ -178,8 +181,15 @@ class DecodeGraphs:
         self.inputs[:used].copy_(self.host[:used], non_blocking=True)
 
     def _run(self, size: int) -> torch.Tensor:
+        """The forward of ``size`` rows, its logits copied into the shared buffer's first rows
+        (allocated by the first, largest, size's run)."""
         ids, positions, slots, seq_lens, starts, tables = self.layout.views(self.inputs)
         meta_inputs = UnifiedMetadata(tables[:size], seq_lens[:size], starts[: size + 1], 1)
-        return self.forward(
+        logits = self.forward(
             ids[:size].unsqueeze(0), positions[:size].unsqueeze(0), slots[:size], meta_inputs
         )
+        if self.logits is None:
+            self.logits = logits.new_empty((self.max_batch_size, logits.shape[-1]))
+        out = self.logits[:size]
+        out.copy_(logits)
+        return out

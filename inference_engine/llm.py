@@ -58,6 +58,11 @@ class LLM:
         self.core = EngineCore(config, tokenizer=self.tokenizer)
         self._req_counter = itertools.count()
 
+    def close(self) -> None:
+        """Give back the model's memory (weights, KV cache, CUDA graphs) now; this ``LLM``
+        generates nothing after it."""
+        self.core.close()
+
     def chat(
         self,
         conversations: list[list[dict[str, str]]] | list[dict[str, str]],

@@ -12,6 +12,7 @@ device-to-host copy is the sampled token ids.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,28 +125,27 @@ def kv_cache_budget(
 
 class HostStaging:
     """Copies a step's integer arrays to the device in one transfer: packed into a pinned host
-    buffer, then one non-blocking copy. On the CPU the arrays are used where they are."""
+    buffer, then one non-blocking copy. On the CPU the arrays are used where they are.
+
+    Each step packs into a pinned buffer of its own from torch's caching host allocator, which
+    does not hand a buffer out again until the copy queued from it has run: a step that samples
+    nothing (a long prompt's middle chunk) does not wait for the device, so a buffer reused
+    across steps could be rewritten while the previous step's copy still waits in the stream."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pinned = torch.empty(0, dtype=torch.int64)
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         if self.device.type == "cpu":
             return [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
         sizes = [array.size for array in arrays]
-        total = sum(sizes)
-        if total > self.pinned.numel():
-            # the step before read its sampled ids back, so no copy from the old buffer is queued
-            self.pinned = torch.empty(
-                max(total, 2 * self.pinned.numel()), pin_memory=True, dtype=torch.int64
-            )
-        host = self.pinned[:total].numpy()
+        pinned = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host = pinned.numpy()
         offset = 0
         for array, size in zip(arrays, sizes, strict=True):
             host[offset : offset + size] = array.reshape(-1)
             offset += size
-        device_buffer = self.pinned[:total].to(self.device, non_blocking=True)
+        device_buffer = pinned.to(self.device, non_blocking=True)
         return [
             part.view(array.shape)
             for part, array in zip(device_buffer.split(sizes), arrays, strict=True)
@@ -265,14 +265,28 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager:
-            self.graphs = self.decode_graphs(capture=True)
-            seconds = self.graphs.capture()
-            logger.info(
-                "captured CUDA graphs for %d decode batch sizes up to %d in %.1f s",
-                len(self.graphs.sizes),
-                self.graphs.max_batch_size,
-                seconds,
+            self.graphs = self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """The decode graphs, captured; None (decode steps run eagerly) where the model's
+        forward cannot be captured, e.g. one that reads a device value on the host."""
+        graphs = self.decode_graphs(capture=True)
+        try:
+            seconds = graphs.capture()
+        except RuntimeError:
+            logger.warning(
+                "capturing CUDA graphs failed; decode steps run eagerly (as with --enforce-eager)",
+                exc_info=True,
             )
+            torch.cuda.synchronize(self.device)
+            return None
+        logger.info(
+            "captured CUDA graphs for %d decode batch sizes up to %d in %.1f s",
+            len(graphs.sizes),
+            graphs.max_batch_size,
+            seconds,
+        )
+        return graphs
 
     def _hook_layer_boundaries(self) -> bool:
         """Hook the model's decoder layers and LM head so that a forward calls
@@ -367,7 +381,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        # a step holds up to max_num_batched_tokens over up to max_num_seqs requests, each at
+        # most max_model_len long
+        num_tokens = min(
+            self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len
+        )
         num_requests = min(self.config.max_num_seqs, num_tokens)
         lens = np.full(num_requests, num_tokens // num_requests, np.int64)
         lens[: num_tokens % num_requests] += 1
@@ -406,6 +424,7 @@ class ModelRunner:
         # what the process holds outside torch's allocator: the CUDA context, cuBLAS, NCCL
         non_torch_memory = max(total - free - torch.cuda.memory_reserved(self.device), 0)
         torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)  # with the profile's memory given back
         budget = kv_cache_budget(
             total, self.config.gpu_memory_utilization, peak_torch_memory, non_torch_memory
         )
@@ -418,6 +437,16 @@ class ModelRunner:
             self.config.gpu_memory_utilization,
         )
         return min(budget, free)
+
+    def close(self) -> None:
+        """Drop the weights, the KV cache and the decode graphs, and give their device memory
+        back: the graphs hold this runner's forward, a cycle only the collector breaks."""
+        self.graphs = None
+        self.key_caches, self.value_caches = [], []
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def release(self, req_ids: list[str]) -> None:
         self.sampler.release(req_ids)

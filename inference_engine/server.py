@@ -117,7 +117,9 @@ class EngineServer:
         # I/O thread only: client identity -> time.monotonic() of its last frame
         self._last_heard: dict[bytes, float] = {}
         self._next_silence_check = 0.0
-        self.controller = ModelController(engine_config, self._queue_switch)
+        self.controller = ModelController(
+            engine_config, self._queue_switch, replace=server_config.model_swap == "replace"
+        )
         self._pending_switch: QueuedInput | None = None
         # inputs taken between a step's layers that wait for its end (aborts, switches)
         self._deferred_inputs: list[QueuedInput] = []
@@ -178,6 +180,9 @@ class EngineServer:
 
     def _load(self) -> None:
         self._install(load_model(self.engine_config))
+        if self.config.model_swap == "auto":
+            # a GPU's KV cache was sized to fill it: no room to build a second model beside
+            self.controller.replace = self.core.on_accelerator
 
     def _install(self, loaded: LoadedModel | None) -> None:
         """Serve ``loaded`` (None: nothing). Only the busy loop calls this, between steps and
@@ -201,7 +206,10 @@ class EngineServer:
         if self.core is not None and self.core.has_unfinished_requests():
             return
         loaded, self._pending_switch = self._pending_switch.model, None
+        previous = self.core
         self._install(loaded)
+        if previous is not None and previous is not self.core:
+            previous.close()  # its memory now, before a replacing load builds the next model
         self.controller.switched(loaded)
         logger.info("now serving %s", loaded.config.model if loaded else "nothing")
 

@@ -43,10 +43,10 @@ from django.core.cache import cache
 from tenants.models import ApiKey, Tenant
 from tenants.reservations import (
     Reservation,
+    counter_seed,
     counter_value,
     reservation_add,
     reservation_settle,
-    reservations_forget,
 )
 from tenants.selectors import Limits, api_key_limits, month_tokens_used, tenant_limits
 from tenants.slots import Slot, slot_acquire, slot_count, slot_release
@@ -255,8 +255,7 @@ class _Admission:
             used = month_tokens_used(
                 tenant=tenant, api_key=api_key if scope.name == "key" else None, since=month_start
             )
-            if cache.add(key, used, timeout=MONTH_TTL_SECONDS):
-                reservations_forget(name=key)  # the records hold none of them
+            counter_seed(name=key, value=used, ttl=MONTH_TTL_SECONDS)
         reservation, current = reservation_add(name=key, tokens=amount, ttl=MONTH_TTL_SECONDS)
         self.reservations.append(reservation)
         if current > budget:

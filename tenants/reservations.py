@@ -15,9 +15,15 @@ expired and come off, adds the tokens used.
 Two stores, as for the slots: Redis (a Lua script per step, so each is atomic, with leases on
 the server's clock) and in-process (the embedded mode's local memory, under the slots' lock).
 
-Public API: ``reservation_add`` -> (``Reservation``, the counter's new value);
-``reservation_settle``; ``counter_value`` (the counter once the expired reservations are
-off it); ``reservations_forget`` (a counter seeded anew holds none of the old ones).
+A counter that is missing (a new month, an evicted key) is seeded from the usage records by
+``counter_seed``, which in one step creates it and drops any leases left from before (the
+records hold none of them): only the request that created it drops them, so a reservation
+another request added to the new counter meanwhile is never lost (it was, when the creation
+and the drop were two steps: its tokens stayed on the counter with no lease to take them off).
+
+Public API: ``counter_seed``; ``reservation_add`` -> (``Reservation``, the counter's new
+value); ``reservation_settle``; ``counter_value`` (the counter once the expired reservations
+are off it).
 """
 
 import time
@@ -66,6 +72,19 @@ return value
 
 # Returns the counter's value (false when it has none).
 _VALUE = Script(None, _EXPIRE + b"return redis.call('GET', KEYS[1])")
+
+# ARGV: the seed, the keys' TTL (s). Returns 1 when it created the counter, 0 when it was there.
+_SEED = Script(
+    None,
+    b"""
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('DEL', KEYS[2], KEYS[3])
+return 1
+""",
+)
 
 # ARGV: the reservation's id, the tokens used.
 _SETTLE = Script(
@@ -145,8 +164,8 @@ class _RedisStore(slots._StoreIdentity):
         value = _VALUE(keys=self._keys(key), client=self._client())
         return None if value is None else int(value)
 
-    def forget(self, key: str) -> None:
-        self._client().delete(*self._keys(key)[1:])
+    def seed(self, key: str, value: int, ttl: int) -> bool:
+        return bool(_SEED(keys=self._keys(key), args=[value, ttl], client=self._client()))
 
     def renew(self, reservations: list[Reservation], lease: float) -> list[bool]:
         keys = [self._keys(r.key)[1] for r in reservations]
@@ -191,9 +210,12 @@ class _LocalStore(slots._StoreIdentity):
             self._expire(key)
             return self._backend.get(key)
 
-    def forget(self, key: str) -> None:
+    def seed(self, key: str, value: int, ttl: int) -> bool:
         with slots._LocalStore._lock:
+            if not self._backend.add(key, value, timeout=ttl):
+                return False
             self._backend.delete(f"{key}:leases")
+            return True
 
     def renew(self, reservations: list[Reservation], lease: float) -> list[bool]:
         now = time.time()
@@ -265,8 +287,9 @@ def counter_value(*, name: str) -> int | None:
     return store.value(store.key_for(name))
 
 
-def reservations_forget(*, name: str) -> None:
-    """Drop the leases of the counter ``name``: it was seeded anew, from the usage records,
-    and holds none of them (settling one then adds its tokens used, as for an expired one)."""
+def counter_seed(*, name: str, value: int, ttl: int) -> bool:
+    """Create the counter ``name`` at ``value`` (``ttl`` seconds to live) and drop its old
+    leases, in one step, unless it exists; True when this call created it. A reservation whose
+    lease is dropped so, settled later, adds its tokens used, as an expired one does."""
     store = _store()
-    store.forget(store.key_for(name))
+    return store.seed(store.key_for(name), value, ttl)

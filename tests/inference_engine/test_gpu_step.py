@@ -52,14 +52,42 @@ def test_decode_steps_replayed_from_padded_static_inputs_keep_parity(model_dirs,
     batch_sizes = []
     run = runner.graphs.run
 
+    logits_of_each_step = []
+
     def spy(batch):
         batch_sizes.append(len(batch.token_ids))
-        return run(batch)
+        logits = run(batch)
+        logits_of_each_step.append(logits)
+        return logits
 
     runner.graphs.run = spy
     prompts, max_tokens = mixed_batch(seed=7, num_prompts=5)
     assert_parity(llm, hf_models("qwen2"), prompts, max_tokens)
     assert {3, 5} & set(batch_sizes), batch_sizes  # padded to 4 and 6
+    # every size's logits are rows of one buffer of the largest size's, not one per size
+    buffer = runner.graphs.logits
+    assert buffer.shape == (6, runner.vocab_size)
+    assert all(logits.data_ptr() == buffer.data_ptr() for logits in logits_of_each_step)
+
+
+def test_a_forward_that_cannot_be_captured_runs_decode_steps_eagerly(
+    model_dirs, monkeypatch, caplog
+):
+    """A model whose forward reads a device value on the host fails capture: the engine
+    warns and serves with eager decode steps instead of refusing to start."""
+    from inference_engine import cuda_graphs
+
+    llm = LLM(model_dirs["llama"], dtype="float32", device="cpu", enforce_eager=True)
+    runner = llm.core.runner
+
+    def capture(graphs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    with caplog.at_level("WARNING"):
+        assert runner._capture_decode_graphs() is None
+    assert "capturing CUDA graphs failed; decode steps run eagerly" in caplog.text
 
 
 def test_capture_sizes_form_a_ladder_up_to_the_largest_batch():

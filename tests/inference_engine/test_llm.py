@@ -203,3 +203,17 @@ def test_core_abort_reports_and_frees(llm_cache):
     assert outputs["b"][-1].finish_reason == FinishReason.LENGTH
     assert core.scheduler.kv_cache.usage == 0.0
     assert core.scheduler.num_running == 0
+
+
+def test_close_gives_the_models_memory_back(model_dirs):
+    import gc
+    import weakref
+
+    llm = LLM(model_dirs["llama"], dtype="float32", device="cpu")
+    runner = llm.core.runner
+    model = weakref.ref(runner.model)
+    cache = weakref.ref(runner.key_caches[0])
+    llm.close()
+    gc.collect()
+    assert model() is None and cache() is None
+    assert runner.graphs is None and runner.key_caches == []

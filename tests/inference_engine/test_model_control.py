@@ -83,3 +83,41 @@ async def test_unload_then_load_again(client_and_dirs):
     assert (await client.control(ControlRequest("load", model=dirs["llama"]))).ok
     await wait_for_stats(client, lambda s: s.state == "ready", timeout=60)
     assert await _text(client) == before
+
+
+async def test_replace_unloads_first_and_reloads_the_old_model_when_the_new_one_fails(
+    model_dirs, tmp_path, llm_cache
+):
+    """``--model-swap replace`` (a GPU's way: one model's KV cache fills the device): the
+    serving model finishes its requests and is unloaded before the next one is built; a load
+    that fails brings the previous model back."""
+    process = EngineProcess(model_dirs["llama"], tmp_path, "--model-swap", "replace")
+    with running(process):
+        client = AsyncEngineClient(process.endpoint)
+        try:
+            await client.wait_ready(timeout=90)
+            before = await _text(client)
+            broken = tmp_path / "broken"
+            broken.mkdir()
+            (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+            reply = await client.control(ControlRequest("load", model=str(broken)))
+            assert reply.ok and "unloaded" in reply.message, reply.message
+            stats = await wait_for_stats(client, lambda s: s.state == "ready", timeout=90)
+            assert stats.model_path == model_dirs["llama"]
+            assert "failed" in stats.state_detail and "again" in stats.state_detail
+            assert await _text(client) == before
+
+            long_request = GenerateRequest(
+                prompt=PROMPT, params=SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            )
+            stream = client.generate(long_request)
+            first = await anext(stream)
+            assert (await client.control(ControlRequest("load", model=model_dirs["qwen2"]))).ok
+            rest = [delta async for delta in stream]  # finished before the unload
+            assert rest[-1].error is None and sum(len(d.token_ids) for d in [first, *rest]) == 200
+            stats = await wait_for_stats(client, lambda s: s.state == "ready", timeout=90)
+            assert stats.model_path == model_dirs["qwen2"] and stats.state_detail == ""
+            assert await _text(client) == llm_cache("qwen2").generate([PROMPT], GREEDY)[0].text
+        finally:
+            client.close()

@@ -136,6 +136,27 @@ def test_greedy_parity_on_cuda_in_float32(model_dirs, enforce_eager):
         assert output.token_ids == hf_greedy(hf_model, prompt, n, device="cuda")
 
 
+@needs_cuda
+def test_a_long_prompt_chunked_alone_on_cuda_keeps_parity(model_dirs):
+    """A prompt alone in 16-token chunks: its steps before the last sample nothing, so the host
+    does not wait for the device between them while it packs the next chunk's inputs (the
+    pinned buffer of a step must not be the one a queued copy still reads)."""
+    from transformers import AutoModelForCausalLM
+
+    from inference_engine import LLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype="float32")
+    hf_model = hf_model.to("cuda").eval()
+    llm = LLM(model_dirs["llama"], dtype="float32", device="cuda", max_num_batched_tokens=16)
+    rng = random.Random(7)
+    for _ in range(3):
+        prompt = [rng.randrange(5, 384) for _ in range(300)]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        [output] = llm.generate([prompt], params)
+        assert output.token_ids == hf_greedy(hf_model, prompt, 8, device="cuda")
+
+
 def assert_parity_up_to_near_ties(llm, hf_model, prompts, max_tokens, device: str) -> None:
     """bf16 rounds differently in every kernel: outputs agree with HF's until HF's own top two
     logits are within rounding of each other (the near-tie rule)."""

@@ -6,11 +6,13 @@ test_slots)."""
 import time
 
 import pytest
+from django.core.cache import cache
 from django.test import override_settings
 from django.utils import timezone
 
 from tenants import quotas, services, slots
 from tenants.models import UsageRecord
+from tenants.reservations import counter_seed, counter_value, reservation_add, reservation_settle
 from tenants.selectors import month_tokens_used
 from tests.tenants.racers import tenant_with as _tenant
 from tests.tenants.test_slots import LEASE, RENEWED_LEASE, store  # noqa: F401  (fixture)
@@ -101,3 +103,27 @@ def test_a_refused_admission_leaves_no_reservation_behind(store):  # noqa: F811
     quotas.admission_release(ticket=held, actual_tokens=100)
     time.sleep(LEASE * 1.5)  # were a lease of the refused one left, it would come off now
     assert _month(tenant) == 100
+
+
+def test_seeding_a_counter_keeps_the_reservations_added_after_it_was_created(store):  # noqa: F811
+    """Two first requests of a month both find the counter missing. The one that creates it
+    drops the old leases in the same step; the other's seed does nothing. A reservation added
+    between the two was dropped when the drop was a step of its own: its tokens stayed on the
+    counter with no lease to take them off (a killed web process's, for the rest of the month)."""
+    name = f"month-{time.monotonic_ns()}"
+    stale, _ = reservation_add(name=name, tokens=7, ttl=3600)  # a lease from before the seed
+    reservation_settle(stale, actual_tokens=7)
+    assert counter_seed(name=name, value=500, ttl=3600) is False  # it exists
+    fresh = f"{name}-new"
+    leftover, _ = reservation_add(name=fresh, tokens=5, ttl=3600)  # an old lease of a counter
+    cache.delete(fresh)  # ... that was evicted
+    assert counter_value(name=fresh) is None
+    assert counter_seed(name=fresh, value=500, ttl=3600) is True
+    reserved, value = reservation_add(name=fresh, tokens=RESERVED, ttl=3600)  # the other request
+    assert value == 500 + RESERVED
+    assert counter_seed(name=fresh, value=500, ttl=3600) is False  # the late one
+    assert counter_value(name=fresh) == 500 + RESERVED
+    slots.renewer.stop()  # its process dies: only its lease takes it off
+    assert _eventually(lambda: counter_value(name=fresh) == 500, LEASE * 20)
+    reservation_settle(leftover, actual_tokens=3)  # its lease was dropped at the seed
+    assert counter_value(name=fresh) == 503
