@@ -23,6 +23,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 CPU_GEMM_MODES = ("auto", "native", "widened")
 # how CONTROL load swaps models (model_control.py)
 MODEL_SWAP_MODES = ("auto", "beside", "replace")
+# whether a step is scheduled while the one before runs (core.py)
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 # how a CPU attends decodes (cpu_kernels.py)
 CPU_ATTENTION_MODES = ("auto", "compiled", "torch")
 
@@ -59,6 +61,13 @@ class EngineConfig:
         "auto", "auto: Triton's paged kernel on a GPU, torch on the CPU", ATTENTION_BACKENDS
     )
     enforce_eager: bool = option(False, "run decode steps eagerly instead of replaying CUDA graphs")
+    async_scheduling: str = option(
+        "auto",
+        "schedule and launch the next step while the device runs this one (the host's work "
+        "hides behind the device's; a request with penalties or a grammar waits for its last "
+        "token); auto: on a GPU",
+        ASYNC_SCHEDULING_MODES,
+    )
     gpu_memory_utilization: float = option(
         0.9, "share of the GPU's memory for weights, activations and KV cache"
     )
@@ -97,6 +106,7 @@ class EngineConfig:
             "cpu_gemm",
             "cpu_attention",
             "scheduling_policy",
+            "async_scheduling",
         ):
             _check_choice(self, name)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

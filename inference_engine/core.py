@@ -20,6 +20,8 @@ from inference_engine.scheduler import RequestRejected, Scheduler, SchedulerOutp
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from inference_engine.model_runner import PendingStep
+
 # constraints whose output is JSON: steered to close near their token limit
 JSON_KINDS = ("json", "json_object")
 
@@ -56,6 +58,12 @@ class EngineCore:
             policy=config.scheduling_policy,
         )
         self._pending: list[EngineOutput] = []
+        # async scheduling: the next step is scheduled and launched before the step in flight's
+        # tokens are back, so the host's work overlaps the device's
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.on_accelerator
+        )
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # mid-step admission (admit_mid_step)
         self._take_inputs: Callable[[], bool] | None = None
         self._deliver: Callable[[list[EngineOutput]], None] | None = None
@@ -68,6 +76,7 @@ class EngineCore:
     def close(self) -> None:
         """Give back the model's memory now (weights, KV cache, CUDA graphs); the core
         serves nothing after this."""
+        self._in_flight = None
         self.runner.close()
 
     def add_request(
@@ -170,7 +179,11 @@ class EngineCore:
         self._pending.extend(self._output(request, FinishReason.ABORT) for request in aborted)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._pending)
+            or self._in_flight is not None
+        )
 
     def admit_mid_step(
         self,
@@ -183,27 +196,53 @@ class EngineCore:
         core then: aborts wait for the step's end), and when the scheduler finds a newcomer
         (``Scheduler.schedule_newcomers``) its step runs at once and ``deliver`` gets its
         outputs. At most one such step inside another. Only where the runner pauses between
-        layers (the CPU: a GPU's host runs ahead of its kernels) and under ``fair``; returns
-        whether it is on."""
-        if not (self.runner.has_layer_boundaries and self.scheduler.waiting.is_fair):
+        layers (the CPU: a GPU's host runs ahead of its kernels), under ``fair`` and without
+        async scheduling; returns whether it is on."""
+        if self.async_scheduling or not (
+            self.runner.has_layer_boundaries and self.scheduler.waiting.is_fair
+        ):
             return False
         self._take_inputs, self._deliver = take_inputs, deliver
         return True
 
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model and return one delta per request that got a token or
-        finished (including queued errors and aborts)."""
+        finished (including queued errors and aborts).
+
+        With async scheduling the step scheduled here is launched and left in flight, and the
+        deltas are those of the step launched by the call before: its tokens come back while
+        the device runs this one. A request whose next sampling needs its last token on the
+        host (``Request.needs_host_tokens``) waits for it: the step in flight is finished
+        first then."""
         outputs, self._pending = self._pending, []
+        if self._in_flight is not None and self._needs_tokens_first(self._in_flight[0]):
+            outputs.extend(self._finish(*self._in_flight))
+            self._in_flight = None
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return outputs
-        if self._take_inputs is not None:
-            self.runner.layer_boundary = partial(self._at_layer_boundary, scheduler_output)
-        try:
-            outputs.extend(self._run(scheduler_output))
-        finally:
-            self.runner.layer_boundary = None
+        launched = None
+        if not scheduler_output.is_empty:
+            if self._take_inputs is not None:
+                self.runner.layer_boundary = partial(self._at_layer_boundary, scheduler_output)
+            try:
+                launched = self._launch(scheduler_output, outputs)
+            finally:
+                self.runner.layer_boundary = None
+        if self._in_flight is not None:
+            outputs.extend(self._finish(*self._in_flight))
+            self._in_flight = None
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs.extend(self._finish(*launched))
         return outputs
+
+    @staticmethod
+    def _needs_tokens_first(in_flight: SchedulerOutput) -> bool:
+        return any(
+            item.is_sampling and item.request.needs_host_tokens and not item.request.is_finished
+            for item in in_flight.scheduled
+        )
 
     def _at_layer_boundary(self, in_flight: SchedulerOutput) -> None:
         if not self._take_inputs():
@@ -213,26 +252,33 @@ class EngineCore:
             return
         self.runner.layer_boundary = None  # one newcomer's step inside a step, not nested
         outputs, self._pending = self._pending, []
-        outputs.extend(self._run(newcomers))
+        if (launched := self._launch(newcomers, outputs)) is not None:
+            outputs.extend(self._finish(*launched))
         self._deliver(outputs)
 
-    def _run(self, scheduler_output: SchedulerOutput) -> list[EngineOutput]:
-        """Run the model on a scheduled step; the deltas of its requests."""
+    def _launch(
+        self, scheduler_output: SchedulerOutput, outputs: list[EngineOutput]
+    ) -> tuple[SchedulerOutput, PendingStep] | None:
+        """Launch a scheduled step on the runner; None, with its requests failed into
+        ``outputs``, when that fails."""
         kv_cache = self.scheduler.kv_cache
         block_tables = [
             kv_cache.get_block_ids(item.request.req_id) for item in scheduler_output.scheduled
         ]
         try:
-            sampled, logprobs = self.runner.execute(scheduler_output.scheduled, block_tables)
+            return scheduler_output, self.runner.launch(scheduler_output.scheduled, block_tables)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
-            requests = [item.request for item in scheduler_output.scheduled]
-            self.scheduler.abort_requests([request.req_id for request in requests])
-            self.runner.release([request.req_id for request in requests])
-            message = f"model step failed: {type(exc).__name__}: {exc}"
-            return [
-                self._output(r, FinishReason.ERROR, ErrorCode.ENGINE_ERROR, message)
-                for r in requests
-            ]
+            outputs.extend(self._fail_step(scheduler_output, exc))
+            return None
+
+    def _finish(
+        self, scheduler_output: SchedulerOutput, launched: PendingStep
+    ) -> list[EngineOutput]:
+        """Wait for a launched step's tokens; the deltas of its requests."""
+        try:
+            sampled, logprobs = launched.result()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+            return self._fail_step(scheduler_output, exc)
         stuck = [req_id for req_id, token in sampled.items() if token == NO_TOKEN]
         for req_id in stuck:
             del sampled[req_id]
@@ -250,6 +296,17 @@ class EngineCore:
         if finished:
             self.runner.release(finished)
         return outputs
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[EngineOutput]:
+        """End a failed step's requests (those not finished already) with an engine error."""
+        requests = self.scheduler.abort_requests(
+            [item.request.req_id for item in scheduler_output.scheduled]
+        )
+        self.runner.release([request.req_id for request in requests])
+        message = f"model step failed: {type(exc).__name__}: {exc}"
+        return [
+            self._output(r, FinishReason.ERROR, ErrorCode.ENGINE_ERROR, message) for r in requests
+        ]
 
     def _fail_stuck(self, req_ids: list[str], outputs: list[EngineOutput]) -> None:
         """End the requests whose grammar allowed no next token (the tokenizer cannot spell

@@ -120,7 +120,13 @@ class DecodeGraphs:
         self.device = device
         self.capture_enabled = capture
         pin = device.type == "cuda"
-        self.host = torch.zeros(self.layout.size, dtype=torch.int64, pin_memory=pin)
+        # two host buffers, used in turn, each with the event of the last copy from it: with
+        # async scheduling a step is filled while the one before may still wait to be copied
+        self.hosts = [
+            torch.zeros(self.layout.size, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next_host = 0
         self.inputs = torch.zeros(self.layout.size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # every size's logits land in the first rows of one buffer: a buffer per captured size
@@ -160,13 +166,18 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - began
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Logits ``[n, V]`` for the batch's ``n`` decodes."""
+    def run(
+        self, batch: DecodeBatch, fill: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """Logits ``[n, V]`` for the batch's ``n`` decodes. ``fill`` completes the input ids
+        on the device (tokens a step in flight samples) once they are copied in."""
         num_real = len(batch.token_ids)
         size = self.batch_size_for(num_real)
         if size is None:
             raise ValueError(f"{num_real} decodes exceed the largest captured batch")
         self._upload(batch, size)
+        if fill is not None:
+            fill(self.layout.views(self.inputs)[0])
         graph = self.graphs.get(size)
         if graph is None:
             return self._run(size)[:num_real]
@@ -174,11 +185,17 @@ class DecodeGraphs:
         return self.logits[:num_real]
 
     def _upload(self, batch: DecodeBatch, size: int) -> None:
-        # the host buffer is free again: the last step read its sampled ids back, which waits
-        # for every copy queued before it
-        self.layout.fill(self.host.numpy(), batch, size, self.scratch_block, self.block_size)
+        turn = self._next_host
+        self._next_host ^= 1
+        host = self.hosts[turn]
+        if (copied := self._copied[turn]) is not None:
+            copied.synchronize()  # the copy from this buffer two steps ago has run
+        self.layout.fill(host.numpy(), batch, size, self.scratch_block, self.block_size)
         used = self.layout.used(size)
-        self.inputs[:used].copy_(self.host[:used], non_blocking=True)
+        self.inputs[:used].copy_(host[:used], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record(torch.cuda.current_stream(self.device))
 
     def _run(self, size: int) -> torch.Tensor:
         """The forward of ``size`` rows, its logits copied into the shared buffer's first rows

@@ -15,7 +15,7 @@ import ctypes
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,7 +35,8 @@ from inference_engine.cpu_kernels import paged_attention, use_compiled_attention
 from inference_engine.cpu_linear import should_widen, widen_linears
 from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from inference_engine.protocol import SamplingParams, TokenLogprobs
-from inference_engine.sampler import Sampler, SamplingRow
+from inference_engine.request import Request
+from inference_engine.sampler import SampledTokens, Sampler, SamplingRow
 from inference_engine.scheduler import ScheduledRequest
 
 # a decode joins the current bucket while its context is at least this share of the longest
@@ -63,6 +64,10 @@ class StepPlan:
     cu_lens: np.ndarray  # [R + 1] first row of each request
     block_table: np.ndarray  # [R, max_blocks] padded with 0
     logits_rows: np.ndarray  # [S] the last row of each sampling request
+    # rows of ``token_ids`` whose id a step still in flight is sampling (async scheduling),
+    # and their requests: 0 on the host, the sampled id copied in on the device
+    device_token_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    device_token_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -79,8 +84,15 @@ def plan_step(
 ) -> StepPlan:
     num_requests = len(scheduled)
     token_ids: list[int] = []
+    device_token_rows: list[int] = []
+    device_token_req_ids: list[str] = []
     for item in scheduled:
-        token_ids.extend(item.request.all_token_ids[item.start : item.start + item.num_new_tokens])
+        request = item.request
+        token_ids.extend(request.all_token_ids[item.start : item.start + item.num_new_tokens])
+        if item.has_device_token:
+            device_token_rows.append(len(token_ids))
+            device_token_req_ids.append(request.req_id)
+            token_ids.append(0)
     lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, num_requests)
     starts = np.fromiter((item.start for item in scheduled), np.int64, num_requests)
     cu_lens = np.zeros(num_requests + 1, np.int64)
@@ -102,7 +114,28 @@ def plan_step(
         cu_lens=cu_lens,
         block_table=table,
         logits_rows=cu_lens[1:][is_sampling] - 1,
+        device_token_rows=np.array(device_token_rows, np.int64),
+        device_token_req_ids=device_token_req_ids,
     )
+
+
+class PendingStep:
+    """A step launched on the device: ``result()`` waits for its sampled tokens."""
+
+    def __init__(self, sampling: list[Request], tokens: SampledTokens | None) -> None:
+        self.sampling = sampling
+        self.tokens = tokens
+
+    def result(self) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """The sampled token per sampling request (``NO_TOKEN`` where its grammar allowed none:
+        the core fails it) and its logprobs where asked for."""
+        if self.tokens is None:
+            return {}, {}
+        token_ids, logprobs = self.tokens.result()
+        sampling = self.sampling
+        sampled = {r.req_id: token for r, token in zip(sampling, token_ids, strict=True)}
+        wanted = {r.req_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None}
+        return sampled, wanted
 
 
 def kv_cache_budget(
@@ -244,6 +277,10 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device)
         self.staging = HostStaging(self.device)
+        # the last launched step's sampled ids on the device, by request: the next step's
+        # inputs take a token a step in flight samples from here (async scheduling)
+        self._last_sampled: torch.Tensor | None = None
+        self._last_sampled_rows: dict[str, int] = {}
         # while set, called before each decoder layer and the LM head of an eager CPU forward
         # (EngineCore.admit_mid_step); a GPU's host runs ahead of its kernels, so not there
         self.layer_boundary: Callable[[], None] | None = None
@@ -451,21 +488,32 @@ class ModelRunner:
     def release(self, req_ids: list[str]) -> None:
         self.sampler.release(req_ids)
 
-    @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """Run one step. Returns the sampled token per sampling request and its logprobs
         where asked for."""
+        return self.launch(scheduled, block_tables).result()
+
+    @torch.inference_mode()
+    def launch(
+        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+    ) -> PendingStep:
+        """Queue one step on the device (the forward, the sampling and the copy of its tokens
+        back) without waiting for it. A decode whose input token the previous launch is still
+        sampling (``ScheduledRequest.has_device_token``) reads it from that launch's ids on the
+        device."""
         plan = plan_step(scheduled, block_tables, self.block_size)
+        fill = self._device_token_fill(plan)
         graphs = self.graphs
         if graphs is not None and plan.is_decode_only and len(plan.lens) <= graphs.max_batch_size:
-            logits = graphs.run(plan.decode_batch())
+            logits = graphs.run(plan.decode_batch(), fill)
         else:
-            logits = self._forward(plan)
+            logits = self._forward(plan, fill)
         sampling = [item.request for item in scheduled if item.is_sampling]
+        self._last_sampled, self._last_sampled_rows = None, {}
         if not sampling:
-            return {}, {}
+            return PendingStep(sampling, None)
         rows = [
             SamplingRow(
                 r.req_id,
@@ -475,18 +523,42 @@ class ModelRunner:
                 r.eos_token_ids,
                 r.grammar,
                 r.closing_tokens if r.wants_closing else None,
+                # this step's own token is one of the request's placeholders
+                r.num_output_placeholders - 1,
             )
             for r in sampling
         ]
-        token_ids, logprobs = self.sampler(logits, rows)
-        # a request whose grammar allowed no token gets NO_TOKEN: the core fails it
-        sampled = {r.req_id: token for r, token in zip(sampling, token_ids, strict=True)}
-        wanted = {r.req_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None}
-        return sampled, wanted
+        tokens = self.sampler.launch(logits, rows)
+        self._last_sampled = tokens.device_ids
+        self._last_sampled_rows = {r.req_id: i for i, r in enumerate(sampling)}
+        return PendingStep(sampling, tokens)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        """The model run eagerly over a packed step: logits ``[S, V]`` of its sampling rows."""
+    def _device_token_fill(self, plan: StepPlan) -> Callable[[torch.Tensor], None] | None:
+        """Where ``plan`` has tokens the previous launch is sampling: a function that copies
+        them, on the device, into a step's input ids ``[T]``."""
+        if not plan.device_token_req_ids:
+            return None
+        if self._last_sampled is None:
+            raise RuntimeError("a step reads tokens that no step in flight samples")
+        source_rows = np.array(
+            [self._last_sampled_rows[req_id] for req_id in plan.device_token_req_ids], np.int64
+        )
+        rows, source_rows = self.staging.upload(plan.device_token_rows, source_rows)
+        sampled = self._last_sampled
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, rows, sampled.index_select(0, source_rows).to(input_ids.dtype))
+
+        return fill
+
+    def _forward(
+        self, plan: StepPlan, fill: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """The model run eagerly over a packed step: logits ``[S, V]`` of its sampling rows.
+        ``fill`` completes the input ids on the device (``_device_token_fill``)."""
         input_ids, positions, logits_rows, meta = self._prepare(plan)
+        if fill is not None:
+            fill(input_ids[0])
         output = self.model(
             input_ids=input_ids,
             position_ids=positions,

@@ -286,6 +286,16 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling depends on the tokens already produced (repetition, presence or
+        frequency penalty)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 class ToolCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A function call the assistant made earlier in a conversation; ``arguments`` is JSON."""

@@ -54,6 +54,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
+        # tokens being sampled by a step still in flight (async scheduling): their positions
+        # are scheduled, their ids not known on the host yet
+        self.num_output_placeholders = 0
         # tokens served from the prefix cache when first scheduled; -1 until then
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -70,6 +73,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those a step in flight is sampling."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling its next token needs the previous one on the host (a grammar to
+        advance, penalties counting the outputs): then it is not scheduled again until that
+        token is back."""
+        return self.grammar is not None or self.sampling_params.has_penalties
 
     @property
     def num_output_tokens(self) -> int:

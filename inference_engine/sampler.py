@@ -49,6 +49,61 @@ class SamplingRow:
     # a JSON-guided request near its token limit: these tokens (closers, EOS) are favoured,
     # each by its weight times CLOSING_BIAS
     closing_tokens: tuple[list[int], list[float]] | None = None
+    # outputs sampled before this step by a step still in flight (async scheduling): counted
+    # for min_tokens, their ids not known yet
+    num_pending_outputs: int = 0
+
+    @property
+    def num_outputs(self) -> int:
+        """Outputs before this step's token, known or in flight."""
+        return len(self.output_token_ids) + self.num_pending_outputs
+
+
+class SampledTokens:
+    """A step's sampling on its way to the host: ``device_ids`` ``[S]`` (to feed the next
+    step's inputs on the device) and, from ``result()``, the ids and logprobs on the host."""
+
+    def __init__(
+        self,
+        device_ids: torch.Tensor,
+        results: list[torch.Tensor],
+        copied: torch.cuda.Event | None,
+        device: torch.device,
+        rows: list[SamplingRow],
+        wanted: list[int],
+        bitmask: torch.Tensor | None,
+    ) -> None:
+        self.device_ids = device_ids
+        self._results = results
+        self._copied = copied
+        self._device = device
+        self._rows = rows
+        self._wanted = wanted
+        self._bitmask = bitmask
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Wait for the copy; a token id per row (``NO_TOKEN`` for a guided row whose grammar
+        allowed none or refuses the one drawn; its matcher is advanced otherwise) and its
+        logprobs where asked for."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        elif self._device.type != "cpu":
+            torch.accelerator.synchronize(self._device)
+        rows, wanted = self._rows, self._wanted
+        token_ids = self._results[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if wanted:
+            chosen, top_values, top_ids = (tensor.tolist() for tensor in self._results[1:])
+            for j, i in enumerate(wanted):
+                n = rows[i].params.logprobs
+                logprobs[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_values[j][:n])
+        guided_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if guided_rows:
+            has_any = self._bitmask.ne(0).any(dim=-1).tolist()
+            for j, i in enumerate(guided_rows):
+                if not has_any[j] or not rows[i].grammar.accept_token(token_ids[i]):
+                    token_ids[i] = NO_TOKEN
+        return token_ids, logprobs
 
 
 class Sampler:
@@ -65,6 +120,11 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` ``[S, V]``, one row per entry of ``rows``. Returns a token id per row and
         its logprobs where ``params.logprobs`` was set."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+        """Queue the sampling of ``logits`` ``[S, V]`` (one row per entry of ``rows``) and the
+        copy of its results to the host, without waiting for the device."""
         params = [row.params for row in rows]
         all_greedy = all(p.is_greedy for p in params)
         guided_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
@@ -77,8 +137,7 @@ class Sampler:
                     logits = logits.clone()  # logprobs come from the raw logits
                 self._apply_grammar_masks(logits, guided_rows, bitmask)
             # max() is much faster than argmax() on bfloat16 on CPU; both take the first maximum
-            result = self._to_host(logits.max(dim=-1).indices, raw_logits, rows)
-            return self._advance_grammars(result, rows, guided_rows, bitmask)
+            return self._copy_to_host(logits.max(dim=-1).indices, raw_logits, rows, bitmask)
         logits = logits.float()
         raw_logits = logits
         logits = logits.clone()
@@ -95,8 +154,7 @@ class Sampler:
             logits = self._top_k_top_p_min_p(logits, params)
             sampled = self._sample(logits.softmax(dim=-1), rows)
             token_ids = torch.where(greedy, token_ids, sampled)
-        result = self._to_host(token_ids, raw_logits, rows)
-        return self._advance_grammars(result, rows, guided_rows, bitmask)
+        return self._copy_to_host(token_ids, raw_logits, rows, bitmask)
 
     def _fill_grammar_masks(
         self, rows: list[SamplingRow], guided_rows: list[int], vocab_size: int
@@ -110,24 +168,6 @@ class Sampler:
     ) -> None:
         index = self._upload(np.array(guided_rows, np.int64))
         guided.apply_bitmask(logits, index, self._upload(bitmask.numpy()))
-
-    @staticmethod
-    def _advance_grammars(
-        result: tuple[list[int], list[TokenLogprobs | None]],
-        rows: list[SamplingRow],
-        guided_rows: list[int],
-        bitmask: torch.Tensor | None,
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Feed each guided row's token to its matcher; a row whose grammar allowed no token
-        (or refuses the one drawn) gets ``NO_TOKEN``."""
-        token_ids, _ = result
-        if not guided_rows:
-            return result
-        has_any = bitmask.ne(0).any(dim=-1).tolist()
-        for j, i in enumerate(guided_rows):
-            if not has_any[j] or not rows[i].grammar.accept_token(token_ids[i]):
-                token_ids[i] = NO_TOKEN
-        return result
 
     def _apply_biases(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Add each row's ``logit_bias``, and for a JSON-guided row near its token limit
@@ -159,26 +199,26 @@ class Sampler:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _to_host(
-        self, token_ids: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """The step's one wait: the sampled ids and the logprobs asked for, copied back
-        together."""
+    def _copy_to_host(
+        self,
+        token_ids: torch.Tensor,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: torch.Tensor | None,
+    ) -> SampledTokens:
+        """Queue the copy of the sampled ids and the logprobs asked for to the host, together
+        (on a GPU into pinned memory, behind an event: the step's one wait is for that)."""
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        device_results = [token_ids]
+        results = [token_ids]
         if wanted:
-            device_results.extend(self._logprobs(logits, token_ids, rows, wanted))
+            results.extend(self._logprobs(logits, token_ids, rows, wanted))
+        copied = None
         if self.device.type != "cpu":
-            device_results = [tensor.to("cpu", non_blocking=True) for tensor in device_results]
-            torch.cuda.current_stream(self.device).synchronize()
-        token_id_list = device_results[0].tolist()
-        results: list[TokenLogprobs | None] = [None] * len(rows)
-        if wanted:
-            chosen, top_values, top_ids = (tensor.tolist() for tensor in device_results[1:])
-            for j, i in enumerate(wanted):
-                n = rows[i].params.logprobs
-                results[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_values[j][:n])
-        return token_id_list, results
+            results = [tensor.to("cpu", non_blocking=True) for tensor in results]
+            if self.device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record(torch.cuda.current_stream(self.device))
+        return SampledTokens(token_ids, results, copied, self.device, rows, wanted, bitmask)
 
     def _sample(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One draw per row by inverse transform: a uniform number per row placed in the
@@ -207,7 +247,7 @@ class Sampler:
         for i, row in enumerate(rows):
             params = row.params
             # a grammar decides alone where its output may end
-            if len(row.output_token_ids) >= params.min_tokens or row.grammar is not None:
+            if row.num_outputs >= params.min_tokens or row.grammar is not None:
                 continue
             banned = set(params.stop_token_ids or ())
             if not params.ignore_eos:
@@ -219,7 +259,7 @@ class Sampler:
             logits[index[0], index[1]] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        penalised = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+        penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
         if not penalised:
             return
         num_rows, vocab_size = logits.shape
@@ -303,18 +343,10 @@ class Sampler:
         return chosen, top_values, top_ids
 
 
-def _has_penalty(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-    )
-
-
 def _needs_processing(row: SamplingRow) -> bool:
     return (
-        _has_penalty(row.params)
+        row.params.has_penalties
         or bool(row.params.logit_bias)
         or bool(row.closing_tokens)
-        or (len(row.output_token_ids) < row.params.min_tokens and row.grammar is None)
+        or (row.num_outputs < row.params.min_tokens and row.grammar is None)
     )

@@ -44,11 +44,19 @@ class ScheduledRequest:
     num_new_tokens: int
     # num_computed_tokens when scheduled: the position of the first new token
     start: int
+    # True when this chunk reaches the request's last token (known or being sampled by a
+    # step in flight), so a new token is sampled
+    is_sampling: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        request = self.request
+        self.is_sampling = self.start + self.num_new_tokens == request.num_tokens_with_placeholders
 
     @property
-    def is_sampling(self) -> bool:
-        """True when this chunk reaches the last known token, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def has_device_token(self) -> bool:
+        """Whether this chunk's last token is one a step in flight is sampling: its id is on
+        the device only (async scheduling)."""
+        return self.start + self.num_new_tokens > self.request.num_tokens
 
 
 @dataclass
@@ -136,7 +144,14 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if (
+                request.num_output_placeholders
+                and request.num_tokens_with_placeholders >= request.max_num_tokens
+            ):
+                continue  # the token a step in flight samples is its last
+            num_new_tokens = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
+            )
             while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
                 victim = self._memory_victim()
                 self._preempt(victim)
@@ -197,6 +212,7 @@ class Scheduler:
             budget -= num_new_tokens
 
         output.scheduled = list(scheduled.values())
+        self._commit(output)
         return output
 
     def schedule_newcomers(self, in_flight: SchedulerOutput) -> SchedulerOutput:
@@ -235,7 +251,17 @@ class Scheduler:
                 break
             output.scheduled.append(self._admit(request, num_cached, num_new_tokens))
             budget -= num_new_tokens
+        self._commit(output)
         return output
+
+    @staticmethod
+    def _commit(output: SchedulerOutput) -> None:
+        """Count a scheduled step's tokens as computed as it is scheduled (so the next step can
+        be scheduled before this one's tokens are back: async scheduling), and a token it
+        samples as a placeholder until ``update_from_output`` has its id."""
+        for item in output.scheduled:
+            item.request.num_computed_tokens = item.start + item.num_new_tokens
+            item.request.num_output_placeholders += item.is_sampling
 
     def _blocks_being_written(self, step: SchedulerOutput) -> set[int]:
         """The blocks that ``step``'s new tokens go into (their KV is not all there yet)."""
@@ -345,16 +371,19 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
-        """Advance computed counts, append sampled tokens (req_id -> token id) and finish
-        requests that hit EOS, a stop token or their length. Returns the requests that got a
-        new token, finished ones included."""
+        """Append a step's sampled tokens (req_id -> token id) and finish requests that hit
+        EOS, a stop token or their length. Returns the requests that got a new token, finished
+        ones included. A request finished or preempted since the step was scheduled (aborted
+        while it ran; with async scheduling, also finished by the step before or preempted by
+        the one after: a request is never admitted again by the step that preempted it) gets
+        nothing from it."""
         updated = []
         now = time.time()
         for item in output.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
+                continue
+            request.num_output_placeholders -= item.is_sampling
             token_id = sampled_token_ids.get(request.req_id)
             if token_id is None:
                 continue
@@ -374,6 +403,7 @@ class Scheduler:
         self.kv_cache.free(request.req_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(request)

@@ -54,9 +54,9 @@ def test_decode_steps_replayed_from_padded_static_inputs_keep_parity(model_dirs,
 
     logits_of_each_step = []
 
-    def spy(batch):
+    def spy(batch, fill=None):
         batch_sizes.append(len(batch.token_ids))
-        logits = run(batch)
+        logits = run(batch, fill)
         logits_of_each_step.append(logits)
         return logits
 

@@ -110,11 +110,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_greedy_parity_on_cuda_in_float32(model_dirs, enforce_eager):
-    """The GPU's step (Triton attention, CUDA graphs unless eager) against HF on the same
-    device, with full float32 matmuls on both sides. A fresh engine each time: a shared one's
-    prefix cache would hold KV computed in other steps' shapes."""
+@pytest.mark.parametrize(
+    ("enforce_eager", "async_scheduling"), [(False, "on"), (True, "on"), (False, "off")]
+)
+def test_greedy_parity_on_cuda_in_float32(model_dirs, enforce_eager, async_scheduling):
+    """The GPU's step (Triton attention, CUDA graphs unless eager, the next step launched
+    before the last one's tokens are back unless async scheduling is off) against HF on the
+    same device, with full float32 matmuls on both sides. A fresh engine each time: a shared
+    one's prefix cache would hold KV computed in other steps' shapes."""
     from transformers import AutoModelForCausalLM
 
     from inference_engine import LLM
@@ -128,8 +131,10 @@ def test_greedy_parity_on_cuda_in_float32(model_dirs, enforce_eager):
         device="cuda",
         max_num_batched_tokens=24,
         enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
     )
     assert (llm.core.runner.graphs is None) == enforce_eager
+    assert llm.core.async_scheduling == (async_scheduling == "on")
     prompts, max_tokens = mixed_batch(seed=6)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     for prompt, n, output in zip(prompts, max_tokens, llm.generate(prompts, params), strict=True):

@@ -144,6 +144,14 @@ def small_engine(llama_dir, tmp_path_factory):
         yield process
 
 
+@pytest.fixture(scope="module")
+def async_engine(llama_dir, tmp_path_factory):
+    """The next step scheduled while the one before runs (the default on a GPU only)."""
+    folder = tmp_path_factory.mktemp("async-engine")
+    with running(EngineProcess(llama_dir, folder, "--async-scheduling", "on")) as process:
+        yield process
+
+
 @pytest.fixture
 async def client(engine):
     client = AsyncEngineClient(engine.endpoint)
@@ -272,6 +280,38 @@ async def test_cancelled_stream_is_aborted_within_a_step_and_frees_blocks(client
     assert stats.num_requests_running == stats.num_requests_waiting == 0
     assert stats.kv_cache_usage == 0
     assert client.num_open_streams == 0
+
+
+async def test_async_scheduling_streams_what_llm_gives_and_an_abort_frees_all(
+    async_engine, llm_cache
+):
+    client = AsyncEngineClient(async_engine.endpoint)
+    await client.wait_ready(timeout=90)
+    try:
+        expected = llm_cache("llama").generate(PROMPTS[:16], GREEDY)
+        results = await asyncio.gather(
+            *(collect(client, GenerateRequest(prompt=p, params=GREEDY)) for p in PROMPTS[:16])
+        )
+        for deltas, want in zip(results, expected, strict=True):
+            assert joined(deltas) == (want.text, want.token_ids)
+            assert deltas[-1].usage.completion_tokens == len(want.token_ids)
+
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        request = GenerateRequest(prompt=PROMPTS[2], params=params)
+        num_tokens = 0
+        async for delta in client.generate(request):
+            if num_tokens == 0:
+                await client.abort(request.request_id)
+            num_tokens += len(delta.token_ids)
+            last = delta
+        assert last.finish_reason == FinishReason.ABORT
+        assert last.usage.completion_tokens == num_tokens < 400
+        stats = await wait_for_stats(
+            client, lambda s: s.num_requests_running == 0 and s.kv_cache_usage == 0
+        )
+        assert stats.kv_cache_usage == 0
+    finally:
+        client.close()
 
 
 async def test_context_length_exceeded_and_invalid_requests(client):

@@ -1,0 +1,258 @@
+"""Async scheduling: the next step is scheduled and launched before the tokens of the step in
+flight are back (a decode's input token is read on the device), and the outputs are what the
+synchronous engine gives, token for token, through finishes, aborts and preemptions in flight.
+
+On the CPU the device runs each step as it is launched, so these tests check the bookkeeping
+(placeholders, device-fed tokens, late finishes), not the overlap itself."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from inference_engine import LLM, SamplingParams
+from inference_engine.model_runner import PendingStep
+from inference_engine.protocol import FinishReason, StructuredOutputsParams
+from inference_engine.request import Request, RequestStatus
+from inference_engine.scheduler import Scheduler
+
+from .test_parity import assert_parity, mixed_batch
+
+
+def scheduler(num_blocks: int = 64, block_size: int = 4) -> Scheduler:
+    return Scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        policy="fcfs",
+    )
+
+
+def test_a_decode_is_scheduled_while_the_token_it_reads_is_in_flight():
+    s = scheduler()
+    request = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+    s.add_request(request)
+    first = s.schedule()
+    assert first.scheduled[0].is_sampling
+    assert (request.num_computed_tokens, request.num_output_placeholders) == (5, 1)
+
+    second = s.schedule()  # the prompt's first token is still being sampled
+    [item] = second.scheduled
+    assert (item.start, item.num_new_tokens) == (5, 1)
+    assert item.has_device_token and item.is_sampling
+    assert request.num_output_placeholders == 2
+
+    assert s.update_from_output(first, {"a": 9}) == [request]
+    assert request.output_token_ids == [9] and request.num_output_placeholders == 1
+    third = s.schedule()
+    assert [(i.start, i.has_device_token) for i in third.scheduled] == [(6, True)]
+    s.update_from_output(second, {"a": 10})
+    # the token in flight is the request's third and last: nothing more is scheduled for it
+    assert s.schedule().is_empty
+    s.update_from_output(third, {"a": 11})
+    assert request.finish_reason == FinishReason.LENGTH
+    assert request.output_token_ids == [9, 10, 11]
+
+
+def test_a_finished_or_preempted_request_gets_nothing_from_a_step_in_flight():
+    s = scheduler(num_blocks=3, block_size=4)
+    a = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=8, ignore_eos=True))
+    b = Request("b", [5, 6, 7, 8], SamplingParams(max_tokens=8, stop_token_ids=[99]))
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()
+    assert len(first.scheduled) == 2
+    # both decodes need a block and one is left: the newest is preempted, its token in flight
+    second = s.schedule()
+    assert second.preempted_req_ids == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 0
+    updated = s.update_from_output(first, {"a": 20, "b": 21})
+    assert updated == [a] and b.output_token_ids == []
+
+    # a request that finished on the step before gets nothing from the one after
+    s.update_from_output(second, {"a": 22})
+    third = s.schedule()
+    assert {item.request.req_id for item in third.scheduled} >= {"a"}
+    a.sampling_params.stop_token_ids = [23]
+    s.update_from_output(third, {"a": 23, "b": 24})
+    assert a.finish_reason == FinishReason.STOP and a.output_token_ids == [20, 22, 23]
+
+
+def async_llm(model_dir: str, **options) -> LLM:
+    llm = LLM(model_dir, dtype="float32", async_scheduling="on", **options)
+    assert llm.core.async_scheduling
+    return llm
+
+
+def record_launches(llm: LLM) -> list[tuple[str, int, int]]:
+    """("launch" | "result", step number, device-fed tokens) in the order they happen."""
+    events: list[tuple[str, int, int]] = []
+    runner, launch = llm.core.runner, llm.core.runner.launch
+
+    def spy(scheduled, block_tables):
+        number = sum(kind == "launch" for kind, _, _ in events)
+        fed = sum(item.has_device_token for item in scheduled)
+        events.append(("launch", number, fed))
+        pending = launch(scheduled, block_tables)
+        result = pending.result
+
+        def recorded_result():
+            events.append(("result", number, fed))
+            return result()
+
+        pending.result = recorded_result
+        return pending
+
+    runner.launch = spy
+    return events
+
+
+def test_steps_are_launched_before_the_one_in_flight_is_read_back(model_dirs, hf_models):
+    llm = async_llm(model_dirs["llama"], max_num_batched_tokens=24)
+    events = record_launches(llm)
+    prompts, max_tokens = mixed_batch(seed=2)
+    assert_parity(llm, hf_models("llama"), prompts, max_tokens)
+    order = [(kind, number) for kind, number, _ in events]
+    # step n + 1 is launched before step n's tokens are read: the host never waits idle
+    for number in range(sum(kind == "launch" for kind, _ in order) - 1):
+        assert order.index(("launch", number + 1)) < order.index(("result", number))
+    assert sum(fed for kind, _, fed in events if kind == "launch") > 50  # decodes fed on device
+    assert not llm.core.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_parity_with_preemption_in_flight(family, model_dirs, hf_models):
+    llm = async_llm(model_dirs[family], block_size=4, num_kv_blocks=40)
+    prompts, _ = mixed_batch(seed=4, num_prompts=5)
+    assert_parity(llm, hf_models(family), prompts, [40] * len(prompts))
+    assert llm.core.scheduler.num_preemptions > 0
+
+
+def test_triton_decode_graph_inputs_take_the_tokens_in_flight(model_dirs, hf_models):
+    """The GPU's path: decode steps through the graphs' static buffers (replayed eagerly
+    here) whose input ids are completed on the device from the step in flight."""
+    from .test_gpu_step import DEVICE, needs_triton
+
+    if needs_triton.args[0]:
+        pytest.skip(needs_triton.kwargs["reason"])
+    llm = LLM(
+        model_dirs["qwen2"],
+        dtype="float32",
+        device=DEVICE,
+        attention_backend="triton",
+        max_num_seqs=6,
+        enforce_eager=True,
+        async_scheduling="on",
+    )
+    runner = llm.core.runner
+    runner.graphs = runner.decode_graphs(capture=DEVICE == "cuda")
+    runner.graphs.capture()
+    fills = []
+    run = runner.graphs.run
+
+    def spy(batch, fill=None):
+        fills.append(fill is not None)
+        return run(batch, fill)
+
+    runner.graphs.run = spy
+    prompts, max_tokens = mixed_batch(seed=7, num_prompts=5)
+    assert_parity(llm, hf_models("qwen2"), prompts, max_tokens)
+    assert sum(fills) > 10
+
+
+def sampling_mix(stop_token: int) -> list[SamplingParams]:
+    """Seeded random rows, logprobs, a stop token met mid-stream, min_tokens, penalties and a
+    grammar (whose requests wait for their last token before they are scheduled again)."""
+    return [
+        SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.7, seed=5, min_tokens=6, max_tokens=9, top_k=20),
+        SamplingParams(temperature=0, repetition_penalty=1.4, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, frequency_penalty=0.5, max_tokens=14),
+        SamplingParams(
+            temperature=0.6,
+            seed=8,
+            max_tokens=20,
+            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"),
+        ),
+    ]
+
+
+def test_sampling_options_give_what_the_synchronous_engine_gives(eos_llama_dir):
+    sync = LLM(eos_llama_dir, dtype="float32", max_num_batched_tokens=32)
+    prompts, _ = mixed_batch(seed=9)
+    prompts.append(prompts[1])
+    # a stop token the third request meets at its fifth token
+    probe = sync.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=8))[0]
+    stop_token = probe.token_ids[4]
+    want = sync.generate(prompts, sampling_mix(stop_token))
+    llm = async_llm(eos_llama_dir, max_num_batched_tokens=32)
+    events = record_launches(llm)
+    got = llm.generate(prompts, sampling_mix(stop_token))
+    for mine, theirs in zip(got, want, strict=True):
+        assert (mine.token_ids, mine.finish_reason) == (theirs.token_ids, theirs.finish_reason)
+        assert mine.logprobs == theirs.logprobs
+    assert got[2].finish_reason == "stop" and len(got[2].token_ids) <= 5
+    assert len(got[3].token_ids) >= 6
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", got[6].text)
+    assert any(fed for _, _, fed in events)
+
+
+def test_an_abort_while_a_step_is_in_flight_is_metered_as_delivered(llama_dir):
+    llm = async_llm(llama_dir)
+    core = llm.core
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts, _ = mixed_batch(seed=5, num_prompts=3)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+    delivered: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    finals = {}
+    steps = 0
+    while core.has_unfinished_requests():
+        for output in core.step():
+            assert output.req_id not in finals, "nothing comes after a request's last output"
+            delivered[output.req_id].extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                finals[output.req_id] = output
+        steps += 1
+        if steps == 6:
+            assert core._in_flight is not None
+            core.abort_requests(["r1"])
+    aborted = finals["r1"]
+    assert aborted.finish_reason == FinishReason.ABORT
+    assert aborted.num_output_tokens == len(delivered["r1"]) < 40
+    expected = LLM(llama_dir, dtype="float32").generate([prompts[0], prompts[2]], [params, params])
+    assert delivered["r0"] == expected[0].token_ids and delivered["r2"] == expected[1].token_ids
+    assert core.scheduler.kv_cache.usage == 0
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llama_dir, monkeypatch):
+    llm = async_llm(llama_dir)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts, _ = mixed_batch(seed=6, num_prompts=2)
+    calls = {"n": 0}
+    result = PendingStep.result
+
+    def failing_third(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return result(self)
+
+    monkeypatch.setattr(PendingStep, "result", failing_third)
+    outputs = llm.generate(prompts, params)
+    assert [o.finish_reason for o in outputs] == ["error", "error"]
+    assert "device lost" in outputs[0].error
+    monkeypatch.setattr(PendingStep, "result", result)
+    again = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in again] == [8, 8]
+    assert llm.core.scheduler.kv_cache.usage == 0
+
+
+def test_async_scheduling_is_on_by_default_only_on_an_accelerator(llama_dir):
+    assert not LLM(llama_dir, dtype="float32", device="cpu").core.async_scheduling
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(llama_dir, async_scheduling="sometimes")
