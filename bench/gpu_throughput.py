@@ -5,8 +5,10 @@ Model: a Llama of Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads / 8 KV 
 
 Rows, all on the same model and requests:
   fixed     256 prompts of 128-512 random tokens x 256 forced new tokens, greedy:
-            this engine with CUDA graphs, this engine eager (``enforce_eager``), HF ``generate``
-            on static batches of 64 (eager, SDPA), transformers' continuous batching
+            this engine with CUDA graphs (and async scheduling, the default on a GPU), the
+            same without async scheduling (its step time too), this engine eager
+            (``enforce_eager``), HF ``generate`` on static batches of 64 (eager, SDPA),
+            transformers' continuous batching
             (``paged|sdpa``), and the ceiling: the bare decode forward at batch 256 (no
             attention context) captured in a CUDA graph
   mixed     512 requests, prompts 16-2048, outputs 16-512 (this engine)
@@ -14,7 +16,7 @@ Rows, all on the same model and requests:
             request is replaced at once), prompts 128-512, 128 output tokens
   step      the engine's 256-decode step (contexts ~512) against the ceiling's step
 
-    python bench/gpu_throughput.py [--quick] [--skip hf,cb,eager] [--out results.jsonl]
+    python bench/gpu_throughput.py [--quick] [--skip hf,cb,sync,eager] [--out results.jsonl]
 
 Prints a table and one JSON line per measurement (also to ``--out``).
 """
@@ -284,7 +286,9 @@ def ceiling_step(model_dir: str, batch: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="64 requests instead of 256/512")
-    parser.add_argument("--skip", default="", help="comma-separated: hf, cb, eager, mixed, latency")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated: hf, cb, sync, eager, mixed, latency"
+    )
     parser.add_argument("--model-dir", default="/tmp/gpu-bench-llama1b")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
@@ -327,6 +331,24 @@ def main() -> None:
     del llm
 
     # a row that fails is reported and the rest still run
+    if "sync" not in skip:
+        sync_row = "fixed: engine, CUDA graphs, no async scheduling"
+        try:
+            llm, _ = engine(args.model_dir, async_scheduling="off")
+            sync, seconds = bench_engine(llm, prompts, outs)
+            sync_step = decode_step_time(llm)
+            release(llm)
+            del llm
+        except Exception as exc:  # noqa: BLE001
+            report(out, row=sync_row, error=repr(exc)[:300])
+        else:
+            report(
+                out,
+                row=sync_row,
+                tok_s=round(sync),
+                seconds=round(seconds, 2),
+                step_ms=round(sync_step * 1e3, 2),
+            )
     if "eager" not in skip:
         try:
             llm, _ = engine(args.model_dir, enforce_eager=True)

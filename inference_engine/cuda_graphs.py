@@ -2,9 +2,11 @@
 nano-vllm do): a step of ``n`` decodes is padded to the next captured size and replayed.
 
 Every input of a graph lives in one static device buffer with fixed offsets, so a step is one
-host-to-device copy (through a pinned buffer) and one replay. Padding rows are decodes of one
-token on a scratch block that no request owns: they write their K/V there and their logits are
-dropped, so they never touch a real request's cache.
+host-to-device copy (through a pinned buffer, the block table packed to the step's width and
+spread on the device), the input ids a step in flight samples copied in on the device (async
+scheduling), and one replay. Padding rows are decodes of one token on a scratch block that no
+request owns: they write their K/V there and their logits are dropped, so they never touch a
+real request's cache.
 """
 
 from __future__ import annotations
@@ -48,26 +50,37 @@ class DecodeBatch:
 
 class StaticInputs:
     """The fixed layout of every graph's inputs: ids, positions, slots, context lengths and
-    query starts (``max_batch_size`` each, one more for the starts), then the block tables."""
+    query starts (``max_batch_size`` each, one more for the starts), then a step's block table
+    packed to its own width, then the block tables the graphs read (``max_blocks_per_seq``
+    wide). A step copies the packed table from the host, ``batch_size x`` its longest
+    request's blocks, and spreads it into the graphs' tables on the device: at a 128k context
+    the full width would be 16 MB a step over PCIe for 256 requests."""
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
         self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
         rows = max_batch_size
+        table_size = rows * max_blocks_per_seq
         self.offsets = [0, rows, 2 * rows, 3 * rows, 4 * rows, 5 * rows + 1]
-        self.size = self.offsets[-1] + rows * max_blocks_per_seq
+        self.packed_offset = self.offsets[-1]
+        self.tables_offset = self.packed_offset + table_size
+        self.size = self.tables_offset + table_size
 
     def views(self, buffer: np.ndarray | torch.Tensor):
         """``(ids, positions, slots, seq_lens, query_start_loc, block_tables)`` over ``buffer``."""
-        ids, positions, slots, seq_lens, starts, tables = (
-            buffer[start:end]
-            for start, end in zip(self.offsets, [*self.offsets[1:], self.size], strict=True)
-        )
-        return ids, positions, slots, seq_lens, starts, tables.reshape(self.max_batch_size, -1)
+        bounds = zip(self.offsets[:-1], self.offsets[1:], strict=True)
+        ids, positions, slots, seq_lens, starts = (buffer[start:end] for start, end in bounds)
+        tables = buffer[self.tables_offset : self.size].reshape(self.max_batch_size, -1)
+        return ids, positions, slots, seq_lens, starts, tables
 
-    def used(self, batch_size: int) -> int:
-        """Elements to copy for a batch: everything before the tables, and its rows of them."""
-        return self.offsets[-1] + batch_size * self.max_blocks_per_seq
+    def packed(self, buffer: np.ndarray | torch.Tensor, batch_size: int, width: int):
+        """A step's block table ``[batch_size, width]`` as ``fill`` packed it."""
+        start = self.packed_offset
+        return buffer[start : start + batch_size * width].reshape(batch_size, width)
+
+    def used(self, batch_size: int, width: int) -> int:
+        """Elements to copy for a step: everything before the tables, and its packed table."""
+        return self.packed_offset + batch_size * width
 
     def fill(
         self,
@@ -76,24 +89,29 @@ class StaticInputs:
         batch_size: int,
         scratch_block: int,
         block_size: int,
-    ) -> None:
-        """Write ``batch`` padded to ``batch_size`` into ``host``, the layout's host copy."""
-        ids, positions, slots, seq_lens, starts, tables = self.views(host)
+    ) -> int:
+        """Write ``batch`` padded to ``batch_size`` into ``host``, the layout's host copy, its
+        block table packed; returns the table's width."""
+        ids, positions, slots, seq_lens, starts, _ = self.views(host)
         num_real = len(batch.token_ids)
-        if num_real > batch_size or batch.block_table.shape[1] > self.max_blocks_per_seq:
+        width = batch.block_table.shape[1]
+        if num_real > batch_size or width > self.max_blocks_per_seq:
             raise ValueError("the decode batch does not fit the captured graph")
         ids[:num_real] = batch.token_ids
         positions[:num_real] = batch.positions
         slots[:num_real] = batch.slot_mapping
         seq_lens[:num_real] = batch.seq_lens
-        tables[:num_real, : batch.block_table.shape[1]] = batch.block_table
+        table = self.packed(host, batch_size, width)
+        table[:num_real] = batch.block_table
         padding = slice(num_real, batch_size)
         ids[padding] = 0
         positions[padding] = 0
         slots[padding] = scratch_block * block_size
         seq_lens[padding] = 1
-        tables[padding, 0] = scratch_block
+        table[padding] = 0
+        table[padding, 0] = scratch_block
         starts[: batch_size + 1] = np.arange(batch_size + 1)
+        return width
 
 
 class DecodeGraphs:
@@ -190,12 +208,14 @@ class DecodeGraphs:
         host = self.hosts[turn]
         if (copied := self._copied[turn]) is not None:
             copied.synchronize()  # the copy from this buffer two steps ago has run
-        self.layout.fill(host.numpy(), batch, size, self.scratch_block, self.block_size)
-        used = self.layout.used(size)
+        width = self.layout.fill(host.numpy(), batch, size, self.scratch_block, self.block_size)
+        used = self.layout.used(size, width)
         self.inputs[:used].copy_(host[:used], non_blocking=True)
         if self.device.type == "cuda":
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record(torch.cuda.current_stream(self.device))
+        tables = self.layout.views(self.inputs)[-1]
+        tables[:size, :width].copy_(self.layout.packed(self.inputs, size, width))
 
     def _run(self, size: int) -> torch.Tensor:
         """The forward of ``size`` rows, its logits copied into the shared buffer's first rows

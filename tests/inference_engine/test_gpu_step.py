@@ -109,16 +109,18 @@ def test_static_inputs_pad_a_decode_batch_onto_the_scratch_block():
         block_table=np.array([[5, 0], [9, 12]]),
     )
 
-    layout.fill(host, batch, batch_size=4, scratch_block=30, block_size=4)
+    width = layout.fill(host, batch, batch_size=4, scratch_block=30, block_size=4)
 
-    ids, positions, slots, seq_lens, starts, tables = layout.views(host)
+    ids, positions, slots, seq_lens, starts, _ = layout.views(host)
     assert ids.tolist() == [11, 12, 0, 0]
     assert positions.tolist() == [5, 16, 0, 0]
     assert slots.tolist() == [21, 48, 120, 120]
     assert seq_lens.tolist() == [6, 17, 1, 1]
     assert starts.tolist() == [0, 1, 2, 3, 4]
-    assert tables[:2, :2].tolist() == [[5, 0], [9, 12]] and tables[2:, 0].tolist() == [30, 30]
-    assert layout.used(2) == 5 * 4 + 1 + 2 * 3
+    # the table is packed to the batch's width (2 of 3 blocks), and only that is copied
+    assert width == 2
+    assert layout.packed(host, 4, width).tolist() == [[5, 0], [9, 12], [30, 0], [30, 0]]
+    assert layout.used(4, width) == 5 * 4 + 1 + 4 * 2
     with pytest.raises(ValueError, match="does not fit"):
         layout.fill(host, batch, batch_size=1, scratch_block=30, block_size=4)
 
