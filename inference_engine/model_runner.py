@@ -6,7 +6,9 @@ without bf16 matrix units the batched linear layers multiply in float32 (``cpu_l
 
 On a GPU a step's inputs are packed on the host into one pinned buffer and copied once; the
 attention is one Triton launch per layer; decode-only steps replay CUDA graphs; and the one
-device-to-host copy is the sampled token ids.
+device-to-host copy is the sampled token ids. ``launch`` queues a step without waiting for it
+(``PendingStep.result`` waits), so the core can schedule the next one meanwhile (async
+scheduling); a decode whose input token is still being sampled reads it on the device.
 """
 
 from __future__ import annotations
