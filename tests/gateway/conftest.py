@@ -197,6 +197,35 @@ class Platform:
         return list(UsageRecord.objects.filter(tenant=self.tenant).order_by("started_at"))
 
 
+def wait_for_quiet_database(quiet_for: float = 0.3, timeout: float = 15.0) -> None:
+    """Wait until no other client of the test database has been in a transaction for
+    ``quiet_for`` seconds. The live server settles a request (its usage record) just after the
+    client has read the last byte; the flush that ends a transactional test, racing that
+    write, can deadlock with it on PostgreSQL, and the next test then finds the last one's
+    rows."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return
+    deadline = time.monotonic() + timeout
+    quiet_since = None
+    while (now := time.monotonic()) < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend' "
+                "AND state IS NOT NULL AND state <> 'idle'"
+            )
+            [(busy,)] = cursor.fetchall()
+        if busy:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= quiet_for:
+            return
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def platform(daphne_server, engine):
     from serving.services import deployment_register
@@ -208,4 +237,5 @@ def platform(daphne_server, engine):
     tenant = services.tenant_create(slug="acme", plan=plan)
     _, key = services.api_key_create(tenant=tenant, name="sdk")
     deployment_register(name=MODEL_NAME, endpoints=[engine.endpoint])
-    return Platform(daphne_server, engine, key, tenant)
+    yield Platform(daphne_server, engine, key, tenant)
+    wait_for_quiet_database()
