@@ -140,9 +140,9 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         # two host buffers, used in turn, each with the event of the last copy from it: with
         # async scheduling a step is filled while the one before may still wait to be copied
-        self.hosts = [
-            torch.zeros(self.layout.size, dtype=torch.int64, pin_memory=pin) for _ in range(2)
-        ]
+        # (the host fills everything up to the graphs' tables, which only the device holds)
+        size = self.layout.tables_offset
+        self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._next_host = 0
         self.inputs = torch.zeros(self.layout.size, dtype=torch.int64, device=device)

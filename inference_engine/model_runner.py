@@ -121,12 +121,12 @@ def plan_step(
     )
 
 
+@dataclass
 class PendingStep:
     """A step launched on the device: ``result()`` waits for its sampled tokens."""
 
-    def __init__(self, sampling: list[Request], tokens: SampledTokens | None) -> None:
-        self.sampling = sampling
-        self.tokens = tokens
+    sampling: list[Request]  # its sampling requests, in the order of their tokens
+    tokens: SampledTokens | None  # None when it samples nothing
 
     def result(self) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """The sampled token per sampling request (``NO_TOKEN`` where its grammar allowed none:
@@ -279,10 +279,9 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device)
         self.staging = HostStaging(self.device)
-        # the last launched step's sampled ids on the device, by request: the next step's
-        # inputs take a token a step in flight samples from here (async scheduling)
-        self._last_sampled: torch.Tensor | None = None
-        self._last_sampled_rows: dict[str, int] = {}
+        # the last launched step: the next step's inputs take a token it is still sampling
+        # from its ids on the device (async scheduling)
+        self._last_step: PendingStep | None = None
         # while set, called before each decoder layer and the LM head of an eager CPU forward
         # (EngineCore.admit_mid_step); a GPU's host runs ahead of its kernels, so not there
         self.layer_boundary: Callable[[], None] | None = None
@@ -513,7 +512,7 @@ class ModelRunner:
         else:
             logits = self._forward(plan, fill)
         sampling = [item.request for item in scheduled if item.is_sampling]
-        self._last_sampled, self._last_sampled_rows = None, {}
+        self._last_step = None
         if not sampling:
             return PendingStep(sampling, None)
         rows = [
@@ -530,23 +529,20 @@ class ModelRunner:
             )
             for r in sampling
         ]
-        tokens = self.sampler.launch(logits, rows)
-        self._last_sampled = tokens.device_ids
-        self._last_sampled_rows = {r.req_id: i for i, r in enumerate(sampling)}
-        return PendingStep(sampling, tokens)
+        self._last_step = PendingStep(sampling, self.sampler.launch(logits, rows))
+        return self._last_step
 
     def _device_token_fill(self, plan: StepPlan) -> Callable[[torch.Tensor], None] | None:
         """Where ``plan`` has tokens the previous launch is sampling: a function that copies
         them, on the device, into a step's input ids ``[T]``."""
         if not plan.device_token_req_ids:
             return None
-        if self._last_sampled is None:
+        if self._last_step is None:
             raise RuntimeError("a step reads tokens that no step in flight samples")
-        source_rows = np.array(
-            [self._last_sampled_rows[req_id] for req_id in plan.device_token_req_ids], np.int64
-        )
+        row_of = {request.req_id: i for i, request in enumerate(self._last_step.sampling)}
+        source_rows = np.array([row_of[req_id] for req_id in plan.device_token_req_ids], np.int64)
         rows, source_rows = self.staging.upload(plan.device_token_rows, source_rows)
-        sampled = self._last_sampled
+        sampled = self._last_step.tokens.device_ids
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, rows, sampled.index_select(0, source_rows).to(input_ids.dtype))

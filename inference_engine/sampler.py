@@ -59,48 +59,39 @@ class SamplingRow:
         return len(self.output_token_ids) + self.num_pending_outputs
 
 
+@dataclass
 class SampledTokens:
     """A step's sampling on its way to the host: ``device_ids`` ``[S]`` (to feed the next
     step's inputs on the device) and, from ``result()``, the ids and logprobs on the host."""
 
-    def __init__(
-        self,
-        device_ids: torch.Tensor,
-        results: list[torch.Tensor],
-        copied: torch.cuda.Event | None,
-        device: torch.device,
-        rows: list[SamplingRow],
-        wanted: list[int],
-        bitmask: torch.Tensor | None,
-    ) -> None:
-        self.device_ids = device_ids
-        self._results = results
-        self._copied = copied
-        self._device = device
-        self._rows = rows
-        self._wanted = wanted
-        self._bitmask = bitmask
+    device_ids: torch.Tensor
+    results: list[torch.Tensor]  # the ids, then the logprobs asked for, copied to the host
+    copied: torch.cuda.Event | None  # recorded once the copies are queued (CUDA)
+    device: torch.device
+    rows: list[SamplingRow]
+    wanted: list[int]  # rows that asked for logprobs
+    guided_rows: list[int]
+    bitmask: torch.Tensor | None  # the guided rows' token masks
 
     def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Wait for the copy; a token id per row (``NO_TOKEN`` for a guided row whose grammar
         allowed none or refuses the one drawn; its matcher is advanced otherwise) and its
         logprobs where asked for."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        elif self._device.type != "cpu":
-            torch.accelerator.synchronize(self._device)
-        rows, wanted = self._rows, self._wanted
-        token_ids = self._results[0].tolist()
+        if self.copied is not None:
+            self.copied.synchronize()
+        elif self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        rows, wanted = self.rows, self.wanted
+        token_ids = self.results[0].tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if wanted:
-            chosen, top_values, top_ids = (tensor.tolist() for tensor in self._results[1:])
+            chosen, top_values, top_ids = (tensor.tolist() for tensor in self.results[1:])
             for j, i in enumerate(wanted):
                 n = rows[i].params.logprobs
                 logprobs[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_values[j][:n])
-        guided_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
-        if guided_rows:
-            has_any = self._bitmask.ne(0).any(dim=-1).tolist()
-            for j, i in enumerate(guided_rows):
+        if self.guided_rows:
+            has_any = self.bitmask.ne(0).any(dim=-1).tolist()
+            for j, i in enumerate(self.guided_rows):
                 if not has_any[j] or not rows[i].grammar.accept_token(token_ids[i]):
                     token_ids[i] = NO_TOKEN
         return token_ids, logprobs
@@ -137,7 +128,9 @@ class Sampler:
                     logits = logits.clone()  # logprobs come from the raw logits
                 self._apply_grammar_masks(logits, guided_rows, bitmask)
             # max() is much faster than argmax() on bfloat16 on CPU; both take the first maximum
-            return self._copy_to_host(logits.max(dim=-1).indices, raw_logits, rows, bitmask)
+            return self._copy_to_host(
+                logits.max(dim=-1).indices, raw_logits, rows, guided_rows, bitmask
+            )
         logits = logits.float()
         raw_logits = logits
         logits = logits.clone()
@@ -154,7 +147,7 @@ class Sampler:
             logits = self._top_k_top_p_min_p(logits, params)
             sampled = self._sample(logits.softmax(dim=-1), rows)
             token_ids = torch.where(greedy, token_ids, sampled)
-        return self._copy_to_host(token_ids, raw_logits, rows, bitmask)
+        return self._copy_to_host(token_ids, raw_logits, rows, guided_rows, bitmask)
 
     def _fill_grammar_masks(
         self, rows: list[SamplingRow], guided_rows: list[int], vocab_size: int
@@ -204,6 +197,7 @@ class Sampler:
         token_ids: torch.Tensor,
         logits: torch.Tensor,
         rows: list[SamplingRow],
+        guided_rows: list[int],
         bitmask: torch.Tensor | None,
     ) -> SampledTokens:
         """Queue the copy of the sampled ids and the logprobs asked for to the host, together
@@ -218,7 +212,9 @@ class Sampler:
             if self.device.type == "cuda":
                 copied = torch.cuda.Event()
                 copied.record(torch.cuda.current_stream(self.device))
-        return SampledTokens(token_ids, results, copied, self.device, rows, wanted, bitmask)
+        return SampledTokens(
+            token_ids, results, copied, self.device, rows, wanted, guided_rows, bitmask
+        )
 
     def _sample(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One draw per row by inverse transform: a uniform number per row placed in the
