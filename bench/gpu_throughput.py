@@ -10,13 +10,14 @@ Rows, all on the same model and requests:
             (``enforce_eager``), HF ``generate`` on static batches of 64 (eager, SDPA),
             transformers' continuous batching
             (``paged|sdpa``), and the ceiling: the bare decode forward at batch 256 (no
-            attention context) captured in a CUDA graph
+            attention context) captured in a CUDA graph; and this engine with a frequency
+            penalty on every request (the penalties count the token in flight on the device)
   mixed     512 requests, prompts 16-2048, outputs 16-512 (this engine)
   latency   TTFT and TPOT p50 at 1, 16 and 256 concurrent requests (closed loop: a finished
             request is replaced at once), prompts 128-512, 128 output tokens
   step      the engine's 256-decode step (contexts ~512) against the ceiling's step
 
-    python bench/gpu_throughput.py [--quick] [--skip hf,cb,sync,eager] [--out results.jsonl]
+    python bench/gpu_throughput.py [--quick] [--skip hf,cb,sync,eager,penalty] [--out results.jsonl]
 
 Prints a table and one JSON line per measurement (also to ``--out``).
 """
@@ -112,13 +113,17 @@ def release(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def bench_engine(llm, prompts, outs) -> tuple[float, float]:
+def bench_engine(llm, prompts, outs, **sampling) -> tuple[float, float]:
+    """Output tok/s and seconds of greedy requests; ``sampling`` adds to every request's
+    parameters (a penalty, say)."""
     from inference_engine import SamplingParams
 
-    warm = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 8
+    warm = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, **sampling)] * 8
     llm.generate(prompts[:8], warm)
     torch.cuda.synchronize()
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **sampling) for n in outs
+    ]
     began = time.perf_counter()
     results = llm.generate(prompts, params)
     torch.cuda.synchronize()
@@ -287,7 +292,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="64 requests instead of 256/512")
     parser.add_argument(
-        "--skip", default="", help="comma-separated: hf, cb, sync, eager, mixed, latency"
+        "--skip",
+        default="",
+        help="comma-separated: hf, cb, sync, eager, mixed, latency, penalty",
     )
     parser.add_argument("--model-dir", default="/tmp/gpu-bench-llama1b")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
@@ -313,6 +320,15 @@ def main() -> None:
     report(out, row="fixed: engine, CUDA graphs", tok_s=round(ours), seconds=round(seconds, 2))
     step = decode_step_time(llm)
     report(out, row="step: 256 decodes at ~512 context", step_ms=round(step * 1e3, 2))
+    if "penalty" not in skip:
+        # penalties count the outputs, the token in flight included, on the device
+        penalised, seconds = bench_engine(llm, prompts, outs, frequency_penalty=0.2)
+        report(
+            out,
+            row="fixed: engine, CUDA graphs, every request with a frequency penalty",
+            tok_s=round(penalised),
+            seconds=round(seconds, 2),
+        )
     if "latency" not in skip:
         for concurrency in (1, 16, 256):
             num_requests = max(4, 2 * concurrency) if not args.quick else max(2, concurrency)

@@ -38,7 +38,7 @@ from inference_engine.cpu_linear import should_widen, widen_linears
 from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from inference_engine.protocol import SamplingParams, TokenLogprobs
 from inference_engine.request import Request
-from inference_engine.sampler import SampledTokens, Sampler, SamplingRow
+from inference_engine.sampler import SampledTokens, Sampler, SamplingRow, TokensInFlight
 from inference_engine.scheduler import ScheduledRequest
 
 # a decode joins the current bucket while its context is at least this share of the longest
@@ -512,8 +512,8 @@ class ModelRunner:
         else:
             logits = self._forward(plan, fill)
         sampling = [item.request for item in scheduled if item.is_sampling]
-        self._last_step = None
         if not sampling:
+            self._last_step = None
             return PendingStep(sampling, None)
         rows = [
             SamplingRow(
@@ -529,18 +529,23 @@ class ModelRunner:
             )
             for r in sampling
         ]
-        self._last_step = PendingStep(sampling, self.sampler.launch(logits, rows))
+        tokens = self.sampler.launch(logits, rows, self._penalised_tokens_in_flight(rows))
+        self._last_step = PendingStep(sampling, tokens)
         return self._last_step
+
+    def _rows_in_last_step(self, req_ids: list[str]) -> np.ndarray:
+        """The rows of the previous launch's sampled ids that hold these requests' tokens."""
+        if self._last_step is None:
+            raise RuntimeError("a step reads tokens that no step in flight samples")
+        row_of = {request.req_id: i for i, request in enumerate(self._last_step.sampling)}
+        return np.array([row_of[req_id] for req_id in req_ids], np.int64)
 
     def _device_token_fill(self, plan: StepPlan) -> Callable[[torch.Tensor], None] | None:
         """Where ``plan`` has tokens the previous launch is sampling: a function that copies
         them, on the device, into a step's input ids ``[T]``."""
         if not plan.device_token_req_ids:
             return None
-        if self._last_step is None:
-            raise RuntimeError("a step reads tokens that no step in flight samples")
-        row_of = {request.req_id: i for i, request in enumerate(self._last_step.sampling)}
-        source_rows = np.array([row_of[req_id] for req_id in plan.device_token_req_ids], np.int64)
+        source_rows = self._rows_in_last_step(plan.device_token_req_ids)
         rows, source_rows = self.staging.upload(plan.device_token_rows, source_rows)
         sampled = self._last_step.tokens.device_ids
 
@@ -548,6 +553,20 @@ class ModelRunner:
             input_ids.index_copy_(0, rows, sampled.index_select(0, source_rows).to(input_ids.dtype))
 
         return fill
+
+    def _penalised_tokens_in_flight(self, rows: list[SamplingRow]) -> TokensInFlight | None:
+        """The outputs that penalised rows have in the previous launch, still on the device:
+        the penalties count them without waiting for that step."""
+        waiting = [
+            i for i, row in enumerate(rows) if row.num_pending_outputs and row.params.has_penalties
+        ]
+        if not waiting:
+            return None
+        source_rows = self._rows_in_last_step([rows[i].req_id for i in waiting])
+        rows_on_device, source_rows = self.staging.upload(np.array(waiting, np.int64), source_rows)
+        return TokensInFlight(
+            rows_on_device, self._last_step.tokens.device_ids.index_select(0, source_rows)
+        )
 
     def _forward(
         self, plan: StepPlan, fill: Callable[[torch.Tensor], None] | None = None

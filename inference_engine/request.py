@@ -82,9 +82,9 @@ class Request:
     @property
     def needs_host_tokens(self) -> bool:
         """Whether sampling its next token needs the previous one on the host (a grammar to
-        advance, penalties counting the outputs): then it is not scheduled again until that
-        token is back."""
-        return self.grammar is not None or self.sampling_params.has_penalties
+        advance): then it is not scheduled again until that token is back. (Penalties count
+        the token in flight on the device: ``sampler.TokensInFlight``.)"""
+        return self.grammar is not None
 
     @property
     def num_output_tokens(self) -> int:

@@ -60,6 +60,15 @@ class SamplingRow:
 
 
 @dataclass
+class TokensInFlight:
+    """Outputs of some rows that a step still in flight is sampling (async scheduling), on the
+    device: ``ids`` ``[P]`` for the rows ``rows`` ``[P]``. The penalties count them."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+
+
+@dataclass
 class SampledTokens:
     """A step's sampling on its way to the host: ``device_ids`` ``[S]`` (to feed the next
     step's inputs on the device) and, from ``result()``, the ids and logprobs on the host."""
@@ -113,9 +122,15 @@ class Sampler:
         its logprobs where ``params.logprobs`` was set."""
         return self.launch(logits, rows).result()
 
-    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+    def launch(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        in_flight: TokensInFlight | None = None,
+    ) -> SampledTokens:
         """Queue the sampling of ``logits`` ``[S, V]`` (one row per entry of ``rows``) and the
-        copy of its results to the host, without waiting for the device."""
+        copy of its results to the host, without waiting for the device. ``in_flight`` holds
+        the outputs of penalised rows not on the host yet (``SamplingRow.num_pending_outputs``)."""
         params = [row.params for row in rows]
         all_greedy = all(p.is_greedy for p in params)
         guided_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
@@ -136,7 +151,7 @@ class Sampler:
         logits = logits.clone()
         self._mask_min_tokens(logits, rows)
         self._apply_biases(logits, rows)
-        self._apply_penalties(logits, rows)
+        self._apply_penalties(logits, rows, in_flight)
         if guided_rows:
             self._apply_grammar_masks(logits, guided_rows, bitmask)
         token_ids = logits.argmax(dim=-1)
@@ -254,7 +269,9 @@ class Sampler:
             index = self._upload(np.array([banned_rows, banned_ids], np.int64))
             logits[index[0], index[1]] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def _apply_penalties(
+        self, logits: torch.Tensor, rows: list[SamplingRow], in_flight: TokensInFlight | None
+    ) -> None:
         penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
         if not penalised:
             return
@@ -280,6 +297,9 @@ class Sampler:
             index = self._upload(np.array([output_rows, output_ids], np.int64))
             ones = torch.ones(len(output_ids), device=logits.device)
             output_counts.index_put_((index[0], index[1]), ones, accumulate=True)
+        if in_flight is not None:
+            ones = torch.ones(in_flight.ids.shape, device=logits.device)
+            output_counts.index_put_((in_flight.rows, in_flight.ids), ones, accumulate=True)
         seen = output_counts > 0
         if prompt_ids:
             index = self._upload(np.array([prompt_rows, prompt_ids], np.int64))

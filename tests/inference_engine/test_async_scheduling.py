@@ -164,7 +164,7 @@ def test_triton_decode_graph_inputs_take_the_tokens_in_flight(model_dirs, hf_mod
 
 def sampling_mix(stop_token: int) -> list[SamplingParams]:
     """Seeded random rows, logprobs, a stop token met mid-stream, min_tokens, penalties and a
-    grammar (whose requests wait for their last token before they are scheduled again)."""
+    grammar (its request waits for its last token before it is scheduled again)."""
     return [
         SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
@@ -199,6 +199,31 @@ def test_sampling_options_give_what_the_synchronous_engine_gives(eos_llama_dir):
     assert len(got[3].token_ids) >= 6
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", got[6].text)
     assert any(fed for _, _, fed in events)
+
+
+def test_penalised_requests_do_not_wait_for_their_tokens(model_dirs):
+    """Penalties count the token in flight on the device: requests with them are scheduled
+    and launched while their last token is still being sampled, and draw what the synchronous
+    engine draws."""
+    sync = LLM(model_dirs["llama"], dtype="float32")
+    prompts, _ = mixed_batch(seed=5, num_prompts=4)
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.6, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, presence_penalty=1.5, max_tokens=20, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, seed=4, frequency_penalty=0.8, max_tokens=22, ignore_eos=True
+        ),
+        SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
+    ]
+    want = sync.generate(prompts, params)
+    llm = async_llm(model_dirs["llama"])
+    events = record_launches(llm)
+    got = llm.generate(prompts, params)
+    assert [output.token_ids for output in got] == [output.token_ids for output in want]
+    order = [(kind, number) for kind, number, _ in events]
+    for number in range(sum(kind == "launch" for kind, _ in order) - 1):
+        assert order.index(("launch", number + 1)) < order.index(("result", number))
+    assert sum(fed for kind, _, fed in events if kind == "launch") > 50
 
 
 def test_an_abort_while_a_step_is_in_flight_is_metered_as_delivered(llama_dir):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inference_engine.protocol import SamplingParams
-from inference_engine.sampler import Sampler, SamplingRow
+from inference_engine.sampler import Sampler, SamplingRow, TokensInFlight
 
 VOCAB = 10
 
@@ -137,6 +137,35 @@ def test_batched_penalties_and_bans_match_each_row_sampled_alone():
         assert batched_tokens[i] == tokens[0]
         assert batched_logprobs[i] == logprobs[0]
     assert batched_logprobs[4] is not None and len(batched_logprobs[4].top_token_ids) == 2
+
+
+def test_penalties_count_outputs_still_in_flight_on_the_device():
+    """Async scheduling: a penalised row's last output is still being sampled by the step in
+    flight; given its id on the device, the row samples as if the id were on the host."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, VOCAB, generator=generator)
+    logits[:, 3], logits[:, 4] = 12.0, 11.0  # token 3 leads unless its output counts
+    on_host = [
+        row("a", outputs=[3], temperature=0, presence_penalty=2.0),
+        row("b", outputs=[1, 3], temperature=0, frequency_penalty=1.5, logprobs=2),
+        row("c", outputs=[3], temperature=0),  # no penalties: the id in flight changes nothing
+        row("d", outputs=[2, 3], prompt=[5], temperature=0, repetition_penalty=20.0),
+    ]
+    in_flight = [
+        row("a", temperature=0, presence_penalty=2.0),
+        row("b", outputs=[1], temperature=0, frequency_penalty=1.5, logprobs=2),
+        row("c", temperature=0),
+        row("d", outputs=[2], prompt=[5], temperature=0, repetition_penalty=20.0),
+    ]
+    for pending in in_flight:
+        pending.num_pending_outputs = 1
+    ids = TokensInFlight(rows=torch.tensor([0, 1, 3]), ids=torch.tensor([3, 3, 3]))
+    want = Sampler(torch.device("cpu"))(logits, on_host)
+    got = Sampler(torch.device("cpu")).launch(logits, in_flight, ids).result()
+    assert got == want
+    assert want[0] == [4, 4, 3, 4]
+    # without the ids in flight the penalised rows would still take token 3
+    assert Sampler(torch.device("cpu"))(logits, in_flight)[0] == [3, 3, 3, 3]
 
 
 def test_random_draws_follow_the_distribution_and_never_pick_a_masked_token():
