@@ -211,13 +211,10 @@ class EngineCore:
 
         With async scheduling the step scheduled here is launched and left in flight, and the
         deltas are those of the step launched by the call before: its tokens come back while
-        the device runs this one. A request whose next sampling needs its last token on the
-        host (``Request.needs_host_tokens``) waits for it: the step in flight is finished
-        first then."""
+        the device runs this one. Where a request's sampling needs its last token on the host
+        (``Request.needs_host_tokens``), the step's forward is launched and its sampling only
+        once the step before is read back (``PendingStep.launch_sampling``)."""
         outputs, self._pending = self._pending, []
-        if self._in_flight is not None and self._needs_tokens_first(self._in_flight[0]):
-            outputs.extend(self._finish(*self._in_flight))
-            self._in_flight = None
         scheduler_output = self.scheduler.schedule()
         launched = None
         if not scheduler_output.is_empty:
@@ -231,18 +228,13 @@ class EngineCore:
             outputs.extend(self._finish(*self._in_flight))
             self._in_flight = None
         if launched is not None:
+            launched = self._launch_sampling(*launched, outputs)
+        if launched is not None:
             if self.async_scheduling:
                 self._in_flight = launched
             else:
                 outputs.extend(self._finish(*launched))
         return outputs
-
-    @staticmethod
-    def _needs_tokens_first(in_flight: SchedulerOutput) -> bool:
-        return any(
-            item.is_sampling and item.request.needs_host_tokens and not item.request.is_finished
-            for item in in_flight.scheduled
-        )
 
     def _at_layer_boundary(self, in_flight: SchedulerOutput) -> None:
         if not self._take_inputs():
@@ -270,6 +262,18 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
             outputs.extend(self._fail_step(scheduler_output, exc))
             return None
+
+    def _launch_sampling(
+        self, scheduler_output: SchedulerOutput, launched: PendingStep, outputs: list[EngineOutput]
+    ) -> tuple[SchedulerOutput, PendingStep] | None:
+        """Launch a step's deferred sampling, if it has one; None, with its requests failed
+        into ``outputs``, when that fails."""
+        try:
+            launched.launch_sampling()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+            outputs.extend(self._fail_step(scheduler_output, exc))
+            return None
+        return scheduler_output, launched
 
     def _finish(
         self, scheduler_output: SchedulerOutput, launched: PendingStep

@@ -18,6 +18,7 @@ import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from inference_engine.cpu_kernels import paged_attention, use_compiled_attention
 from inference_engine.cpu_linear import should_widen, widen_linears
 from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from inference_engine.protocol import SamplingParams, TokenLogprobs
-from inference_engine.request import Request
+from inference_engine.request import Request, RequestStatus
 from inference_engine.sampler import SampledTokens, Sampler, SamplingRow, TokensInFlight
 from inference_engine.scheduler import ScheduledRequest
 
@@ -123,14 +124,27 @@ def plan_step(
 
 @dataclass
 class PendingStep:
-    """A step launched on the device: ``result()`` waits for its sampled tokens."""
+    """A step launched on the device: ``result()`` waits for its sampled tokens.
+
+    A step whose sampling needs the tokens of the step before it on the host (a grammar to
+    advance by them) has its forward launched first and its sampling held in ``deferred``
+    until ``launch_sampling()``: the engine calls that once it has read the step before back,
+    while the device still runs this step's forward."""
 
     sampling: list[Request]  # its sampling requests, in the order of their tokens
-    tokens: SampledTokens | None  # None when it samples nothing
+    tokens: SampledTokens | None  # None when it samples nothing (or not yet)
+    deferred: Callable[[], SampledTokens] | None = None
+
+    def launch_sampling(self) -> None:
+        """Launch a deferred sampling (once); nothing otherwise."""
+        if self.deferred is not None:
+            deferred, self.deferred = self.deferred, None
+            self.tokens = deferred()
 
     def result(self) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """The sampled token per sampling request (``NO_TOKEN`` where its grammar allowed none:
         the core fails it) and its logprobs where asked for."""
+        self.launch_sampling()
         if self.tokens is None:
             return {}, {}
         token_ids, logprobs = self.tokens.result()
@@ -138,6 +152,23 @@ class PendingStep:
         sampled = {r.req_id: token for r, token in zip(sampling, token_ids, strict=True)}
         wanted = {r.req_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None}
         return sampled, wanted
+
+
+def _sampling_rows(sampling: list[Request]) -> list[SamplingRow]:
+    return [
+        SamplingRow(
+            r.req_id,
+            r.sampling_params,
+            r.prompt_token_ids,
+            r.output_token_ids,
+            r.eos_token_ids,
+            r.grammar if r.status == RequestStatus.RUNNING else None,
+            r.closing_tokens if r.wants_closing else None,
+            # this step's own token is one of the request's placeholders
+            r.num_output_placeholders - 1,
+        )
+        for r in sampling
+    ]
 
 
 def kv_cache_budget(
@@ -503,7 +534,8 @@ class ModelRunner:
         """Queue one step on the device (the forward, the sampling and the copy of its tokens
         back) without waiting for it. A decode whose input token the previous launch is still
         sampling (``ScheduledRequest.has_device_token``) reads it from that launch's ids on the
-        device."""
+        device, and so do the penalties. Where a guided request's grammar has yet to see a
+        token in flight, the sampling is deferred (``PendingStep.launch_sampling``)."""
         plan = plan_step(scheduled, block_tables, self.block_size)
         fill = self._device_token_fill(plan)
         graphs = self.graphs
@@ -515,23 +547,22 @@ class ModelRunner:
         if not sampling:
             self._last_step = None
             return PendingStep(sampling, None)
-        rows = [
-            SamplingRow(
-                r.req_id,
-                r.sampling_params,
-                r.prompt_token_ids,
-                r.output_token_ids,
-                r.eos_token_ids,
-                r.grammar,
-                r.closing_tokens if r.wants_closing else None,
-                # this step's own token is one of the request's placeholders
-                r.num_output_placeholders - 1,
+        if any(r.needs_host_tokens and r.num_output_placeholders > 1 for r in sampling):
+            self._last_step = PendingStep(
+                sampling, None, deferred=partial(self._sample_deferred, logits, sampling)
             )
-            for r in sampling
-        ]
-        tokens = self.sampler.launch(logits, rows, self._penalised_tokens_in_flight(rows))
-        self._last_step = PendingStep(sampling, tokens)
+        else:
+            rows = _sampling_rows(sampling)
+            tokens = self.sampler.launch(logits, rows, self._penalised_tokens_in_flight(rows))
+            self._last_step = PendingStep(sampling, tokens)
         return self._last_step
+
+    @torch.inference_mode()
+    def _sample_deferred(self, logits: torch.Tensor, sampling: list[Request]) -> SampledTokens:
+        """The sampling of a step whose requests' tokens from the step before are all on the
+        host now: its rows are built as the synchronous engine builds them. A request that
+        finished meanwhile is sampled without its grammar (its token is dropped anyway)."""
+        return self.sampler.launch(logits, _sampling_rows(sampling))
 
     def _rows_in_last_step(self, req_ids: list[str]) -> np.ndarray:
         """The rows of the previous launch's sampled ids that hold these requests' tokens."""

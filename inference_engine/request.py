@@ -82,8 +82,9 @@ class Request:
     @property
     def needs_host_tokens(self) -> bool:
         """Whether sampling its next token needs the previous one on the host (a grammar to
-        advance): then it is not scheduled again until that token is back. (Penalties count
-        the token in flight on the device: ``sampler.TokensInFlight``.)"""
+        advance): a step that samples it while that token is in flight launches its forward
+        and defers its sampling until the token is back (``model_runner.PendingStep``).
+        Penalties count a token in flight on the device (``sampler.TokensInFlight``)."""
         return self.grammar is not None
 
     @property

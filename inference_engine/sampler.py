@@ -50,7 +50,8 @@ class SamplingRow:
     # each by its weight times CLOSING_BIAS
     closing_tokens: tuple[list[int], list[float]] | None = None
     # outputs sampled before this step by a step still in flight (async scheduling): counted
-    # for min_tokens, their ids not known yet
+    # for min_tokens; their ids are on the device only (the penalties take them from there,
+    # ``TokensInFlight``)
     num_pending_outputs: int = 0
 
     @property

@@ -7,6 +7,7 @@ On the CPU the device runs each step as it is launched, so these tests check the
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -164,7 +165,7 @@ def test_triton_decode_graph_inputs_take_the_tokens_in_flight(model_dirs, hf_mod
 
 def sampling_mix(stop_token: int) -> list[SamplingParams]:
     """Seeded random rows, logprobs, a stop token met mid-stream, min_tokens, penalties and a
-    grammar (its request waits for its last token before it is scheduled again)."""
+    grammar."""
     return [
         SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
@@ -224,6 +225,61 @@ def test_penalised_requests_do_not_wait_for_their_tokens(model_dirs):
     for number in range(sum(kind == "launch" for kind, _ in order) - 1):
         assert order.index(("launch", number + 1)) < order.index(("result", number))
     assert sum(fed for kind, _, fed in events if kind == "launch") > 50
+
+
+def test_guided_requests_sample_once_their_token_in_flight_is_back(eos_llama_dir):
+    """A grammar sees a request's last token before its next one is drawn: a step with a
+    guided request whose token is in flight launches its forward at once and its sampling once
+    the step before is read back (a request finished by that step is sampled without its
+    grammar and gets nothing). The outputs are the synchronous engine's, token for token."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    params = [
+        # a budget this short makes the sampler favour the closing tokens near its end
+        SamplingParams(
+            temperature=0.8,
+            seed=21,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
+        ),
+        SamplingParams(
+            temperature=0.6,
+            seed=8,
+            max_tokens=20,
+            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"),
+        ),
+        SamplingParams(
+            temperature=0,
+            max_tokens=10,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        ),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.4),
+    ]
+    prompts, _ = mixed_batch(seed=6, num_prompts=len(params))
+    want = LLM(eos_llama_dir, dtype="float32").generate(prompts, params)
+    llm = async_llm(eos_llama_dir)
+    events = record_launches(llm)
+    runner, sample_deferred = llm.core.runner, llm.core.runner._sample_deferred
+    deferred = []
+
+    def spy(logits, sampling):
+        deferred.append([r.req_id for r in sampling])
+        return sample_deferred(logits, sampling)
+
+    runner._sample_deferred = spy
+    got = llm.generate(prompts, params)
+    for mine, theirs in zip(got, want, strict=True):
+        assert (mine.token_ids, mine.finish_reason) == (theirs.token_ids, theirs.finish_reason)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", got[1].text)
+    assert got[2].text in ("yes", "no")
+    order = [(kind, number) for kind, number, _ in events]
+    for number in range(sum(kind == "launch" for kind, _ in order) - 1):
+        assert order.index(("launch", number + 1)) < order.index(("result", number))
+    assert len(deferred) > 5
+    assert not llm.core.has_unfinished_requests()
 
 
 def test_an_abort_while_a_step_is_in_flight_is_metered_as_delivered(llama_dir):
