@@ -9,7 +9,7 @@ TEST_STAMP := $(VENV)/.installed-test
 KERNELS_STAMP := $(VENV)/.cpu-kernels
 PYTEST_ARGS ?= --durations=20
 
-.PHONY: run test lint format worker migrate clean
+.PHONY: run test lint format worker migrate clean gpu-wheels
 
 run: $(RUN_STAMP) $(KERNELS_STAMP)
 	exec $(BIN)/python manage.py runplatform
@@ -31,7 +31,11 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) var test-artifacts
+	rm -rf $(VENV) var test-artifacts .whl
+
+# Wheels the GPU machine lacks, for its one-call test and benchmark run (bench/RESULTS-gpu.md).
+gpu-wheels: $(TEST_STAMP)
+	sh scripts/gpu_wheels.sh
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
