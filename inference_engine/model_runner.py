@@ -154,21 +154,31 @@ class PendingStep:
         return sampled, wanted
 
 
+# the row of a request that finished or was preempted before its deferred sampling: its
+# token is dropped, so it is drawn greedily with nothing else (no grammar, no generator)
+_DROPPED = SamplingParams(temperature=0)
+
+
 def _sampling_rows(sampling: list[Request]) -> list[SamplingRow]:
-    return [
-        SamplingRow(
-            r.req_id,
-            r.sampling_params,
-            r.prompt_token_ids,
-            r.output_token_ids,
-            r.eos_token_ids,
-            r.grammar if r.status == RequestStatus.RUNNING else None,
-            r.closing_tokens if r.wants_closing else None,
-            # this step's own token is one of the request's placeholders
-            r.num_output_placeholders - 1,
+    rows = []
+    for r in sampling:
+        if r.status != RequestStatus.RUNNING:
+            rows.append(SamplingRow(r.req_id, _DROPPED, [], [], frozenset()))
+            continue
+        rows.append(
+            SamplingRow(
+                r.req_id,
+                r.sampling_params,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                r.eos_token_ids,
+                r.grammar,
+                r.closing_tokens if r.wants_closing else None,
+                # this step's own token is one of the request's placeholders
+                r.num_output_placeholders - 1,
+            )
         )
-        for r in sampling
-    ]
+    return rows
 
 
 def kv_cache_budget(
@@ -560,8 +570,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _sample_deferred(self, logits: torch.Tensor, sampling: list[Request]) -> SampledTokens:
         """The sampling of a step whose requests' tokens from the step before are all on the
-        host now: its rows are built as the synchronous engine builds them. A request that
-        finished meanwhile is sampled without its grammar (its token is dropped anyway)."""
+        host now: its rows are built as the synchronous engine builds them (a request that
+        finished meanwhile gets a bare greedy row: its token is dropped)."""
         return self.sampler.launch(logits, _sampling_rows(sampling))
 
     def _rows_in_last_step(self, req_ids: list[str]) -> np.ndarray:
