@@ -17,6 +17,7 @@ Static batches generate to the longest request of the batch; only requested toke
     .venv/bin/python bench/engine_throughput.py --quick    # shrunken workloads
     .venv/bin/python bench/engine_throughput.py --skip a   # skip the one-at-a-time baseline
     .venv/bin/python bench/engine_throughput.py --threads 1   # on a machine shared with others
+    .venv/bin/python bench/engine_throughput.py --repetition-penalty 1.2  # every peer penalises
 
 (c) is driven through the manager behind ``generate_batch`` (``add_request`` takes a
 ``max_new_tokens`` per request, ``generate_batch`` only one for all); its start-up and warm-up
@@ -46,6 +47,9 @@ class Workload:
     name: str
     prompts: list[list[int]]
     max_new_tokens: list[int]
+    # every peer's requests apply it (HF's processor and the engine's penalty are the same
+    # rule: prompt and output tokens, positive logits divided, negative multiplied)
+    repetition_penalty: float = 1.0
 
     @property
     def num_output_tokens(self) -> int:
@@ -108,6 +112,7 @@ def run_hf_sequential(path: str, workload: Workload) -> float:
             min_new_tokens=n,
             do_sample=False,
             pad_token_id=0,
+            repetition_penalty=workload.repetition_penalty,
         )
     return time.perf_counter() - start
 
@@ -129,6 +134,7 @@ def run_hf_static(path: str, workload: Workload, batch_size: int = 16) -> float:
             min_new_tokens=n,
             do_sample=False,
             pad_token_id=0,
+            repetition_penalty=workload.repetition_penalty,
         )
     return time.perf_counter() - start
 
@@ -142,6 +148,7 @@ def run_hf_continuous(path: str, workload: Workload) -> float:
         do_sample=False,
         eos_token_id=-1,
         pad_token_id=0,
+        repetition_penalty=workload.repetition_penalty,
     )
     # The manager's start-up (cache sizing, warm-up) is excluded, like the engine's load.
     with model.continuous_batching_context_manager(
@@ -166,7 +173,12 @@ def run_engine(path: str, workload: Workload) -> float:
 
     llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True)
     params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        SamplingParams(
+            temperature=0,
+            max_tokens=n,
+            ignore_eos=True,
+            repetition_penalty=workload.repetition_penalty,
+        )
         for n in workload.max_new_tokens
     ]
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
@@ -192,6 +204,9 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="peers to skip, e.g. 'a' or 'ac'")
     parser.add_argument("--workloads", default="fixed,mixed", help="comma-separated names")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="for every peer's requests"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -205,10 +220,12 @@ def main() -> None:
         for workload in make_workloads(args.quick):
             if workload.name not in args.workloads.split(","):
                 continue
+            workload.repetition_penalty = args.repetition_penalty
             print(
                 f"\nworkload {workload.name}: {len(workload.prompts)} requests, "
                 f"{sum(map(len, workload.prompts))} prompt tokens, "
-                f"{workload.num_output_tokens} output tokens"
+                f"{workload.num_output_tokens} output tokens, "
+                f"repetition penalty {workload.repetition_penalty}"
             )
             rates = {}
             for key, (label, run) in PEERS.items():

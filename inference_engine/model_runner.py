@@ -37,9 +37,10 @@ from inference_engine.config import EngineConfig
 from inference_engine.cpu_kernels import paged_attention, use_compiled_attention
 from inference_engine.cpu_linear import should_widen, widen_linears
 from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
+from inference_engine.penalties import TokensInFlight
 from inference_engine.protocol import SamplingParams, TokenLogprobs
 from inference_engine.request import Request, RequestStatus
-from inference_engine.sampler import SampledTokens, Sampler, SamplingRow, TokensInFlight
+from inference_engine.sampler import SampledTokens, Sampler, SamplingRow
 from inference_engine.scheduler import ScheduledRequest
 
 # a decode joins the current bucket while its context is at least this share of the longest

@@ -9,10 +9,11 @@ argmax. Random rows draw one uniform number each and take the token where it fal
 cumulative distribution; a seeded request draws from its own ``torch.Generator``, so its tokens
 do not depend on what else is in the batch.
 
-Nothing loops over rows on the device: per-row parameters, banned tokens and token counts for
-the penalties are built on the host as arrays and uploaded without a sync (pinned, non-blocking
-on a GPU); the one wait is the copy of the sampled ids (and the logprobs asked for) back. Only
-seeded rows draw their number one by one, from their own generators.
+Nothing loops over rows on the device: per-row parameters, banned tokens and the penalties'
+token occurrences (``inference_engine.penalties``) are built on the host as arrays and
+uploaded without a sync (pinned, non-blocking on a GPU); the one wait is the copy of the
+sampled ids (and the logprobs asked for) back. Only seeded rows draw their number one by one,
+from their own generators.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ import numpy as np
 import torch
 
 from inference_engine import guided
+from inference_engine.penalties import (
+    Occurrences,
+    TokenArrays,
+    TokensInFlight,
+    apply_dense,
+    apply_sparse,
+    penalty_factors,
+)
 from inference_engine.protocol import SamplingParams, TokenLogprobs
 from inference_engine.request import NO_TOKEN
 
@@ -58,15 +67,6 @@ class SamplingRow:
     def num_outputs(self) -> int:
         """Outputs before this step's token, known or in flight."""
         return len(self.output_token_ids) + self.num_pending_outputs
-
-
-@dataclass
-class TokensInFlight:
-    """Outputs of some rows that a step still in flight is sampling (async scheduling), on the
-    device: ``ids`` ``[P]`` for the rows ``rows`` ``[P]``. The penalties count them."""
-
-    rows: torch.Tensor
-    ids: torch.Tensor
 
 
 @dataclass
@@ -111,10 +111,12 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        self.token_arrays = TokenArrays()  # the penalised requests' ids, as numpy arrays
 
     def release(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self.generators.pop(req_id, None)
+            self.token_arrays.release(req_id)
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -149,7 +151,7 @@ class Sampler:
             )
         logits = logits.float()
         raw_logits = logits
-        logits = logits.clone()
+        logits = logits.clone(memory_format=torch.contiguous_format)
         self._mask_min_tokens(logits, rows)
         self._apply_biases(logits, rows)
         self._apply_penalties(logits, rows, in_flight)
@@ -276,39 +278,12 @@ class Sampler:
         penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
         if not penalised:
             return
-        num_rows, vocab_size = logits.shape
-        output_rows, output_ids, prompt_rows, prompt_ids = [], [], [], []
-        for i in penalised:
-            row = rows[i]
-            output_rows.extend([i] * len(row.output_token_ids))
-            output_ids.extend(row.output_token_ids)
-            if row.params.repetition_penalty != 1.0:
-                prompt_rows.extend([i] * len(row.prompt_token_ids))
-                prompt_ids.extend(row.prompt_token_ids)
-        factors = np.array(
-            [
-                [r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
-                for r in rows
-            ],
-            np.float32,
-        )
-        repetition, frequency, presence = self._upload(factors).T.unsqueeze(2)
-        output_counts = torch.zeros(num_rows, vocab_size, device=logits.device)
-        if output_ids:
-            index = self._upload(np.array([output_rows, output_ids], np.int64))
-            ones = torch.ones(len(output_ids), device=logits.device)
-            output_counts.index_put_((index[0], index[1]), ones, accumulate=True)
-        if in_flight is not None:
-            ones = torch.ones(in_flight.ids.shape, device=logits.device)
-            output_counts.index_put_((in_flight.rows, in_flight.ids), ones, accumulate=True)
-        seen = output_counts > 0
-        if prompt_ids:
-            index = self._upload(np.array([prompt_rows, prompt_ids], np.int64))
-            seen[index[0], index[1]] = True
-        penalties = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits.copy_(torch.where(seen, penalties, logits))
-        logits -= frequency * output_counts
-        logits -= presence * (output_counts > 0).float()
+        seen = Occurrences.gather(rows, penalised, self.token_arrays)
+        factors = penalty_factors(rows)
+        if logits.device.type == "cpu":
+            apply_sparse(logits, factors, seen, in_flight)
+        else:
+            apply_dense(logits, factors, seen, in_flight, self._upload)
 
     def _top_k_top_p_min_p(
         self, logits: torch.Tensor, params: list[SamplingParams]

@@ -225,6 +225,7 @@ def test_penalised_requests_do_not_wait_for_their_tokens(model_dirs):
     for number in range(sum(kind == "launch" for kind, _ in order) - 1):
         assert order.index(("launch", number + 1)) < order.index(("result", number))
     assert sum(fed for kind, _, fed in events if kind == "launch") > 50
+    assert len(llm.core.runner.sampler.token_arrays) == 0  # released with their requests
 
 
 def test_guided_requests_sample_once_their_token_in_flight_is_back(eos_llama_dir):

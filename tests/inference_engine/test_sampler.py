@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
+from inference_engine.penalties import TokensInFlight
 from inference_engine.protocol import SamplingParams
-from inference_engine.sampler import Sampler, SamplingRow, TokensInFlight
+from inference_engine.sampler import Sampler, SamplingRow
 
 VOCAB = 10
 
