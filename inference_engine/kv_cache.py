@@ -156,8 +156,15 @@ class KVCacheManager:
         ``computed_blocks``, the prefix hits of a newly admitted request), leaving at least
         ``num_reserved_blocks`` free. Returns the new block ids, or None and changes nothing
         when there are not enough free blocks."""
-        computed_blocks = computed_blocks or []
         held = self.req_to_blocks.get(request.req_id, [])
+        if not computed_blocks and not num_reserved_blocks:
+            # a decode's common case: the request's last block has room for its new tokens
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(held) * self.block_size:
+                if self.enable_prefix_caching:
+                    self._cache_full_blocks(request, held, num_tokens)
+                return []
+        computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(held)
         num_needed -= len(computed_blocks)

@@ -102,3 +102,19 @@ def test_double_free_is_detected():
     manager.req_to_blocks["x"] = [block]
     with pytest.raises(AssertionError):
         manager.free("x")
+
+
+def test_a_block_that_decodes_fill_is_cached_in_the_step_that_fills_it():
+    """Decoding one token a step, a request's block is registered for prefix hits by the
+    allocation of the step that fills it (no new block is allocated then): a follow-up prompt
+    that repeats the conversation finds it, even when the request ends right there."""
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    request = make_request("a", [1, 2, 3, 4, 5, 6])
+    admit(manager, request)
+    for token in (7, 8):  # the second block fills with the decode of token 8's input
+        request.append_output_token(token)
+        assert manager.allocate_slots(request, 1) == []
+        request.num_computed_tokens += 1
+    follow_up = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert admit(manager, follow_up) == 8
+    assert manager.get_block_ids("b")[:2] == manager.get_block_ids("a")
