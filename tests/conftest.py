@@ -9,6 +9,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def fast_password_hashing():
+    """Passwords hashed with MD5, as Django's testing docs advise: the default PBKDF2 (a million
+    iterations) takes half a second a password here, and fixtures make five users a test.
+    Processes the tests start (``make run`` and the like) keep the real hashers."""
+    try:
+        from django.test import override_settings
+    except ImportError:  # the engine's tests also run where Django is not installed
+        yield
+        return
+    with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
+        yield
+
+
 @pytest.fixture
 def user(django_user_model):
     return django_user_model.objects.create_user("alice", password="correct horse battery")

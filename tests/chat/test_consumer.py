@@ -228,9 +228,11 @@ async def test_a_second_send_while_generating_is_refused(chat_world, async_db, r
     conversation = chat_world["conversation"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
-    await chat.send(type="send", content="Tell me a long story")
-    await chat.receive_until("start")
+    # held from before the first send: paused only once "start" was read, the engine could
+    # finish the whole reply first on a loaded machine (CI saw "complete")
     with engine_paused(ready_engine):
+        await chat.send(type="send", content="Tell me a long story")
+        await chat.receive_until("start")
         await chat.send(type="send", content="Interrupting")
         busy, _ = await chat.receive_until("error")
         assert busy["code"] == "busy" and "message_id" not in busy
