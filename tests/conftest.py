@@ -12,14 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True, scope="session")
 def fast_password_hashing():
     """Passwords hashed with MD5, as Django's testing docs advise: the default PBKDF2 (a million
-    iterations) takes half a second a password here, and fixtures make five users a test.
-    Processes the tests start (``make run`` and the like) keep the real hashers."""
+    iterations) takes half a second a password here, and fixtures make five users a test. The
+    Daphne the tests start on their database does the same (``tests.live_server_settings``);
+    platforms they start whole (``make run`` and the like) keep the real hashers."""
     try:
         from django.test import override_settings
     except ImportError:  # the engine's tests also run where Django is not installed
         yield
         return
-    with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
+    from tests.live_server_settings import TEST_PASSWORD_HASHERS
+
+    with override_settings(PASSWORD_HASHERS=TEST_PASSWORD_HASHERS):
         yield
 
 

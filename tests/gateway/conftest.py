@@ -134,6 +134,7 @@ class Daphne:
             SECRET_KEY="live-server-test-secret-key-0123456789-abcdefghijklmnopqrstuvwxyz",
             DEBUG="1",
             VAR_DIR=str(folder),
+            DJANGO_SETTINGS_MODULE="tests.live_server_settings",
             # Without a shared cache, the tests' changes cannot reach the server's cached
             # authorizations (gateway.authorization): have it read them every time.
             **({} if os.environ.get("REDIS_URL") else {"GATEWAY_AUTH_CACHE_SECONDS": "0"}),
