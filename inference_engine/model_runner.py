@@ -155,7 +155,7 @@ class PendingStep:
         return sampled, wanted
 
 
-# the row of a request that finished or was preempted before its deferred sampling: its
+# the row of a request that finished (or was aborted) before its deferred sampling: its
 # token is dropped, so it is drawn greedily with nothing else (no grammar, no generator)
 _DROPPED = SamplingParams(temperature=0)
 

@@ -84,7 +84,7 @@ class Request:
         """Whether sampling its next token needs the previous one on the host (a grammar to
         advance): a step that samples it while that token is in flight launches its forward
         and defers its sampling until the token is back (``model_runner.PendingStep``).
-        Penalties count a token in flight on the device (``sampler.TokensInFlight``)."""
+        Penalties count a token in flight on the device (``penalties.TokensInFlight``)."""
         return self.grammar is not None
 
     @property
