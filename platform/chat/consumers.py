@@ -150,6 +150,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if handler is None:
             await self._error("unknown_type", f"Unknown frame type {frame['type'][:40]!r}.")
             return
+        run = self.run
+        if frame["type"] == "stop" and run is not None and run.is_generating and run.task:
+            # at once: the checks below wait their turn on the database thread, and a reply
+            # streaming meanwhile could end before the stop that the user sent
+            run.task.cancel()
         # Every frame, a stop too: the session may have ended since the socket opened.
         if not await self._is_signed_in():
             await self._lose_access(
