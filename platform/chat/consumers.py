@@ -293,7 +293,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self._send({"type": "token", "text": text})
 
     async def _stop(self, run: _Run) -> None:
-        if run.is_generating and run.task is not None:
+        # once: a stop frame may have cancelled it already (an extra request would stay
+        # counted on the task, which ends its own work after the cancellation)
+        if run.is_generating and run.task is not None and not run.task.cancelling():
             run.task.cancel()
         if run.task is not None:
             await asyncio.wait([run.task])
