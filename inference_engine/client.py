@@ -216,12 +216,14 @@ class AsyncEngineClient:
         """The engine's health and load. Raises ``EngineUnavailable`` when it does not answer
         within ``timeout`` (default: the heartbeat timeout)."""
         self._start()
+        timeout = timeout or self.heartbeat_timeout
+        deadline = time.monotonic() + timeout
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(waiter)
         try:
-            if not await self._send_soon(RequestType.STATS, None):
+            if not await self._send_soon(RequestType.STATS, None, deadline):
                 raise EngineUnavailable(f"no engine connected at {self.endpoint}")
-            return await asyncio.wait_for(waiter, timeout or self.heartbeat_timeout)
+            return await asyncio.wait_for(waiter, max(deadline - time.monotonic(), 0.0))
         except TimeoutError:
             raise EngineUnavailable(f"no answer from the engine at {self.endpoint}") from None
         finally:
@@ -325,10 +327,13 @@ class AsyncEngineClient:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return True
 
-    async def _send_soon(self, kind: RequestType, message: msgspec.Struct | None) -> bool:
+    async def _send_soon(
+        self, kind: RequestType, message: msgspec.Struct | None, deadline: float = math.inf
+    ) -> bool:
         """Like ``_send``, but a client that has not heard from the engine yet (its socket may
-        still be connecting) keeps trying for up to ``heartbeat_timeout``."""
-        deadline = self._started_at + self.heartbeat_timeout
+        still be connecting) keeps trying for up to ``heartbeat_timeout`` from its start, and
+        no later than ``deadline`` (the caller's own timeout)."""
+        deadline = min(deadline, self._started_at + self.heartbeat_timeout)
         while not self._send(kind, message):
             if self._has_heard or time.monotonic() >= deadline:
                 return False

@@ -221,6 +221,20 @@ async def test_no_engine_and_closed_client_raise_engine_unavailable(tmp_path, fa
         await _collect(client.generate(GenerateRequest(prompt="y")))
 
 
+async def test_stats_gives_up_within_its_own_timeout_while_no_engine_ever_connected(tmp_path):
+    # a new client retries its first sends for up to the heartbeat timeout (its socket may
+    # still be connecting); a STATS asked with a shorter timeout must not wait that long
+    # (a readiness probe or /v1/models with one dead replica took the full 5 s)
+    lonely = AsyncEngineClient(f"ipc://{tmp_path}/nobody.sock", heartbeat_timeout=30.0)
+    began = time.monotonic()
+    with pytest.raises(EngineUnavailable):
+        await lonely.stats(timeout=0.2)
+    with pytest.raises(EngineUnavailable):
+        await lonely.wait_ready(timeout=0.2)
+    lonely.close()
+    assert time.monotonic() - began < 10, "a 0.2 s timeout waited for the 30 s heartbeat one"
+
+
 async def _eventually(predicate, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
