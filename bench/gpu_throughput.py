@@ -18,8 +18,14 @@ Rows, all on the same model and requests:
   step      the engine's 256-decode step (contexts ~512) against the ceiling's step
 
     python bench/gpu_throughput.py [--quick] [--skip hf,cb,sync,eager,penalty] [--out results.jsonl]
+    python bench/gpu_throughput.py --smoke   # every row on a tiny model, on the CPU too
 
-Prints a table and one JSON line per measurement (also to ``--out``).
+Prints a table and one JSON line per measurement (also to ``--out``). A row that fails is
+reported with its error and the rest still run. ``--smoke`` runs the whole script in seconds
+on a tiny Llama (hidden 64, 2 layers) with a few short requests, on the GPU when there is one
+and else on the CPU (no CUDA graphs there: the ceiling is eager only); its figures mean
+nothing, it checks the script before GPU time is spent on it
+(``tests/inference_engine/test_gpu_bench_smoke.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +46,55 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VOCAB = 32000
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RESULTS: list[dict] = []
+
+
+def sync() -> None:
+    """Wait for the device's queued work (timings end here)."""
+    if DEVICE.type == "cuda":
+        sync()
+
+
+def empty_cache() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each row does: the spec's, ``--quick``'s or ``--smoke``'s."""
+
+    fixed: int = 256  # requests of the fixed workload
+    fixed_tokens: int = 256  # forced output tokens each
+    mixed: int = 512
+    max_mixed_tokens: int = 512
+    latency_concurrency: tuple[int, ...] = (1, 16, 256)
+    latency_tokens: int = 128
+    step_batch: int = 256
+    step_context: int = 512
+    hf_batch: int = 64
+    ceiling_batch: int = 256
+
+
+SPEC = Sizes()
+QUICK = Sizes(fixed=64, mixed=64)
+SMOKE = Sizes(
+    fixed=8,
+    fixed_tokens=8,
+    mixed=6,
+    max_mixed_tokens=8,
+    latency_concurrency=(1, 4),
+    latency_tokens=4,
+    step_batch=4,
+    step_context=32,
+    hf_batch=4,
+    ceiling_batch=8,
+)
 
 
 def report(out: Path | None, **fields) -> None:
@@ -51,18 +106,18 @@ def report(out: Path | None, **fields) -> None:
             file.write(line + "\n")
 
 
-def build_model(model_dir: str) -> None:
+def build_model(model_dir: str, tiny: bool = False) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
+        hidden_size=64 if tiny else 2048,
+        intermediate_size=128 if tiny else 8192,
+        num_hidden_layers=2 if tiny else 16,
+        num_attention_heads=4 if tiny else 32,
+        num_key_value_heads=2 if tiny else 8,
         max_position_embeddings=4096,
         eos_token_id=2,
         bos_token_id=1,
@@ -71,23 +126,23 @@ def build_model(model_dir: str) -> None:
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with DEVICE:
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(model_dir)
     del model
-    torch.cuda.empty_cache()
+    empty_cache()
 
 
-def fixed_workload(num: int) -> tuple[list[list[int]], list[int]]:
+def fixed_workload(num: int, new_tokens: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(2024)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(128, 512))] for _ in range(num)]
-    return prompts, [256] * num
+    return prompts, [new_tokens] * num
 
 
-def mixed_workload(num: int) -> tuple[list[list[int]], list[int]]:
+def mixed_workload(num: int, max_tokens: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(7)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(16, 2048))] for _ in range(num)]
-    return prompts, [rng.randint(16, 512) for _ in range(num)]
+    return prompts, [rng.randint(min(16, max_tokens), max_tokens) for _ in range(num)]
 
 
 def engine(model_dir: str, **options):
@@ -97,7 +152,7 @@ def engine(model_dir: str, **options):
     llm = LLM(
         model_dir,
         dtype="bfloat16",
-        device="cuda",
+        device=DEVICE.type,
         skip_tokenizer_init=True,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
@@ -110,7 +165,7 @@ def release(llm) -> None:
     """Give the engine's device memory back before the next row loads its model."""
     llm.close()
     gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
 
 
 def bench_engine(llm, prompts, outs, **sampling) -> tuple[float, float]:
@@ -118,15 +173,18 @@ def bench_engine(llm, prompts, outs, **sampling) -> tuple[float, float]:
     parameters (a penalty, say)."""
     from inference_engine import SamplingParams
 
-    warm = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, **sampling)] * 8
-    llm.generate(prompts[:8], warm)
-    torch.cuda.synchronize()
+    warm = min(8, len(prompts))
+    llm.generate(
+        prompts[:warm],
+        [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, **sampling)] * warm,
+    )
+    sync()
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **sampling) for n in outs
     ]
     began = time.perf_counter()
     results = llm.generate(prompts, params)
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - began
     tokens = sum(len(result.token_ids) for result in results)
     assert tokens == sum(outs), (tokens, sum(outs))
@@ -161,7 +219,7 @@ def closed_loop_latency(llm, prompts, concurrency: int, num_requests: int, out_t
     return statistics.median(ttfts) * 1e3, statistics.median(tpots) * 1e3
 
 
-def decode_step_time(llm, batch: int = 256, context: int = 512, steps: int = 20) -> float:
+def decode_step_time(llm, batch: int, context: int, steps: int = 20) -> float:
     """Seconds per step of ``batch`` decodes at ``context`` tokens each, in steady state."""
     from inference_engine import SamplingParams
 
@@ -174,11 +232,11 @@ def decode_step_time(llm, batch: int = 256, context: int = 512, steps: int = 20)
         core.scheduler.num_waiting
     ):
         core.step()
-    torch.cuda.synchronize()
+    sync()
     began = time.perf_counter()
     for _ in range(steps):
         core.step()
-    torch.cuda.synchronize()
+    sync()
     seconds = (time.perf_counter() - began) / steps
     while core.has_unfinished_requests():
         core.step()
@@ -191,7 +249,7 @@ def bench_hf_static(model_dir: str, prompts, outs, batch: int) -> float:
     model = LlamaForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
     )
-    model = model.cuda().eval()
+    model = model.to(DEVICE).eval()
 
     def run(batch_prompts, new_tokens):
         width = max(len(p) for p in batch_prompts)
@@ -202,8 +260,8 @@ def bench_hf_static(model_dir: str, prompts, outs, batch: int) -> float:
             mask[i, width - len(prompt) :] = 1
         with torch.inference_mode():
             model.generate(
-                ids.cuda(),
-                attention_mask=mask.cuda(),
+                ids.to(DEVICE),
+                attention_mask=mask.to(DEVICE),
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 do_sample=False,
@@ -211,11 +269,11 @@ def bench_hf_static(model_dir: str, prompts, outs, batch: int) -> float:
             )
 
     run(prompts[:4], 8)
-    torch.cuda.synchronize()
+    sync()
     began = time.perf_counter()
     for i in range(0, len(prompts), batch):
         run(prompts[i : i + batch], max(outs[i : i + batch]))
-    torch.cuda.synchronize()
+    sync()
     return sum(outs) / (time.perf_counter() - began)
 
 
@@ -225,7 +283,7 @@ def bench_hf_continuous(model_dir: str, prompts, outs, limit_s: float = 300) -> 
     model = LlamaForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa"
     )
-    model = model.cuda().eval()
+    model = model.to(DEVICE).eval()
     config = GenerationConfig(
         max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0
     )
@@ -247,18 +305,18 @@ def bench_hf_continuous(model_dir: str, prompts, outs, limit_s: float = 300) -> 
                 done += 1
         seconds = time.perf_counter() - began
     del model
-    torch.cuda.empty_cache()
+    empty_cache()
     return sum(outs) / seconds if done == len(prompts) else None
 
 
-def ceiling_step(model_dir: str, batch: int) -> tuple[float, float]:
+def ceiling_step(model_dir: str, batch: int) -> tuple[float, float | None]:
     """The bare decode forward at ``batch`` (one token each, no KV context): eager and
-    captured in a CUDA graph. Seconds per step."""
+    captured in a CUDA graph (None on the CPU). Seconds per step."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    ids = torch.randint(3, VOCAB, (batch, 1), device="cuda")
-    positions = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    ids = torch.randint(3, VOCAB, (batch, 1), device=DEVICE)
+    positions = torch.zeros((batch, 1), dtype=torch.long, device=DEVICE)
 
     def forward():
         return model(ids, position_ids=positions, use_cache=False, logits_to_keep=1)
@@ -266,15 +324,17 @@ def ceiling_step(model_dir: str, batch: int) -> tuple[float, float]:
     def timed(fn, n=30):
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        sync()
         began = time.perf_counter()
         for _ in range(n):
             fn()
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - began) / n
 
     with torch.inference_mode():
         eager = timed(forward)
+        if DEVICE.type != "cuda":
+            return eager, None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -288,130 +348,178 @@ def ceiling_step(model_dir: str, batch: int) -> tuple[float, float]:
     return eager, captured
 
 
+def attempt(out: Path | None, row: str, measure):
+    """``measure()``'s result, or None with the row reported as failed: a row that fails does
+    not cost the rest of the run."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - reported, and the next rows still run
+        report(out, row=row, error=repr(exc)[:300])
+        return None
+
+
+def engine_rows(args, sizes: Sizes, skip: set[str], prompts, outs) -> tuple[float, float]:
+    """The rows of the engine as it is configured by default (CUDA graphs and async
+    scheduling on a GPU): (fixed workload tok/s, 256-decode step seconds)."""
+    out = args.out
+    llm, load_s = engine(args.model_dir)
+    try:
+        graphs = llm.core.runner.graphs
+        report(
+            out,
+            row="engine load",
+            seconds=round(load_s, 1),
+            graph_sizes=len(graphs.sizes) if graphs is not None else 0,
+        )
+        ours, seconds = bench_engine(llm, prompts, outs)
+        report(out, row="fixed: engine, CUDA graphs", tok_s=round(ours), seconds=round(seconds, 2))
+        step = decode_step_time(llm, sizes.step_batch, sizes.step_context)
+        report(
+            out,
+            row=f"step: {sizes.step_batch} decodes at ~{sizes.step_context} context",
+            step_ms=round(step * 1e3, 2),
+        )
+        if "penalty" not in skip:
+            # penalties count the outputs, the token in flight included, on the device
+            row = "fixed: engine, CUDA graphs, every request with a frequency penalty"
+            measured = attempt(
+                out, row, lambda: bench_engine(llm, prompts, outs, frequency_penalty=0.2)
+            )
+            if measured is not None:
+                report(out, row=row, tok_s=round(measured[0]), seconds=round(measured[1], 2))
+        if "latency" not in skip:
+            for concurrency in sizes.latency_concurrency:
+                row = f"latency at {concurrency} concurrent"
+                num_requests = max(4, 2 * concurrency) if not args.quick else max(2, concurrency)
+                measured = attempt(
+                    out,
+                    row,
+                    lambda c=concurrency, n=num_requests: closed_loop_latency(
+                        llm, prompts, c, n, sizes.latency_tokens
+                    ),
+                )
+                if measured is not None:
+                    ttft, tpot = measured
+                    report(out, row=row, ttft_p50_ms=round(ttft, 1), tpot_p50_ms=round(tpot, 2))
+        if "mixed" not in skip:
+            row = "mixed: engine, CUDA graphs"
+            mixed_prompts, mixed_outs = mixed_workload(sizes.mixed, sizes.max_mixed_tokens)
+            measured = attempt(out, row, lambda: bench_engine(llm, mixed_prompts, mixed_outs))
+            if measured is not None:
+                report(out, row=row, tok_s=round(measured[0]), seconds=round(measured[1], 2))
+    finally:
+        release(llm)
+    return ours, step
+
+
+def other_engine_row(args, sizes: Sizes, row: str, prompts, outs, **options) -> None:
+    """The fixed workload (and the step time) on the engine with ``options``."""
+    llm, _ = engine(args.model_dir, **options)
+    try:
+        tok_s, seconds = bench_engine(llm, prompts, outs)
+        step = decode_step_time(llm, sizes.step_batch, sizes.step_context)
+    finally:
+        release(llm)
+    report(
+        args.out,
+        row=row,
+        tok_s=round(tok_s),
+        seconds=round(seconds, 2),
+        step_ms=round(step * 1e3, 2),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="64 requests instead of 256/512")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny model and a few requests, on the CPU too"
+    )
     parser.add_argument(
         "--skip",
         default="",
         help="comma-separated: hf, cb, sync, eager, mixed, latency, penalty",
     )
-    parser.add_argument("--model-dir", default="/tmp/gpu-bench-llama1b")
+    parser.add_argument("--model-dir", help="default: /tmp/gpu-bench-llama1b (or -tiny)")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args()
+    if DEVICE.type != "cuda" and not args.smoke:
+        parser.error("this benchmark needs a CUDA GPU (--smoke runs it on the CPU)")
+    sizes = SMOKE if args.smoke else QUICK if args.quick else SPEC
+    args.model_dir = args.model_dir or (
+        "/tmp/gpu-bench-llama-tiny" if args.smoke else "/tmp/gpu-bench-llama1b"
+    )
     skip = set(filter(None, args.skip.split(",")))
     out = args.out
-    build_model(args.model_dir)
+    build_model(args.model_dir, tiny=args.smoke)
     import transformers
 
     report(
         out,
-        gpu=torch.cuda.get_device_name(),
+        gpu=device_name(),
         torch=torch.__version__,
         transformers=transformers.__version__,
     )
-    num = 64 if args.quick else 256
-    prompts, outs = fixed_workload(num)
+    prompts, outs = fixed_workload(sizes.fixed, sizes.fixed_tokens)
 
-    llm, load_s = engine(args.model_dir)
-    num_graphs = len(llm.core.runner.graphs.sizes)
-    report(out, row="engine load", seconds=round(load_s, 1), graph_sizes=num_graphs)
-    ours, seconds = bench_engine(llm, prompts, outs)
-    report(out, row="fixed: engine, CUDA graphs", tok_s=round(ours), seconds=round(seconds, 2))
-    step = decode_step_time(llm)
-    report(out, row="step: 256 decodes at ~512 context", step_ms=round(step * 1e3, 2))
-    if "penalty" not in skip:
-        # penalties count the outputs, the token in flight included, on the device
-        penalised, seconds = bench_engine(llm, prompts, outs, frequency_penalty=0.2)
-        report(
-            out,
-            row="fixed: engine, CUDA graphs, every request with a frequency penalty",
-            tok_s=round(penalised),
-            seconds=round(seconds, 2),
-        )
-    if "latency" not in skip:
-        for concurrency in (1, 16, 256):
-            num_requests = max(4, 2 * concurrency) if not args.quick else max(2, concurrency)
-            ttft, tpot = closed_loop_latency(llm, prompts, concurrency, num_requests, 128)
-            report(
-                out,
-                row=f"latency at {concurrency} concurrent",
-                ttft_p50_ms=round(ttft, 1),
-                tpot_p50_ms=round(tpot, 2),
-            )
-    if "mixed" not in skip:
-        mixed_prompts, mixed_outs = mixed_workload(64 if args.quick else 512)
-        mixed, seconds = bench_engine(llm, mixed_prompts, mixed_outs)
-        report(out, row="mixed: engine, CUDA graphs", tok_s=round(mixed), seconds=round(seconds, 2))
-    release(llm)
-    del llm
-
-    # a row that fails is reported and the rest still run
+    ours, step = attempt(
+        out, "fixed: engine, CUDA graphs", lambda: engine_rows(args, sizes, skip, prompts, outs)
+    ) or (None, None)
     if "sync" not in skip:
-        sync_row = "fixed: engine, CUDA graphs, no async scheduling"
-        try:
-            llm, _ = engine(args.model_dir, async_scheduling="off")
-            sync, seconds = bench_engine(llm, prompts, outs)
-            sync_step = decode_step_time(llm)
-            release(llm)
-            del llm
-        except Exception as exc:  # noqa: BLE001
-            report(out, row=sync_row, error=repr(exc)[:300])
-        else:
-            report(
-                out,
-                row=sync_row,
-                tok_s=round(sync),
-                seconds=round(seconds, 2),
-                step_ms=round(sync_step * 1e3, 2),
-            )
+        row = "fixed: engine, CUDA graphs, no async scheduling"
+        attempt(
+            out,
+            row,
+            lambda: other_engine_row(args, sizes, row, prompts, outs, async_scheduling="off"),
+        )
     if "eager" not in skip:
-        try:
-            llm, _ = engine(args.model_dir, enforce_eager=True)
-            eager, seconds = bench_engine(llm, prompts, outs)
-            release(llm)
-            del llm
-        except Exception as exc:  # noqa: BLE001
-            report(out, row="fixed: engine, eager", error=repr(exc)[:300])
-        else:
-            report(out, row="fixed: engine, eager", tok_s=round(eager), seconds=round(seconds, 2))
+        row = "fixed: engine, eager"
+        attempt(
+            out, row, lambda: other_engine_row(args, sizes, row, prompts, outs, enforce_eager=True)
+        )
     hf = None
     if "hf" not in skip:
-        try:
-            hf = bench_hf_static(args.model_dir, prompts, outs, batch=64)
-        except Exception as exc:  # noqa: BLE001
-            report(out, row="fixed: HF generate, static batches of 64", error=repr(exc)[:300])
-        else:
-            report(out, row="fixed: HF generate, static batches of 64", tok_s=round(hf))
+        row = f"fixed: HF generate, static batches of {sizes.hf_batch}"
+        hf = attempt(
+            out, row, lambda: bench_hf_static(args.model_dir, prompts, outs, sizes.hf_batch)
+        )
+        if hf is not None:
+            report(out, row=row, tok_s=round(hf))
         gc.collect()
-        torch.cuda.empty_cache()
+        empty_cache()
     if "cb" not in skip:
-        try:
-            cb = bench_hf_continuous(args.model_dir, prompts, outs)
-        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
-            report(out, row="fixed: transformers continuous batching", error=repr(exc)[:300])
-        else:
-            report(out, row="fixed: transformers continuous batching (paged|sdpa)", tok_s=cb)
-    torch.cuda.empty_cache()
-    eager_ceiling, graph_ceiling = ceiling_step(args.model_dir, 256)
-    report(
-        out,
-        row="ceiling: bare decode forward at 256",
-        eager_ms=round(eager_ceiling * 1e3, 2),
-        graph_ms=round(graph_ceiling * 1e3, 2),
-        graph_tok_s=round(256 / graph_ceiling),
-    )
+        row = "fixed: transformers continuous batching (paged|sdpa)"
+        cb = attempt(out, row, lambda: bench_hf_continuous(args.model_dir, prompts, outs))
+        if cb is not None:
+            report(out, row=row, tok_s=round(cb))
+        empty_cache()
+    batch = sizes.ceiling_batch
+    eager_ceiling, graph_ceiling = attempt(
+        out, "ceiling", lambda: ceiling_step(args.model_dir, batch)
+    ) or (None, None)
+    if eager_ceiling is not None:
+        report(
+            out,
+            row=f"ceiling: bare decode forward at {batch}",
+            eager_ms=round(eager_ceiling * 1e3, 2),
+            graph_ms=round(graph_ceiling * 1e3, 2) if graph_ceiling else None,
+            graph_tok_s=round(batch / graph_ceiling) if graph_ceiling else None,
+        )
 
     print()
-    print(f"fixed workload, {num} requests x 256 tokens, {torch.cuda.get_device_name()}")
+    print(f"fixed workload, {sizes.fixed} requests x {sizes.fixed_tokens} tokens, {device_name()}")
+    if ours is None:
+        print("  this engine failed: see its row above")
+        return
     print(f"  this engine, CUDA graphs     {ours:10.0f} tok/s")
     if hf:
-        print(f"  HF static batches of 64      {hf:10.0f} tok/s   ratio {ours / hf:.1f}x")
-    print(f"  ceiling (graph, batch 256)   {256 / graph_ceiling:10.0f} tok/s")
-    print(
-        f"  256-decode step              {step * 1e3:10.2f} ms vs ceiling "
-        f"{graph_ceiling * 1e3:.2f} ms: {step / graph_ceiling:.2f}x"
-    )
+        print(f"  HF static batches            {hf:10.0f} tok/s   ratio {ours / hf:.1f}x")
+    if graph_ceiling:
+        print(f"  ceiling (graph, batch {batch})   {batch / graph_ceiling:10.0f} tok/s")
+        print(
+            f"  {sizes.step_batch}-decode step              {step * 1e3:10.2f} ms vs ceiling "
+            f"{graph_ceiling * 1e3:.2f} ms: {step / graph_ceiling:.2f}x"
+        )
 
 
 if __name__ == "__main__":
