@@ -9,7 +9,7 @@ TEST_STAMP := $(VENV)/.installed-test
 KERNELS_STAMP := $(VENV)/.cpu-kernels
 PYTEST_ARGS ?= --durations=20
 
-.PHONY: run test lint format worker migrate clean gpu-wheels
+.PHONY: run test lint format worker migrate clean gpu-wheels gpu-rehearsal
 
 run: $(RUN_STAMP) $(KERNELS_STAMP)
 	exec $(BIN)/python manage.py runplatform
@@ -36,6 +36,10 @@ clean:
 # Wheels the GPU machine lacks, for its one-call test and benchmark run (bench/RESULTS-gpu.md).
 gpu-wheels: $(TEST_STAMP)
 	sh scripts/gpu_wheels.sh
+
+# That run rehearsed on this CPU, in an environment like the GPU machine's image.
+gpu-rehearsal: gpu-wheels
+	sh scripts/gpu_rehearsal.sh
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -20,16 +20,17 @@ export PYTHONPATH="/tmp/site:$PWD/platform:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 case "$1" in
 tests)
-    timeout 300 python3 -m pytest tests/inference_engine -q -p no:cacheprovider \
-        --durations=15 2>&1 | tee "$OUT/tests.log"
+    # SIGINT at the limit: pytest still prints what failed so far (a kill prints nothing)
+    timeout -s INT -k 30 300 python3 -m pytest tests/inference_engine -q -p no:cacheprovider \
+        -rfE --durations=15 2>&1 | tee "$OUT/tests.log"
     for i in 2 3 4 5; do
         echo "== parity run $i"
-        timeout 65 python3 -m pytest tests/inference_engine/test_parity.py -q \
+        timeout -s INT -k 10 65 python3 -m pytest tests/inference_engine/test_parity.py -q \
             -p no:cacheprovider -k "cuda or chunked_prefill" 2>&1 | tail -5
     done | tee "$OUT/parity.log"
     ;;
 bench)
-    timeout 570 python3 bench/gpu_throughput.py --out "$OUT/gpu.jsonl" ${2:-} 2>&1 \
+    timeout -s INT -k 10 570 python3 bench/gpu_throughput.py --out "$OUT/gpu.jsonl" ${2:-} 2>&1 \
         | tee "$OUT/bench.log"
     ;;
 esac

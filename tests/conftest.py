@@ -47,9 +47,12 @@ def other_tenant(db):
 
 def subprocess_env(**overrides: str | None) -> dict[str, str]:
     """The environment for a child process of the project: paths set, overrides applied
-    (None removes a variable)."""
+    (None removes a variable). The project's paths go before the ``PYTHONPATH`` inherited,
+    which stays: the GPU machine's packages are installed into a folder it names."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "platform"), str(ROOT)])
+    inherited = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
+    paths = dict.fromkeys([str(ROOT / "platform"), str(ROOT), *inherited])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     env["DJANGO_SETTINGS_MODULE"] = "config.settings"
     for name, value in overrides.items():
         if value is None:
