@@ -1,9 +1,11 @@
 """Chat fixtures: the gateway's live engine (and Daphne) on a tiny model, a user in a tenant
 with the model deployed, and WebSocket communicators on the real routing and middleware."""
 
+import asyncio
 import contextlib
 import json
 import signal
+import time
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -130,3 +132,30 @@ def engine_paused(running_engine):
         yield
     finally:
         running_engine.process.send_signal(signal.SIGCONT)
+
+
+async def run_paused_engine_until(
+    running_engine, chat: "Chat", frame_type: str, slice_seconds: float = 0.01
+) -> tuple[dict, list[dict]]:
+    """Inside ``engine_paused``: let the engine run in slices of ``slice_seconds`` until
+    ``chat`` receives a frame of ``frame_type``, and leave it paused. (that frame, all read.)
+
+    Paused only once a first token had been read, a fast engine could finish the whole reply
+    first on a loaded machine (CI saw a reply complete that a test meant to stop); this way it
+    generates at most a slice's worth of tokens between two looks, so the reply is certainly
+    mid-stream when the test goes on. Held from before the send instead, and for longer than
+    a second, the engine would not answer the STATS that routes the request
+    (``serving.pool``): the reply would end in an error."""
+    frames: list[dict] = []
+    deadline = time.monotonic() + FRAME_TIMEOUT
+    while time.monotonic() < deadline:
+        running_engine.process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(slice_seconds)
+        running_engine.process.send_signal(signal.SIGSTOP)
+        # what the engine sent in its slice reaches the socket while it is held
+        while not await chat.communicator.receive_nothing(timeout=0.05):
+            frame = await chat.receive()
+            frames.append(frame)
+            if frame["type"] == frame_type:
+                return frame, frames
+    raise AssertionError(f"no {frame_type!r} frame within {FRAME_TIMEOUT} s: {frames}")

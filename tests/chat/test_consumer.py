@@ -14,7 +14,14 @@ from inference_engine.client import AsyncEngineClient
 from tenants import quotas
 from tenants import services as tenant_services
 from tenants.models import Tenant, UsageRecord
-from tests.chat.conftest import MODEL_NAME, Chat, engine_paused, open_chat, session_cookie
+from tests.chat.conftest import (
+    MODEL_NAME,
+    Chat,
+    engine_paused,
+    open_chat,
+    run_paused_engine_until,
+    session_cookie,
+)
 from tests.gateway.conftest import MAX_MODEL_LEN
 
 LONG_REPLY_TOKENS = 200
@@ -178,9 +185,10 @@ async def test_stop_after_the_first_token_keeps_the_partial_reply(
     conversation, tenant = chat_world["conversation"], chat_world["tenant"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
-    await chat.send(type="send", content="Tell me a long story")
-    first_token, _ = await chat.receive_until("token")
     with engine_paused(ready_engine):
+        await chat.send(type="send", content="Tell me a long story")
+        first_token, frames = await run_paused_engine_until(ready_engine, chat, "token")
+        assert [f["type"] for f in frames].count("token") == 1
         await chat.send(type="stop")
         done, frames = await chat.receive_until("done", "error")
     await chat.close()
@@ -211,9 +219,9 @@ async def test_a_disconnect_aborts_the_engine_request_and_saves_the_partial_repl
     endpoint = await sync_to_async(_endpoint)(chat_world)
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
-    await chat.send(type="send", content="Tell me a long story")
-    await chat.receive_until("token")
     with engine_paused(ready_engine):
+        await chat.send(type="send", content="Tell me a long story")
+        await run_paused_engine_until(ready_engine, chat, "token")
         await chat.close()
 
     _, reply = await _messages(conversation)
@@ -228,11 +236,9 @@ async def test_a_second_send_while_generating_is_refused(chat_world, async_db, r
     conversation = chat_world["conversation"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
-    # held from before the first send: paused only once "start" was read, the engine could
-    # finish the whole reply first on a loaded machine (CI saw "complete")
     with engine_paused(ready_engine):
         await chat.send(type="send", content="Tell me a long story")
-        await chat.receive_until("start")
+        await run_paused_engine_until(ready_engine, chat, "token")
         await chat.send(type="send", content="Interrupting")
         busy, _ = await chat.receive_until("error")
         assert busy["code"] == "busy" and "message_id" not in busy
@@ -485,9 +491,9 @@ async def test_signing_out_mid_reply_stops_it(chat_world, async_db, ready_engine
     conversation, alice = chat_world["conversation"], chat_world["user"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     connected, _, chat = await open_chat(alice, conversation.pk)
-    await chat.send(type="send", content="Tell me a long story")
-    await chat.receive_until("token")
     with engine_paused(ready_engine):
+        await chat.send(type="send", content="Tell me a long story")
+        await run_paused_engine_until(ready_engine, chat, "token")
         await _deactivate(alice)
         await chat.send(type="settings", temperature=1.0)
         frames = await _signed_out(chat)
@@ -517,14 +523,16 @@ async def test_a_valid_session_costs_one_query_per_frame(chat_world, async_db):
     assert user == alice and num_queries == 1
 
 
-async def _two_windows_one_reply_streaming(chat_world):
-    """Two sockets on the conversation; the first has started a long reply."""
+async def _two_windows_one_reply_streaming(chat_world, engine):
+    """Two sockets on the conversation; the first has a long reply under way, its first token
+    read. Call it with the engine paused (``engine_paused``): it stays paused, the reply
+    mid-stream."""
     conversation = chat_world["conversation"]
     await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
     _, _, first = await open_chat(chat_world["user"], conversation.pk)
     _, _, second = await open_chat(chat_world["user"], conversation.pk)
     await first.send(type="send", content="Tell me a long story")
-    await first.receive_until("start")
+    await run_paused_engine_until(engine, first, "token")
     return first, second
 
 
@@ -532,8 +540,8 @@ async def test_another_window_cannot_change_the_conversation_while_a_reply_strea
     chat_world, async_db, ready_engine
 ):
     conversation = chat_world["conversation"]
-    first, second = await _two_windows_one_reply_streaming(chat_world)
     with engine_paused(ready_engine):
+        first, second = await _two_windows_one_reply_streaming(chat_world, ready_engine)
         for frame in ({"type": "send", "content": "Me too"}, {"type": "regenerate"}):
             await second.send(**frame)
             busy = await second.receive()
@@ -563,8 +571,8 @@ async def test_a_reply_renews_its_claim_while_it_runs(
     monkeypatch.setattr(claims, "LEASE_SECONDS", 1)
     monkeypatch.setattr(claims, "RENEW_SECONDS", 0.2)
     conversation = chat_world["conversation"]
-    first, second = await _two_windows_one_reply_streaming(chat_world)
     with engine_paused(ready_engine):
+        first, second = await _two_windows_one_reply_streaming(chat_world, ready_engine)
         await asyncio.sleep(3)
         await second.send(type="regenerate")
         busy = await second.receive()
