@@ -89,6 +89,12 @@ class _Run:
     is_finished: bool = False
     error: ChatError | None = None
 
+    def cancel(self) -> None:
+        """Cancel the generation, once: a stop frame and ``_stop`` may both ask (an extra
+        request would stay counted on the task, which ends its own work after the first)."""
+        if self.is_generating and self.task is not None and not self.task.cancelling():
+            self.task.cancel()
+
 
 class ChatConsumer(AsyncWebsocketConsumer):
     # No groups: a socket needs no channel-layer subscription (a Redis connection and a
@@ -150,11 +156,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if handler is None:
             await self._error("unknown_type", f"Unknown frame type {frame['type'][:40]!r}.")
             return
-        run = self.run
-        if frame["type"] == "stop" and run is not None and run.is_generating and run.task:
+        if frame["type"] == "stop" and self.run is not None:
             # at once: the checks below wait their turn on the database thread, and a reply
             # streaming meanwhile could end before the stop that the user sent
-            run.task.cancel()
+            self.run.cancel()
         # Every frame, a stop too: the session may have ended since the socket opened.
         if not await self._is_signed_in():
             await self._lose_access(
@@ -293,10 +298,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self._send({"type": "token", "text": text})
 
     async def _stop(self, run: _Run) -> None:
-        # once: a stop frame may have cancelled it already (an extra request would stay
-        # counted on the task, which ends its own work after the cancellation)
-        if run.is_generating and run.task is not None and not run.task.cancelling():
-            run.task.cancel()
+        run.cancel()
         if run.task is not None:
             await asyncio.wait([run.task])
         # A task cancelled before it ever ran never reached _finish.

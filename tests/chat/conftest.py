@@ -135,7 +135,7 @@ def engine_paused(running_engine):
 
 
 async def run_paused_engine_until(
-    running_engine, chat: "Chat", frame_type: str, slice_seconds: float = 0.01
+    running_engine, chat: Chat, frame_type: str, slice_seconds: float = 0.01
 ) -> tuple[dict, list[dict]]:
     """Inside ``engine_paused``: let the engine run in slices of ``slice_seconds`` until
     ``chat`` receives a frame of ``frame_type``, and leave it paused. (that frame, all read.)
