@@ -12,20 +12,30 @@ done and runs again what was left running, under the same request ids.
 
 A cancelled batch takes no new line; lines in flight run to their end. A line refused for a
 while (a rate limit, no ready replica) waits and tries again within the batch's window.
+
+Each line is authorized as the online API would authorize it then: once the key that created
+the batch is revoked, expires or is deleted, or its tenant is deactivated, the lines not yet
+started are answered with the API's 401 or 403 and nothing more runs. The runner reads the key
+and the tenant again when the API's auth generation changes (any process's change to a key,
+tenant, plan or deployment) and at least every ``GATEWAY_AUTH_CACHE_SECONDS``.
 """
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import msgspec
 from django.conf import settings
+from django.core.cache import cache
 from django.utils import timezone
 
 from batches import selectors, services
 from batches.models import Batch, BatchRequest
 from config.workers import database_worker
-from gateway.authorization import model_not_found
+from gateway.auth import refusal_of
+from gateway.authorization import GENERATION_KEY, model_not_found
 from gateway.errors import ApiError, from_run_error
 from gateway.handling import new_response_id
 from gateway.responses import Responder
@@ -60,21 +70,43 @@ def batch_run(*, batch_id: str) -> str:
         batch = services.batch_validate(batch=batch)
         services.batch_requests_resume(batch=batch)
         if batch.status == Batch.Status.IN_PROGRESS:
-            tenant = Tenant.objects.select_related("plan").get(pk=batch.tenant_id)
-            api_key = ApiKey.objects.filter(pk=batch.api_key_id).first()
-            asyncio.run(BatchRun(batch, tenant, api_key, runner).run())
+            asyncio.run(BatchRun(batch, _credentials_of(batch), runner).run())
         return services.batch_finish(batch=batch, runner=runner).status
     finally:
         services.batch_release(batch=batch, runner=runner)
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """The batch's key (``None``: deleted) and tenant, as read under an auth generation."""
+
+    tenant: Tenant
+    api_key: ApiKey | None
+    generation: str | None
+    read_at: float
+
+    def is_current(self, generation: str | None) -> bool:
+        age = time.monotonic() - self.read_at
+        return generation == self.generation and age < settings.GATEWAY_AUTH_CACHE_SECONDS
+
+
+def _credentials_of(batch: Batch) -> Credentials:
+    # the generation first: a change made while the rows are read leaves them stale
+    generation = cache.get(GENERATION_KEY)
+    return Credentials(
+        tenant=Tenant.objects.select_related("plan").get(pk=batch.tenant_id),
+        api_key=ApiKey.objects.select_related("tenant").filter(pk=batch.api_key_id).first(),
+        generation=generation,
+        read_at=time.monotonic(),
+    )
+
+
 class BatchRun:
     """One runner's pass over a batch's pending lines, on one event loop."""
 
-    def __init__(self, batch: Batch, tenant: Tenant, api_key: ApiKey | None, runner: str) -> None:
+    def __init__(self, batch: Batch, credentials: Credentials, runner: str) -> None:
         self.batch = batch
-        self.tenant = tenant
-        self.api_key = api_key
+        self.credentials = credentials
         self.runner = runner
         self.kind, self.plan_of = ENDPOINT_PLANS[batch.endpoint]
         self.max_in_flight = settings.BATCH_MAX_IN_FLIGHT
@@ -161,12 +193,17 @@ class BatchRun:
         return {"status_code": 200, "request_id": request_id, "body": msgspec.to_builtins(body)}
 
     async def _caller(self, model: str) -> Caller:
-        if self.api_key is None:
-            raise ApiError(
-                401, "The API key that created this batch was deleted.", code="invalid_api_key"
-            )
+        """The line's caller, as the API would authorize its key now; ``ApiError`` where the
+        API would refuse it."""
+        if not self.credentials.is_current(await _auth_generation()):
+            self.credentials = await _acredentials_of(self.batch)
+            self._callers.clear()  # a plan's models or tier may have changed too
+        refusal = refusal_of(self.credentials.api_key)
+        if refusal is not None:
+            raise refusal
         if model not in self._callers:
-            self._callers[model] = await _caller_of(self.tenant, self.api_key, model)
+            tenant, api_key = self.credentials.tenant, self.credentials.api_key
+            self._callers[model] = await _caller_of(tenant, api_key, model)
         caller = self._callers[model]
         if caller is None:
             raise model_not_found(model)
@@ -193,6 +230,14 @@ def _raise_failures(tasks: set[asyncio.Task]) -> None:
     failures = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
     if failures:
         raise failures[0]
+
+
+_acredentials_of = database_worker(_credentials_of)
+
+
+@database_worker
+def _auth_generation() -> str | None:
+    return cache.get(GENERATION_KEY)
 
 
 @database_worker

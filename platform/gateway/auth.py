@@ -11,7 +11,9 @@ _MESSAGES = {
     "missing": "You didn't provide an API key. Send it as 'Authorization: Bearer sk-…'.",
     "expired": "Your API key has expired.",
     "revoked": "Your API key has been revoked.",
+    "deleted": "Your API key has been deleted.",
 }
+_TENANT_INACTIVE = "Your organization is inactive."
 _INCORRECT = "Incorrect API key provided."
 
 
@@ -33,8 +35,23 @@ def api_key_for(raw_key: str) -> ApiKey:
     except ApiKeyInvalid as exc:
         raise ApiError(401, _MESSAGES.get(exc.reason, _INCORRECT), code="invalid_api_key") from exc
     if not api_key.tenant.is_active:
-        raise ApiError(403, "Your organization is inactive.", code="tenant_inactive")
+        raise ApiError(403, _TENANT_INACTIVE, code="tenant_inactive")
     return api_key
+
+
+def refusal_of(api_key: ApiKey | None) -> ApiError | None:
+    """What the API would answer a request made now with a key already found (``None``: it
+    was deleted; its tenant loaded), or ``None`` where it would be served. For work that
+    outlives the request that authorized it: a batch's lines."""
+    if api_key is None:
+        return ApiError(401, _MESSAGES["deleted"], code="invalid_api_key")
+    if api_key.is_revoked:
+        return ApiError(401, _MESSAGES["revoked"], code="invalid_api_key")
+    if api_key.is_expired():
+        return ApiError(401, _MESSAGES["expired"], code="invalid_api_key")
+    if not api_key.tenant.is_active:
+        return ApiError(403, _TENANT_INACTIVE, code="tenant_inactive")
+    return None
 
 
 aapi_key_for = database_worker(api_key_for)

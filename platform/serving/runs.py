@@ -46,6 +46,12 @@ logger = logging.getLogger(__name__)
 NO_REPLICA_RETRY_AFTER_SECONDS = 5
 ENGINE_BUSY_RETRY_AFTER_SECONDS = 1
 UNKNOWN_RETRY_AFTER_SECONDS = 1  # an engine error code this web tier does not know yet
+# What a caller is told of the engine's own failures. The engine's and its client's words (an
+# exception's text, the engine's address) go to this process's log, never to a tenant; its
+# refusals (an invalid request, a context too long) are the caller's to read, as they are.
+ENGINE_FAILED = "The model's engine failed while generating this response."
+ENGINE_LOST = "The model's engine is unavailable."
+ENGINE_BUSY = "The model's engine is overloaded: too many requests are waiting for it."
 # how long a run left early waits for the engine's count of what it computed
 FINAL_USAGE_TIMEOUT_SECONDS = 2.0
 
@@ -296,11 +302,10 @@ class Run:
         except EngineUnavailable as exc:
             raise self._lost(exc) from exc
         except EngineOverloaded as exc:  # the engine is up: its queue is full, as it says
+            logger.warning("request %s refused: %s", self.meter.request_id, exc)
             self.meter.fail(str(ErrorCode.OVERLOADED), UsageRecord.Status.REJECTED)
             raise RunError(
-                "engine_overloaded",
-                f"The model's engine is overloaded: {exc}.",
-                retry_after=ENGINE_BUSY_RETRY_AFTER_SECONDS,
+                "engine_overloaded", ENGINE_BUSY, retry_after=ENGINE_BUSY_RETRY_AFTER_SECONDS
             ) from exc
         except StopAsyncIteration as exc:
             self.meter.fail("engine_error")
@@ -367,14 +372,21 @@ class Run:
             delta.error, (str(delta.error or "engine_error"), "error", UNKNOWN_RETRY_AFTER_SECONDS)
         )
         self.meter.fail(str(delta.error), status)
+        if status == UsageRecord.Status.ERROR:
+            logger.error(
+                "request %s failed in the engine: %s: %s",
+                self.meter.request_id,
+                delta.error,
+                delta.error_message,
+            )
+            return RunError(code, ENGINE_FAILED, retry_after=retry_after)
         return RunError(code, delta.error_message or code, retry_after=retry_after)
 
     def _lost(self, exc: EngineUnavailable) -> RunError:
+        logger.warning("request %s lost its engine: %s", self.meter.request_id, exc)
         self.meter.fail("engine_unavailable")
         return RunError(
-            "engine_unavailable",
-            f"The model's engine is unavailable: {exc}",
-            retry_after=NO_REPLICA_RETRY_AFTER_SECONDS,
+            "engine_unavailable", ENGINE_LOST, retry_after=NO_REPLICA_RETRY_AFTER_SECONDS
         )
 
     # --- settle --------------------------------------------------------------------------
