@@ -118,17 +118,19 @@ class Caller:
         deployment: ModelDeployment,
         source: str,
         priority_floor: int = 0,
+        user: AbstractBaseUser | None = None,
         **fields: object,
     ) -> "Caller":
-        """The caller for ``tenant`` on ``deployment``, with its prefix cache salt, its plan
-        tier's priority (no higher than ``priority_floor``'s number says) and its weight read
-        from the database: call it on a worker thread. (The API reads the same from its
-        cached authorization instead.)"""
+        """The caller for ``tenant`` (and its chat ``user``) on ``deployment``, with its
+        prefix cache salt, its plan tier's priority (no higher than ``priority_floor``'s
+        number says) and its weight read from the database: call it on a worker thread. (The
+        API reads the same from its cached authorization instead.)"""
         return cls(
             tenant=tenant,
             deployment=deployment,
             source=source,
-            cache_salt=prefix_cache_salt(tenant=tenant, deployment=deployment),
+            user=user,
+            cache_salt=prefix_cache_salt(tenant=tenant, deployment=deployment, user=user),
             priority=max(tenant_priority(tenant=tenant), priority_floor),
             tenant_weight=tenant_share(tenant=tenant),
             **fields,

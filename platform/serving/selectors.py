@@ -1,5 +1,6 @@
 """Which deployments a tenant may use."""
 
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models import Q, QuerySet
 
 from serving.models import ModelDeployment
@@ -18,11 +19,16 @@ def deployments_for_tenant(*, tenant: Tenant) -> QuerySet[ModelDeployment]:
     return deployments.distinct().order_by("name")
 
 
-def prefix_cache_salt(*, tenant: Tenant, deployment: ModelDeployment) -> str | None:
+def prefix_cache_salt(
+    *, tenant: Tenant, deployment: ModelDeployment, user: AbstractBaseUser | None = None
+) -> str | None:
     """The engine's cache salt for the tenant's requests: each tenant its own prefix cache
-    (another tenant's cached tokens would reveal what it sent), unless the deployment shares
-    its cache (None)."""
-    return None if deployment.shares_prefix_cache else f"tenant-{tenant.pk}"
+    (another tenant's cached tokens, or how soon its first token comes, would reveal what it
+    sent), and in the chat each user their own (a member's conversations are private from the
+    other members), unless the deployment shares its cache (None)."""
+    if deployment.shares_prefix_cache:
+        return None
+    return f"tenant-{tenant.pk}" if user is None else f"tenant-{tenant.pk}-user-{user.pk}"
 
 
 def deployment_for_tenant(*, tenant: Tenant, name: str) -> ModelDeployment | None:

@@ -144,7 +144,8 @@ async def test_send_streams_a_reply_that_is_saved_and_metered(chat_world, async_
         ("system", "You are terse."),
         ("user", "Hello there"),
     ]
-    assert request.cache_salt == f"tenant-{tenant.pk}"
+    # each user's own prefix cache: another member's cached tokens would tell what they sent
+    assert request.cache_salt == f"tenant-{tenant.pk}-user-{chat_world['user'].pk}"
     assert request.tenant_id == str(tenant.pk)
     assert (request.priority, request.tenant_weight) == (0, 2.0)  # the tenant's tier and share
     assert request.params.temperature == 0.0

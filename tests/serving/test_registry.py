@@ -1,6 +1,7 @@
 from io import StringIO
 
 import pytest
+from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
 
 from serving.models import ModelDeployment
@@ -58,5 +59,14 @@ def test_each_tenant_has_its_own_prefix_cache_unless_the_deployment_shares_it():
     salts = {prefix_cache_salt(tenant=t, deployment=deployment) for t in (first, second)}
     assert len(salts) == 2 and None not in salts
 
+    # the chat's users of one tenant: each their own (their conversations are private)
+    alice = User.objects.create_user("alice")
+    bob = User.objects.create_user("bob")
+    user_salts = {
+        prefix_cache_salt(tenant=first, deployment=deployment, user=u) for u in (alice, bob)
+    }
+    assert len(user_salts | salts) == 4
+
     deployment.shares_prefix_cache = True
     assert prefix_cache_salt(tenant=first, deployment=deployment) is None
+    assert prefix_cache_salt(tenant=first, deployment=deployment, user=alice) is None
