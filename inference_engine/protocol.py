@@ -152,6 +152,10 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
             )
 
 
+# a temperature below this samples greedily (as vLLM's ``_SAMPLING_EPS``)
+SAMPLING_EPS = 1e-5
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """How to sample one request, with vLLM's names and defaults.
 
@@ -284,7 +288,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that dividing the logits by it in float32 would
+        overflow them to inf (and the softmax to NaN): vLLM's ``_SAMPLING_EPS``."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:

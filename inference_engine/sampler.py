@@ -160,7 +160,7 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         if not all_greedy:
             greedy = self._upload(np.array([p.is_greedy for p in params]))
-            temperature = np.array([p.temperature if p.temperature > 0 else 1.0 for p in params])
+            temperature = np.array([1.0 if p.is_greedy else p.temperature for p in params])
             logits.div_(self._upload(temperature.astype(np.float32)).unsqueeze(1))
             logits = self._top_k_top_p_min_p(logits, params)
             sampled = self._sample(logits.softmax(dim=-1), rows)

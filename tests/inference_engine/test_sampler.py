@@ -37,6 +37,20 @@ def test_greedy_takes_the_argmax_per_row():
     assert tokens == [9, 0] and logprobs == [None, None]
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300, 5e-324])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
+    """Logits divided by a temperature that is 0 in float32 (or close to it) are inf, their
+    softmax NaN, and the draw came back as token ``VOCAB``: out of the vocabulary, it failed
+    the next step for every request in the batch. Below ``SAMPLING_EPS`` it is greedy, as in
+    vLLM."""
+    assert SamplingParams(temperature=temperature).is_greedy
+    sampler = Sampler(torch.device("cpu"))
+    logits = logits_for(LINEAR, LINEAR[::-1], LINEAR)
+    rows = [row("t", temperature=temperature), row("u", temperature=temperature), row("g")]
+    tokens, _ = sampler(logits, rows)
+    assert tokens[:2] == [9, 0] and 0 <= tokens[2] < VOCAB
+
+
 def test_top_k_limits_candidates():
     assert sample_many({"top_k": 3, "temperature": 5.0}) == {7, 8, 9}
     assert sample_many({"top_k": 1}) == {9}
