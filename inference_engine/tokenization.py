@@ -46,7 +46,9 @@ class IncrementalDetokenizer:
 
     A character whose bytes are split across tokens is held back until it is complete: text
     that ends in U+FFFD is not emitted yet. Each decode covers only a short window that starts
-    where the previous emitted delta started, so the cost per token stays constant.
+    where the previous emitted delta started, so the cost per token stays constant. A delta is
+    what the window's text adds to its prefix's, by length (as vLLM's): a character that
+    straddles the prompt and the output is the prompt's, and no prompt text is emitted.
     """
 
     def __init__(
@@ -81,7 +83,9 @@ class IncrementalDetokenizer:
 
     def _emit(self, text: str) -> str:
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        delta = text[len(prefix) :] if text.startswith(prefix) else text
+        if len(text) <= len(prefix):
+            return ""  # what the new tokens completed was counted in the prefix's text
+        delta = text[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         self.text += delta

@@ -36,6 +36,26 @@ def test_flush_emits_an_incomplete_tail(tokenizer):
     assert detokenizer.flush() == "\ufffd"
 
 
+@pytest.mark.parametrize("tail", ["", " ok", "€ and 😀"])
+def test_a_prompt_ending_inside_a_character_lends_none_of_its_text_to_the_output(
+    tokenizer, tail
+):
+    """The prompt's last token is the first byte of "é", the output's first token its second:
+    the character straddles the two, and the output's text is what the whole text adds to the
+    prompt's (as vLLM's detokenizer counts it). It was the whole decode window, " café",
+    prompt text included."""
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    e_acute = ids("é")
+    assert len(e_acute) == 2  # two byte tokens, or the case is not what it says
+    prompt = ids("the lazy caf") + e_acute[:1]
+    output = e_acute[1:] + ids(tail)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join(detokenizer.push([token_id]) for token_id in output) + detokenizer.flush()
+
+    whole, prompt_text = tokenizer.decode(prompt + output), tokenizer.decode(prompt)
+    assert text == whole[len(prompt_text) :] == tail
+
+
 def test_stop_strings_find_the_earliest_new_hit():
     assert find_stop_string("abc###def", ["###"], 9) == 3
     assert find_stop_string("abc##", ["###"], 1) is None
