@@ -45,6 +45,8 @@ class RequestState:
     holdback: int
     wants_logprobs: bool
     include_stop: bool
+    # stop strings count only once more tokens than this exist (as vLLM's)
+    min_tokens: int = 0
     text: str = ""
     num_sent_chars: int = 0
     num_tokens: int = 0
@@ -93,6 +95,7 @@ class OutputProcessor:
             holdback=max(map(len, stop)) - 1 if stop else 0,
             wants_logprobs=params.logprobs is not None,
             include_stop=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
             tenant_id=tenant_id,
         )
 
@@ -159,7 +162,11 @@ class OutputProcessor:
         if output.is_finished and detokenizer is not None:
             new_text += detokenizer.flush()
         state.text += new_text
-        stop_at = find_stop_string(state.text, state.stop, len(new_text)) if state.stop else None
+        stop_at = (
+            find_stop_string(state.text, state.stop, len(new_text))
+            if state.stop and state.num_tokens > state.min_tokens
+            else None
+        )
         if stop_at is not None:
             if state.include_stop:
                 stop_at += next(len(s) for s in state.stop if state.text.startswith(s, stop_at))

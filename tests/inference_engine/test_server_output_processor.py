@@ -85,6 +85,23 @@ def test_stop_string_is_held_back_cut_and_aborts_in_the_core(tokenizer):
     assert last.timings.finished == 4.0
 
 
+def test_a_stop_string_within_min_tokens_does_not_stop_the_request(tokenizer):
+    """As vLLM: stop strings count only once more than ``min_tokens`` tokens exist (as EOS
+    and stop tokens do); a request asked for at least 8 tokens ended after 3."""
+    harness = Harness(tokenizer)
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    min_tokens = len(ids("the quick brown"))
+    harness.add("r", stop=["quick"], min_tokens=min_tokens)
+    sent = []
+    for token in ids("the quick brown fox quick dog"):
+        sent += harness.step(EngineOutput("r", [token])).get(b"c1", [])
+        if harness.aborted:
+            break
+    assert harness.aborted == ["r"]
+    assert "".join(d.text for d in sent) == "the quick brown fox "
+    assert sum(len(d.token_ids) for d in sent) > min_tokens
+
+
 def test_stop_string_in_the_last_token_finishes_at_once(tokenizer):
     harness = Harness(tokenizer)
     harness.add("r", stop=["fox"])
