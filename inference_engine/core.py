@@ -257,6 +257,7 @@ class EngineCore:
         block_tables = [
             kv_cache.get_block_ids(item.request.req_id) for item in scheduler_output.scheduled
         ]
+        scheduler_output.block_tables = block_tables
         try:
             return scheduler_output, self.runner.launch(scheduler_output.scheduled, block_tables)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
@@ -302,9 +303,11 @@ class EngineCore:
         return outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[EngineOutput]:
-        """End a failed step's requests (those not finished already) with an engine error."""
+        """End a failed step's requests (those not finished already), and those that read
+        the KV it was to write, with an engine error."""
+        readers = self.scheduler.forget_failed_step(scheduler_output)
         requests = self.scheduler.abort_requests(
-            [item.request.req_id for item in scheduler_output.scheduled]
+            [item.request.req_id for item in scheduler_output.scheduled] + readers
         )
         self.runner.release([request.req_id for request in requests])
         message = f"model step failed: {type(exc).__name__}: {exc}"

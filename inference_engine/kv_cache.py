@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from typing import Protocol
 
 
@@ -213,6 +213,18 @@ class KVCacheManager:
                 block.block_hash = block_hash
                 self.cached_blocks.setdefault(block_hash, block)
         self.num_hashed_blocks[request.req_id] = max(num_full, num_hashed)
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Forget the prefix-cache entries of blocks whose KV will not all be written after all
+        (a step that will not run them, or that failed): they were registered as they were
+        allocated, and a request that hit them would read KV nobody computed."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
 
     def free(self, req_id: str) -> None:
         """Release a request's blocks. Tail blocks go first into the free queue so that they are

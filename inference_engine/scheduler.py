@@ -63,6 +63,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # the scheduled requests' block tables as the step was launched (the core's)
+    block_tables: list[list[int]] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -154,12 +156,7 @@ class Scheduler:
             )
             while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
                 victim = self._memory_victim()
-                self._preempt(victim)
-                output.preempted_req_ids.append(victim.req_id)
-                if victim.req_id in scheduled:
-                    unscheduled = scheduled.pop(victim.req_id)
-                    self._charge(unscheduled, refund=True)
-                    budget += unscheduled.num_new_tokens
+                budget += self._preempt_in_step(victim, scheduled, output)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
@@ -198,13 +195,14 @@ class Scheduler:
                         request, num_new_tokens, computed_blocks
                     )
                 ) is None and (victim := self._fair_victim(request, num_blocks)) is not None:
-                    self._preempt(victim)
-                    output.preempted_req_ids.append(victim.req_id)
-                    preempted_tenants.add(victim.tenant_id)
-                    if victim.req_id in scheduled:
-                        unscheduled = scheduled.pop(victim.req_id)
-                        self._charge(unscheduled, refund=True)
-                        budget += unscheduled.num_new_tokens
+                    budget += self._preempt_in_step(victim, scheduled, output)
+                    preempted_tenants.update(
+                        self.requests[req_id].tenant_id for req_id in output.preempted_req_ids
+                    )
+                    # a hit on a block the victim was to write this step is no hit any more
+                    computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+                    num_new_tokens = min(request.num_tokens - num_cached, budget)
+                    num_blocks = self.kv_cache.num_blocks_for(num_cached + num_new_tokens)
             if new_block_ids is None:
                 break
             item = self._admit(request, num_cached, num_new_tokens)
@@ -265,15 +263,47 @@ class Scheduler:
 
     def _blocks_being_written(self, step: SchedulerOutput) -> set[int]:
         """The blocks that ``step``'s new tokens go into (their KV is not all there yet)."""
-        size = self.kv_cache.block_size
         written: set[int] = set()
         for item in step.scheduled:
-            if item.request.status != RequestStatus.RUNNING:
-                continue
-            block_ids = self.kv_cache.get_block_ids(item.request.req_id)
-            first, last = item.start // size, (item.start + item.num_new_tokens - 1) // size
-            written.update(block_ids[first : last + 1])
+            if item.request.status == RequestStatus.RUNNING:
+                written.update(self._blocks_written_by(item))
         return written
+
+    def _blocks_written_by(
+        self, item: ScheduledRequest, block_ids: list[int] | None = None
+    ) -> list[int]:
+        """The blocks ``item``'s new tokens go into, in its block table (``block_ids``, or the
+        request's current one)."""
+        size = self.kv_cache.block_size
+        if block_ids is None:
+            block_ids = self.kv_cache.get_block_ids(item.request.req_id)
+        first, last = item.start // size, (item.start + item.num_new_tokens - 1) // size
+        return block_ids[first : last + 1]
+
+    def _preempt_in_step(
+        self, victim: Request, scheduled: dict[str, ScheduledRequest], output: SchedulerOutput
+    ) -> int:
+        """Preempt ``victim`` while this step is being scheduled; the tokens that go back to
+        the step's budget. A victim scheduled in this step already leaves the blocks of its
+        chunk unwritten: their prefix-cache entries go, and so does every request admitted in
+        this step on a hit of one of them (its context would be KV nobody computed)."""
+        item = scheduled.pop(victim.req_id, None)
+        unwritten = set(self._blocks_written_by(item)) if item is not None else set()
+        self._preempt(victim)
+        output.preempted_req_ids.append(victim.req_id)
+        if item is None:
+            return 0
+        self._charge(item, refund=True)
+        num_refunded = item.num_new_tokens
+        self.kv_cache.uncache(unwritten)
+        size = self.kv_cache.block_size
+        for other in list(scheduled.values()):
+            context = self.kv_cache.get_block_ids(other.request.req_id)[: other.start // size]
+            if other.request.req_id in scheduled and not unwritten.isdisjoint(context):
+                if not other.request.num_preemptions and not other.request.output_token_ids:
+                    other.request.num_cached_tokens = -1  # its hits were not hits after all
+                num_refunded += self._preempt_in_step(other.request, scheduled, output)
+        return num_refunded
 
     def _admit(self, request: Request, num_cached: int, num_new_tokens: int) -> ScheduledRequest:
         """Move ``request`` (the head of the waiting queue, its blocks allocated) to running."""
@@ -397,6 +427,27 @@ class Scheduler:
         if any(request.is_finished for request in updated):
             self.running = [request for request in self.running if not request.is_finished]
         return updated
+
+    def forget_failed_step(self, step: SchedulerOutput) -> list[str]:
+        """A step that failed may have written none of its KV: forget the prefix-cache entries
+        of the blocks it was to fill. Returns the running requests outside the step that hold
+        one of them (a later step in flight admitted them on a hit of one; or took it afresh,
+        which cannot be told apart): their context may be KV nobody computed, so they fail
+        with the step."""
+        tables = step.block_tables or [
+            self.kv_cache.get_block_ids(item.request.req_id) for item in step.scheduled
+        ]
+        unwritten: set[int] = set()
+        for item, block_ids in zip(step.scheduled, tables, strict=True):
+            unwritten.update(self._blocks_written_by(item, block_ids))
+        self.kv_cache.uncache(unwritten)
+        in_step = {item.request.req_id for item in step.scheduled}
+        return [
+            request.req_id
+            for request in self.running
+            if request.req_id not in in_step
+            and not unwritten.isdisjoint(self.kv_cache.get_block_ids(request.req_id))
+        ]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -336,6 +336,29 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llama_dir, monk
     assert llm.core.scheduler.kv_cache.usage == 0
 
 
+@pytest.mark.parametrize("async_scheduling", ["on", "off"])
+def test_a_failed_step_leaves_nothing_in_the_prefix_cache_it_did_not_write(
+    llama_dir, monkeypatch, async_scheduling
+):
+    """The blocks a step fills are registered in the prefix cache as they are allocated. A
+    step that failed before its forward ran wrote none: the same prompts sent again hit them
+    and read KV nobody computed (and answered other tokens than an engine that never failed)."""
+    llm = LLM(llama_dir, dtype="float32", async_scheduling=async_scheduling, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[(i * 13 + k) % 370 + 7 for i in range(40)] for k in range(2)]
+
+    def failing(scheduled, block_tables):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.core.runner, "launch", failing)
+    assert [o.finish_reason for o in llm.generate(prompts, params)] == ["error", "error"]
+    monkeypatch.undo()
+    again = llm.generate(prompts, params)
+    expected = LLM(llama_dir, dtype="float32", block_size=4).generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in expected]
+    assert llm.core.scheduler.kv_cache.usage == 0
+
+
 def test_async_scheduling_is_on_by_default_only_on_an_accelerator(llama_dir):
     assert not LLM(llama_dir, dtype="float32", device="cpu").core.async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):

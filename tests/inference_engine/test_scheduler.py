@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -202,6 +204,96 @@ def test_random_traffic_never_leaks_or_double_frees_blocks(actions, num_blocks, 
         check_invariants(scheduler)
     assert not scheduler.has_unfinished_requests(), "requests starved or deadlocked"
     assert kv.num_free_blocks == num_blocks and not kv.req_to_blocks
+
+
+class KVContents:
+    """What each KV slot holds once the steps scheduled so far have run: (salt, token) per
+    (block, offset). A step writes all its new tokens before any of its requests reads its
+    context (as the model does, layer by layer), so a block filled in the same step is good."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.kv = scheduler.kv_cache
+        self.slots: dict[tuple[int, int], tuple[str | None, int]] = {}
+
+    def run(self, output) -> None:
+        size = self.kv.block_size
+        for item in output.scheduled:
+            request, table = item.request, self.kv.get_block_ids(item.request.req_id)
+            for pos in range(item.start, item.start + item.num_new_tokens):
+                token = (request.cache_salt, request.all_token_ids[pos])
+                self.slots[(table[pos // size], pos % size)] = token
+        for item in output.scheduled:
+            request, table = item.request, self.kv.get_block_ids(item.request.req_id)
+            context = [self.slots.get((table[p // size], p % size)) for p in range(item.start)]
+            expected = [(request.cache_salt, t) for t in request.all_token_ids[: item.start]]
+            assert context == expected, f"{request.req_id} reads KV it did not compute"
+
+
+@settings(max_examples=500, deadline=None)
+@given(actions=actions, num_blocks=st.integers(6, 24), budget=st.integers(1, 24))
+def test_every_scheduled_request_reads_the_kv_of_its_own_tokens(actions, num_blocks, budget):
+    """Prefix hits, chunks, preemptions of a request scheduled in the same step (fair
+    admission preempts after the running loop scheduled its victim): whatever the step, each
+    request's context in the cache is its own tokens, computed. A request preempted after its
+    chunk was scheduled left that chunk's blocks in the prefix cache unwritten, and a later
+    request (itself, readmitted) read them."""
+    scheduler = make_scheduler(
+        num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=budget
+    )
+    contents = KVContents(scheduler)
+    counter = 0
+    for action, length, max_tokens, choice in actions:
+        if action == "add":
+            request = make_request(
+                f"r{counter}",
+                length,
+                max_tokens,
+                priority=choice % 2,
+                first_token=100 * (choice % 2),
+                tenant="abc"[length % 3],
+            )
+            request.cache_salt = "ab"[choice // 2]
+            counter += 1
+            with contextlib.suppress(RequestRejected):  # can never fit: not the point here
+                scheduler.add_request(request)
+        elif action == "abort" and scheduler.requests:
+            scheduler.abort_requests([sorted(scheduler.requests)[choice % len(scheduler.requests)]])
+        else:
+            output = scheduler.schedule()
+            contents.run(output)
+            sampled = {i.request.req_id: length for i in output.scheduled if i.is_sampling}
+            scheduler.update_from_output(output, sampled)
+    for _ in range(2000):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule()
+        contents.run(output)
+        scheduler.update_from_output(
+            output, {i.request.req_id: 5 for i in output.scheduled if i.is_sampling}
+        )
+
+
+def run_checked(scheduler: Scheduler, contents: KVContents):
+    output = scheduler.schedule()
+    contents.run(output)
+    scheduler.update_from_output(
+        output, {item.request.req_id: 5 for item in output.scheduled if item.is_sampling}
+    )
+    return output
+
+
+def test_a_chunk_whose_request_is_preempted_in_its_own_step_leaves_no_cached_block():
+    """X's second chunk is scheduled (its blocks registered in the prefix cache as they will
+    be once written), then Y's decode needs a block and X, the most served, is preempted in the
+    same step: the chunk never runs. Readmitted, X hit those blocks and read KV never written."""
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=13)
+    contents = KVContents(scheduler)
+    scheduler.add_request(make_request("X", 25, max_tokens=1, tenant="a"))
+    assert scheduled_tokens(run_checked(scheduler, contents)) == {"X": 13}
+    scheduler.add_request(make_request("Y", 4, max_tokens=3, first_token=7, tenant="b"))
+    outputs = [run_checked(scheduler, contents) for _ in range(8)]
+    assert ["X"] in [output.preempted_req_ids for output in outputs]  # the case it says
+    assert not scheduler.has_unfinished_requests()
 
 
 def check_invariants(scheduler: Scheduler) -> None:
