@@ -403,17 +403,21 @@ class Scheduler:
     ) -> list[Request]:
         """Append a step's sampled tokens (req_id -> token id) and finish requests that hit
         EOS, a stop token or their length. Returns the requests that got a new token, finished
-        ones included. A request finished or preempted since the step was scheduled (aborted
-        while it ran; with async scheduling, also finished by the step before or preempted by
-        the one after: a request is never admitted again by the step that preempted it) gets
-        nothing from it."""
+        ones included. A request finished since the step was scheduled (aborted while it ran;
+        with async scheduling, also finished by the step before) gets nothing from it. One
+        preempted since (by the step after, with async scheduling: a request is never admitted
+        again by the step that preempted it) keeps its token, sampled from its whole context:
+        its seeded generator drew it and its grammar accepted it, so dropping it would have
+        made its output depend on the batch, and a guided one break its grammar. Readmitted,
+        it recomputes the token's KV with the rest."""
         updated = []
         now = time.time()
         for item in output.scheduled:
             request = item.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status == RequestStatus.RUNNING:
+                request.num_output_placeholders -= item.is_sampling
+            elif request.status != RequestStatus.PREEMPTED:
                 continue
-            request.num_output_placeholders -= item.is_sampling
             token_id = sampled_token_ids.get(request.req_id)
             if token_id is None:
                 continue

@@ -69,8 +69,11 @@ def test_a_finished_or_preempted_request_gets_nothing_from_a_step_in_flight():
     second = s.schedule()
     assert second.preempted_req_ids == ["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 0
+    # the token was sampled from b's whole context: b keeps it, and recomputes it with the
+    # rest when readmitted (dropped, its grammar and its seeded generator had moved on)
     updated = s.update_from_output(first, {"a": 20, "b": 21})
-    assert updated == [a] and b.output_token_ids == []
+    assert updated == [a, b] and b.output_token_ids == [21]
+    assert b.status == RequestStatus.PREEMPTED
 
     # a request that finished on the step before gets nothing from the one after
     s.update_from_output(second, {"a": 22})
@@ -334,6 +337,27 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llama_dir, monk
     again = llm.generate(prompts, params)
     assert [len(o.token_ids) for o in again] == [8, 8]
     assert llm.core.scheduler.kv_cache.usage == 0
+
+
+def test_a_request_preempted_with_its_token_in_flight_samples_as_it_would_alone(llama_dir):
+    """Preempted while the step in flight samples its token, a request lost that token but
+    not its side effects: its seeded generator had drawn and its grammar had accepted it. Its
+    output then depended on the batch, and a guided one broke its grammar."""
+    regex = "(the|quick|brown|fox|dog|lazy)( (the|quick|brown|fox|dog|lazy)){5,12}\\."
+    seeded = SamplingParams(temperature=1.0, seed=123, max_tokens=30, ignore_eos=True)
+    guided = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    crowd = [[20 + i] * (8 + 3 * i) for i in range(4)]
+    crowd_params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4
+    options = dict(block_size=4, scheduling_policy="fcfs", enable_prefix_caching=False)
+    alone = async_llm(llama_dir, **options).generate([[5, 6, 7], [5, 6, 7]], [seeded, guided])
+
+    llm = async_llm(llama_dir, num_kv_blocks=26, **options)
+    outputs = llm.generate(crowd + [[5, 6, 7], [5, 6, 7]], crowd_params + [seeded, guided])
+    assert llm.core.scheduler.num_preemptions > 0  # the case it says
+    assert re.fullmatch(regex, outputs[-1].text)
+    assert [o.token_ids for o in outputs[-2:]] == [o.token_ids for o in alone]
 
 
 @pytest.mark.parametrize("async_scheduling", ["on", "off"])
