@@ -57,11 +57,24 @@ def _completion_logprobs(entries: list[TokenLogprobs], offset: int) -> schemas.C
     return schemas.CompletionLogprobs(
         tokens=[entry.token for entry in entries],
         token_logprobs=[entry.logprob for entry in entries],
-        top_logprobs=[
-            dict(zip(entry.top_tokens, entry.top_logprobs, strict=False)) for entry in entries
-        ],
+        top_logprobs=[_completion_top_logprobs(entry) for entry in entries],
         text_offset=offsets,
     )
+
+
+def _completion_top_logprobs(entry: TokenLogprobs) -> dict[str, float]:
+    """The sampled token and the top ones: OpenAI "will always return the logprob of the
+    sampled token, so there may be up to logprobs+1 elements", and vLLM does the same.
+
+    The keys are the tokens' text, as in OpenAI's and vLLM's answers (vLLM's
+    ``_create_completion_logprobs`` builds the same text-keyed dict), so two tokens that decode
+    alike share one entry. There the sampled token's own logprob is kept, so that
+    ``top_logprobs[i][tokens[i]] == token_logprobs[i]`` always holds; vLLM keeps whichever
+    it wrote last."""
+    top = {entry.token: entry.logprob}
+    for token, logprob in zip(entry.top_tokens, entry.top_logprobs, strict=False):
+        top.setdefault(token, logprob)
+    return top
 
 
 class Responder:
@@ -150,11 +163,13 @@ class Responder:
         )
 
     def _chat_finish_reason(self, choice: Choice) -> str | None:
-        """OpenAI's finish reason; a choice that ended by calling tools says ``tool_calls``."""
+        """OpenAI's finish reason: a choice that ended by calling tools of its own choosing
+        (``auto`` or ``required``) says ``tool_calls``; one that called the function the
+        request named says ``stop``, as OpenAI's and vLLM's do."""
         reason = _finish_reason(choice.finish_reason)
-        if reason == "stop" and self.readers is not None and self.readers[choice.index].calls:
-            return "tool_calls"
-        return reason
+        if reason != "stop" or self.readers is None or self.plan.tool_plan.mode == "named":
+            return reason
+        return "tool_calls" if self.readers[choice.index].calls else reason
 
     def _envelope(
         self, choices: list, *, is_chunk: bool, usage: schemas.Usage | None = None

@@ -16,6 +16,9 @@ import msgspec
 INT32_MAX = 2**31 - 1
 MAX_CHOICES = 16
 MAX_LOGPROBS = 20
+# OpenAI's legacy Completions API and vLLM stop a completion here unless asked for more (a
+# chat goes on up to the context)
+COMPLETION_MAX_TOKENS = 16
 TokenCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -169,8 +172,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
-    # A string, a list of strings (one choice set each) or a list of token ids.
-    prompt: str | list[str | TokenId]
+    # A string, a list of token ids, or a list of strings or of token id lists (one choice set
+    # each). One list type holds them all (msgspec decodes a union with one array type only);
+    # gateway.validation refuses a mix.
+    prompt: str | list[str | TokenId | list[TokenId]]
+    max_tokens: TokenCount | None = COMPLETION_MAX_TOKENS
     logprobs: Logprobs | None = None
     echo: bool | None = None
 

@@ -8,7 +8,12 @@ import msgspec
 
 from gateway import structured
 from gateway.errors import invalid
-from gateway.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from gateway.schemas import (
+    COMPLETION_MAX_TOKENS,
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from gateway.structured import ToolPlan
 from inference_engine.protocol import GenerateRequest, InvalidParam, SamplingParams
 from serving.budget import PromptTokens, message_tokens, text_tokens, token_id_tokens
@@ -196,10 +201,11 @@ def plan_completion(body: bytes) -> GenerationPlan:
     _check_common(request)
     if request.echo:
         raise invalid("echo is not supported.", "echo")
+    # unset or null: the API's default, not up to the context as a chat's
+    max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
     params = _sampling_params(
-        request, max_tokens=request.max_tokens, max_tokens_param="max_tokens",
-        logprobs=request.logprobs,
-    )  # fmt: skip
+        request, max_tokens=max_tokens, max_tokens_param="max_tokens", logprobs=request.logprobs
+    )
     prompts, prompt_tokens = _completion_prompts(request.prompt, params)
     return GenerationPlan(
         model=request.model,
@@ -216,24 +222,38 @@ def plan_completion(body: bytes) -> GenerationPlan:
 
 
 def _completion_prompts(
-    prompt: str | list[str | int], params: SamplingParams
+    prompt: str | list[str | int | list[int]], params: SamplingParams
 ) -> tuple[list[GenerateRequest], PromptTokens]:
     """The engine requests, one per prompt, and the token count of all the prompts."""
-    if isinstance(prompt, str):
-        texts: list[str] = [prompt]
-    elif prompt and all(isinstance(item, int) for item in prompt):
-        requests = [GenerateRequest(prompt_token_ids=list(prompt), params=params)]
-        return requests, token_id_tokens(prompt)
-    elif prompt and all(isinstance(item, str) for item in prompt):
-        texts = list(prompt)
+    requests, counts = [], []
+    for each in _split_prompts(prompt):
+        if isinstance(each, str):
+            requests.append(GenerateRequest(prompt=each, params=params))
+            counts.append(text_tokens(each))
+        else:
+            requests.append(GenerateRequest(prompt_token_ids=each, params=params))
+            counts.append(token_id_tokens(each))
+    return requests, sum(counts, PromptTokens(0, 0))
+
+
+def _split_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """The prompts of a completions request, as OpenAI and vLLM read ``prompt``: a string or a
+    list of token ids is one prompt; a list of strings or of token id lists is one each."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(item, int) for item in prompt)):
+        prompts = [prompt]
+    elif prompt and (
+        all(isinstance(item, str) for item in prompt)
+        or all(isinstance(item, list) for item in prompt)
+    ):
+        prompts = prompt
     else:
         raise invalid(
-            "prompt must be a string, a non-empty list of strings or a list of token ids.",
+            "prompt must be a string, a list of token ids, or a non-empty list of strings or "
+            "of token id lists (not a mix of them).",
             "prompt",
         )
-    if len(texts) > MAX_CHOICES:
-        raise invalid(f"prompt may hold at most {MAX_CHOICES} strings.", "prompt")
-    if not all(texts):
-        raise invalid("prompt must not be empty.", "prompt")
-    requests = [GenerateRequest(prompt=text, params=params) for text in texts]
-    return requests, sum(map(text_tokens, texts), PromptTokens(0, 0))
+    if len(prompts) > MAX_CHOICES:
+        raise invalid(f"prompt may hold at most {MAX_CHOICES} prompts.", "prompt")
+    if not all(prompts):
+        raise invalid("prompt must not be empty, nor hold an empty prompt.", "prompt")
+    return prompts

@@ -7,7 +7,8 @@ settles with the engine's count: byte-level BPE (and SentencePiece with byte fal
 at most one token per UTF-8 byte, and a chat template adds a few tokens per message and some
 once.
 
-``max_tokens`` unset means "up to the context length", as OpenAI and vLLM have it: the engine
+``max_tokens`` unset means "up to the context length", as OpenAI's and vLLM's chat completions
+have it (their legacy completions default to 16, which ``gateway.validation`` sets): the engine
 stops a request there (``SamplingParams.max_tokens=None``). A ``max_tokens`` above the whole
 context can never be honoured and is refused.
 """

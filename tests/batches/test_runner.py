@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from batches import services
 from batches.models import Batch, BatchRequest
+from batches.runner import ENDPOINT_PLANS
 from batches.tasks import run_batch, sweep_batches
 from config import celery_app
 from tenants.models import UsageRecord
@@ -152,6 +153,14 @@ def test_a_completions_batch_answers_as_v1_completions(platform, shared_files):
     [line] = _lines_of(client, client.batches.list().data[0].output_file_id)
     assert line["response"]["body"]["object"] == "text_completion"
     assert _same_answer(line["response"]["body"], _online(platform, body, "/v1/completions").json())
+
+
+def test_a_completions_line_without_max_tokens_gets_the_apis_default_of_16():
+    """A line is parsed as the online API parses its body, defaults included."""
+    kind, plan_of = ENDPOINT_PLANS["/v1/completions"]
+    plan = plan_of(json.dumps({"model": "m", "prompt": "Once"}).encode())
+    assert kind == "completion"
+    assert [request.params.max_tokens for request in plan.engine_requests("r")] == [16]
 
 
 def test_a_batch_cancelled_mid_way_finishes_what_is_in_flight_and_ends_cancelled(

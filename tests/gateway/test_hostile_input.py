@@ -62,6 +62,8 @@ def test_invalid_utf8_is_a_400_and_a_wrong_key_a_401_whatever_the_body(platform)
     ("path", "fields", "param"),
     [
         (COMPLETIONS, {"prompt": [10**23]}, "prompt[0]"),
+        (COMPLETIONS, {"prompt": [[1], [2, 10**23]]}, "prompt[1][1]"),
+        (COMPLETIONS, {"prompt": [[1], [2, 3], 4]}, "prompt"),
         (COMPLETIONS, {"prompt": "hi", "top_k": 10**30}, "top_k"),
         (CHAT, {"seed": 2**64}, "seed"),
         (CHAT, {"temperature": 2.5}, "temperature"),
@@ -83,6 +85,7 @@ def test_integers_and_numbers_past_their_bounds_are_400s(platform, path, fields,
     "fields",
     [
         {"prompt": [100_000]},  # past the tiny model's vocabulary
+        {"prompt": [[1, 2], [3, 100_000]]},
         {"prompt": "hi", "top_k": 100_000},
     ],
 )

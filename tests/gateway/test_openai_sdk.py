@@ -128,11 +128,56 @@ def test_logprobs_chat_and_completions(platform):
     )
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
-    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)  # equal texts merge
+    # the top 3 and the sampled token (greedy: among them); equal texts merge
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
     assert logprobs.text_offset[0] == 0
     assert "".join(logprobs.tokens) == completion.choices[0].text
     plain = _greedy_chat(client, max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(("logprobs", "temperature"), [(0, 0.0), (1, 2.0)])
+def test_completions_top_logprobs_hold_the_sampled_token(platform, logprobs, temperature):
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements"; a hot sample often picks a token outside the top one."""
+    completion = platform.client().completions.create(
+        model=MODEL_NAME,
+        prompt="hello world",
+        max_tokens=24,
+        temperature=temperature,
+        seed=7,
+        logprobs=logprobs,
+    )
+    entries = completion.choices[0].logprobs
+    positions = zip(entries.tokens, entries.token_logprobs, entries.top_logprobs, strict=True)
+    assert entries.tokens
+    for token, logprob, top in positions:
+        assert top[token] == logprob and 1 <= len(top) <= logprobs + 1
+
+
+def test_completions_without_max_tokens_stop_at_16_and_a_chat_at_the_context(platform):
+    """OpenAI's legacy Completions API and vLLM default max_tokens to 16; a chat goes on to
+    the context."""
+    client = platform.client()
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="hello world", extra_body={"ignore_eos": True}
+    )
+    assert completion.usage.completion_tokens == 16
+    assert completion.choices[0].finish_reason == "length"
+    chat = _greedy_chat(client, extra_body={"ignore_eos": True})
+    assert chat.usage.total_tokens == MAX_MODEL_LEN
+
+
+def test_an_array_of_token_arrays_is_one_prompt_each(platform):
+    completion = platform.client().completions.create(
+        model=MODEL_NAME, prompt=[[10, 11, 12], [20, 21]], max_tokens=2, temperature=0, n=2
+    )
+    assert [choice.index for choice in completion.choices] == [0, 1, 2, 3]
+    alone = platform.client().completions.create(
+        model=MODEL_NAME, prompt=[20, 21], max_tokens=2, temperature=0
+    )
+    assert completion.choices[2].text == alone.choices[0].text
+    assert completion.usage.prompt_tokens == 3 + 2  # each prompt once, whatever n
 
 
 def test_models_are_listed_per_plan(platform):

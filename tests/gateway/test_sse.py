@@ -1,4 +1,5 @@
-"""Server-sent events of one run against a fake engine: what goes out in which write."""
+"""Server-sent events of one run against a fake engine: what goes out in which write, and
+what a whole response and its stream say for the same engine output."""
 
 import asyncio
 import json
@@ -9,7 +10,13 @@ import pytest
 from gateway import schemas
 from gateway.responses import Responder
 from gateway.validation import plan_chat, plan_completion
-from inference_engine.protocol import FinishReason, GenerateDelta, ResponseType, Usage
+from inference_engine.protocol import (
+    FinishReason,
+    GenerateDelta,
+    ResponseType,
+    TokenLogprobs,
+    Usage,
+)
 from serving import runs
 from serving.runs import Run, RunSpec
 from tests.serving.fake_runs import run_world  # noqa: F401  (fixture)
@@ -170,3 +177,117 @@ async def test_text_events_are_exactly_the_encoded_response_objects(
     )
     await writes.aclose()
     await responder.run.aclose()
+
+
+async def _answer(kind: str, body: dict, world, delta: GenerateDelta, *, stream: bool) -> list:
+    """The choices of the response to ``body`` when the fake engine answers its one request
+    with ``delta`` (its last): the whole response's, or the choices of every streamed event."""
+    parse = plan_chat if kind == "chat" else plan_completion
+    plan = parse(json.dumps({"model": "m", **body, "stream": stream}).encode())
+    responder = _responder(kind, plan, world, "resp-1")
+    starting = asyncio.create_task(responder.run.start())
+    identity, request = await world.fake.generates.get()
+    delta.request_id = request.request_id
+    await world.fake.send(identity, ResponseType.OUTPUTS, [delta])
+    await starting
+    try:
+        if not stream:
+            return msgspec.to_builtins(await responder.complete())["choices"]
+        events = _events(b"".join([write async for write in responder.sse()]))
+        return [choice for event in events[:-1] for choice in event["choices"]]
+    finally:
+        await responder.run.aclose()
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("tool_choice", "text", "finish"),
+    [
+        # vLLM and OpenAI: "tool_calls" for auto or required calls, "stop" for a named one
+        ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}', "stop"),
+        ("required", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "tool_calls"),
+    ],
+)
+async def test_a_named_tool_call_finishes_with_stop(
+    run_world,  # noqa: F811
+    tool_choice,
+    text,
+    finish,
+    stream,
+):
+    body = {
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": tool_choice,
+    }
+    delta = GenerateDelta(
+        "", text, [1, 2], finish_reason=FinishReason.STOP, usage=Usage(prompt_tokens=3)
+    )
+    choices = await _answer("chat", body, run_world, delta, stream=stream)
+    if stream:
+        calls = [c for choice in choices for c in choice["delta"].get("tool_calls", [])]
+    else:
+        calls = choices[0]["message"]["tool_calls"]
+    assert calls[0]["function"]["name"] == "get_weather"  # the call was read
+    assert choices[-1]["finish_reason"] == finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("logprobs", "entries", "top_logprobs"),
+    [
+        (
+            0,
+            [TokenLogprobs(-0.7, token=" a"), TokenLogprobs(-1.5, token=" b")],
+            [{" a": -0.7}, {" b": -1.5}],
+        ),
+        (
+            1,
+            [
+                # sampled outside the top 1, among it, and a token of another id that
+                # decodes to the same text as the top one
+                TokenLogprobs(-3.0, [7], [-0.5], token=" a", top_tokens=[" x"]),
+                TokenLogprobs(-0.2, [8], [-0.2], token=" b", top_tokens=[" b"]),
+                TokenLogprobs(-2.0, [9], [-0.1], token=" c", top_tokens=[" c"]),
+            ],
+            [{" a": -3.0, " x": -0.5}, {" b": -0.2}, {" c": -2.0}],
+        ),
+    ],
+)
+async def test_a_completions_top_logprobs_always_hold_the_sampled_token(
+    run_world,  # noqa: F811
+    logprobs,
+    entries,
+    top_logprobs,
+    stream,
+):
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements"; vLLM does the same."""
+    text = "".join(entry.token for entry in entries)
+    token_ids = list(range(1, len(entries) + 1))
+    delta = GenerateDelta(
+        "",
+        text,
+        token_ids,
+        finish_reason=FinishReason.STOP,
+        usage=Usage(prompt_tokens=3),
+        logprobs=entries,
+    )
+    body = {"prompt": "hi", "logprobs": logprobs}
+    choices = await _answer("completion", body, run_world, delta, stream=stream)
+    tops = [
+        top
+        for choice in choices
+        if choice["logprobs"]
+        for top in choice["logprobs"]["top_logprobs"]
+    ]
+    assert tops == top_logprobs

@@ -2,9 +2,10 @@ import json
 
 import pytest
 
+from gateway import openapi
 from gateway.errors import ApiError
 from gateway.validation import plan_chat, plan_completion
-from serving.budget import ContextExceeded, reserve
+from serving.budget import ContextExceeded, PromptTokens, reserve
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -143,13 +144,35 @@ def test_max_tokens_above_the_context_can_never_be_served(param):
     assert _reservation(plan_chat(_chat(**{param: 2048})), max_context=2048)
 
 
+@pytest.mark.parametrize("fields", [{}, {"max_tokens": None}])
+def test_completions_default_to_16_tokens_as_openai_and_vllm_have_it(fields):
+    """The legacy Completions API stops at 16 tokens unless asked for more; a chat goes up to
+    the context (test_nulls_mean_defaults)."""
+    plan = plan_completion(json.dumps({"model": "m", "prompt": "hi", "n": 2, **fields}).encode())
+    assert [r.params.max_tokens for r in plan.engine_requests("r")] == [16, 16]
+    assert _reservation(plan, max_context=4096).tokens == plan.prompt_tokens.most + 2 * 16
+
+
+def test_the_openapi_document_states_each_endpoints_max_tokens_default():
+    components = json.loads(openapi.document())["components"]["schemas"]
+    assert components["CompletionRequest"]["properties"]["max_tokens"]["default"] == 16
+    assert components["ChatCompletionRequest"]["properties"]["max_tokens"]["default"] is None
+
+
 @pytest.mark.parametrize(
     ("prompt", "count"),
-    [("hello", 1), (["a", "b", "c"], 3), ([1, 2, 3], 1)],
+    [("hello", 1), (["a", "b", "c"], 3), ([1, 2, 3], 1), ([[1, 2, 3], [4, 5]], 2)],
 )
 def test_completion_prompts(prompt, count):
     plan = plan_completion(json.dumps({"model": "m", "prompt": prompt}).encode())
     assert len(plan.prompts) == count
+
+
+def test_each_token_array_is_one_prompt_counted_by_its_ids():
+    plan = plan_completion(json.dumps({"model": "m", "prompt": [[10, 11, 12], [20, 21]]}).encode())
+    assert [request.prompt_token_ids for request in plan.prompts] == [[10, 11, 12], [20, 21]]
+    assert all(request.prompt is None for request in plan.prompts)
+    assert plan.prompt_tokens == PromptTokens(5, 5)
 
 
 @pytest.mark.parametrize(
@@ -164,6 +187,16 @@ def test_completion_prompts(prompt, count):
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": [10**23]}, "prompt[0]"),
         ({"prompt": "x", "logprobs": 10**30}, "logprobs"),
+        # arrays of token arrays: as strict as one array of token ids
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [[1], []]}, "prompt"),
+        ({"prompt": [[1], "a"]}, "prompt"),
+        ({"prompt": ["a", [1]]}, "prompt"),
+        ({"prompt": [[1], 2]}, "prompt"),
+        ({"prompt": [[1]] * 17}, "prompt"),
+        ({"prompt": [[1, -1]]}, "prompt[0][1]"),
+        ({"prompt": [[1], [10**23]]}, "prompt[1][0]"),
+        ({"prompt": [[1, [2]]]}, "prompt[0][1]"),
     ],
 )
 def test_invalid_completion_fields(fields, param):

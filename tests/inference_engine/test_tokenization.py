@@ -37,9 +37,7 @@ def test_flush_emits_an_incomplete_tail(tokenizer):
 
 
 @pytest.mark.parametrize("tail", ["", " ok", "€ and 😀"])
-def test_a_prompt_ending_inside_a_character_lends_none_of_its_text_to_the_output(
-    tokenizer, tail
-):
+def test_a_prompt_ending_inside_a_character_lends_none_of_its_text_to_the_output(tokenizer, tail):
     """The prompt's last token is the first byte of "é", the output's first token its second:
     the character straddles the two, and the output's text is what the whole text adds to the
     prompt's (as vLLM's detokenizer counts it). It was the whole decode window, " café",
