@@ -90,9 +90,11 @@ class EngineCore:
         arrival_time: float | None = None,
         tenant_id: str = "",
         tenant_weight: float = 1.0,
+        max_model_len: int | None = None,
     ) -> None:
-        """Queue a request. A request that cannot be served gets an error output from the
-        next ``step()`` instead of an exception."""
+        """Queue a request (``max_model_len``: the caller's context length, where lower than
+        the engine's). A request that cannot be served gets an error output from the next
+        ``step()`` instead of an exception."""
         request = Request(
             req_id,
             prompt_token_ids,
@@ -101,7 +103,7 @@ class EngineCore:
             priority=priority,
             cache_salt=cache_salt,
             arrival_time=arrival_time,
-            max_model_len=self.max_model_len,
+            max_model_len=min(self.max_model_len, max_model_len or self.max_model_len),
             tenant_id=tenant_id,
             weight=tenant_weight,
         )
@@ -160,6 +162,27 @@ class EngineCore:
             # the request ends where its language does
             request.eos_token_ids = request.eos_token_ids | self.grammars.stop_token_ids
         return error
+
+    def context_refusal(
+        self, num_prompt_tokens: int, params: SamplingParams, max_model_len: int | None = None
+    ) -> tuple[ErrorCode, str] | None:
+        """A served request's prompt and ``max_tokens`` must fit the context together (the
+        caller's ``max_model_len``, where lower than the engine's), as vLLM's server refuses
+        them, rather than be cut short; ``LLM`` stops such a request at the context instead."""
+        limit = min(self.max_model_len, max_model_len or self.max_model_len)
+        head = f"This model's maximum context length is {limit} tokens. However, "
+        if num_prompt_tokens > limit:
+            return ErrorCode.CONTEXT_LENGTH_EXCEEDED, (
+                f"{head}your messages resulted in {num_prompt_tokens} tokens. Please reduce the "
+                "length of the messages."
+            )
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
+            return ErrorCode.CONTEXT_LENGTH_EXCEEDED, (
+                f"{head}you requested {num_prompt_tokens + params.max_tokens} tokens "
+                f"({num_prompt_tokens} in the messages, {params.max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion."
+            )
+        return None
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> tuple[ErrorCode, str] | None:
         if not prompt_token_ids:

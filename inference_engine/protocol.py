@@ -370,6 +370,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # function tools the chat template renders into the prompt (OpenAI's tool objects:
     # {"type": "function", "function": {"name", "description", "parameters"}})
     tools: list[dict] | None = None
+    # the caller's context length for this request (a deployment's own), when lower than the
+    # engine's: the prompt and max_tokens must fit it, and an unset max_tokens stops there
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.messages is not None and isinstance(self.messages, list):
@@ -424,6 +427,10 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         if not self.request_id:
             raise ValueError("request_id must be set")
         _check_number("priority", self.priority, integer=True)
+        if self.max_model_len is not None:
+            _check_number("max_model_len", self.max_model_len, integer=True)
+            if self.max_model_len < 1:
+                raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         _check_number("tenant_weight", self.tenant_weight)
         if not 0 < self.tenant_weight <= MAX_TENANT_WEIGHT:
             raise ValueError(f"tenant_weight must be in (0, {MAX_TENANT_WEIGHT}]")

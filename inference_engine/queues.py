@@ -38,6 +38,7 @@ class QueuedAdd:
     arrival_time: float
     tenant_id: str
     tenant_weight: float
+    max_model_len: int | None = None  # the caller's, where lower than the engine's
 
 
 @dataclass(order=True, slots=True)

@@ -300,6 +300,7 @@ class EngineServer:
                 arrival_time=add.arrival_time,
                 tenant_id=add.tenant_id,
                 tenant_weight=add.tenant_weight,
+                max_model_len=add.max_model_len,
             )
         except Exception as exc:  # noqa: BLE001 - the core should refuse by output
             logger.exception("adding %s failed", add.req_id)
@@ -484,10 +485,14 @@ class EngineServer:
                 router, identity, request_id, ErrorCode.INVALID_REQUEST, f"cannot tokenize: {exc}"
             )
             return
+        core = self.core
+        if core is not None and (
+            refused := core.context_refusal(len(token_ids), request.params, request.max_model_len)
+        ):
+            self._reply_error(router, identity, request_id, *refused)
+            return
         # a new grammar compiles here, not in the busy loop; one that cannot is refused
-        if (core := self.core) is not None and (
-            refused := core.check_structured_outputs(request.params)
-        ) is not None:
+        if core is not None and (refused := core.check_structured_outputs(request.params)):
             self._reply_error(router, identity, request_id, *refused)
             return
         self.processor.add_request(
@@ -505,6 +510,7 @@ class EngineServer:
                 arrival_time=arrival,
                 tenant_id=tenant,
                 tenant_weight=request.tenant_weight,
+                max_model_len=request.max_model_len,
             )
         )
 

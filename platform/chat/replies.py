@@ -33,8 +33,9 @@ CHAT_ERRORS: dict[str, tuple[str, str | None]] = {
     ),
     "context_length_exceeded": (
         "context_length_exceeded",
-        "This conversation is too long for the model. Start a new conversation, or edit an "
-        "earlier message to resend from there.",
+        "This conversation is too long for the model (with room for its max tokens). Start a "
+        "new conversation, lower its max tokens, or edit an earlier message to resend from "
+        "there.",
     ),
     "engine_unavailable": ("engine_unavailable", "The model's engine is unavailable right now."),
     "engine_overloaded": (

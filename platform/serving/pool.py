@@ -102,14 +102,15 @@ class EnginePool:
         return min(ready)[1]
 
     async def route(self, endpoints: list[str], max_context: int | None) -> tuple[str, int]:
-        """The replica to send a request to and the context length it serves (``max_context``
-        when the deployment fixes one); raises ``NoReadyReplica``. Asking the replica for its
-        context length also connects a new client before the first request goes out."""
+        """The replica to send a request to and the context length it serves (the
+        deployment's ``max_context`` where it fixes a lower one); raises ``NoReadyReplica``.
+        Asking the replica for its context length also connects a new client before the first
+        request goes out."""
         endpoint = await self.choose(endpoints)
         engine_max_len = await self.max_model_len(endpoint)
         if engine_max_len is None:
             raise NoReadyReplica(f"the replica at {endpoint} is not answering")
-        return endpoint, max_context or engine_max_len
+        return endpoint, min(max_context or engine_max_len, engine_max_len)
 
     @contextlib.contextmanager
     def track(self, endpoint: str) -> Iterator[None]:

@@ -241,6 +241,9 @@ class Run:
             request.cache_salt = caller.cache_salt
             request.priority = priority
             request.tenant_weight = caller.tenant_weight
+            if caller.deployment.max_context is not None:
+                # the engine holds the prompt and the completion to it, as to its own
+                request.max_model_len = max_context
         try:
             self._reservation = reserve(
                 prompt=spec.prompt_tokens,

@@ -218,6 +218,38 @@ def test_errors_arrive_as_the_sdks_exceptions(platform):
         _greedy_chat(platform.client(), max_tokens=2)
 
 
+def test_a_prompt_and_max_tokens_that_cannot_both_fit_are_refused_not_cut_short(platform):
+    """As OpenAI and vLLM answer: 400 context_length_exceeded, saying how many of each. They
+    were served and cut short at the context with finish_reason "length"."""
+    client = platform.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=list(range(10, 210)), max_tokens=100)
+    assert refused.value.code == "context_length_exceeded"
+    assert "300 tokens (200 in the messages, 100 in the completion)" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        _greedy_chat(client, max_tokens=MAX_MODEL_LEN - 2)
+    assert refused.value.code == "context_length_exceeded"
+    assert platform.records() == [] or {r.status for r in platform.records()} == {"rejected"}
+
+
+def test_a_deployments_own_context_length_holds_as_the_engines_does(platform):
+    """``max_context`` (what /v1/models says) bounds the prompt and the completion together:
+    a longer prompt was served, and a completion without max_tokens ran to the engine's 256."""
+    deployment_register(name=MODEL_NAME, endpoints=[platform.engine.endpoint], max_context=64)
+    client = platform.client()
+    assert client.models.retrieve(MODEL_NAME).model_extra["max_model_len"] == 64
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=list(range(10, 110)), max_tokens=4)
+    assert refused.value.code == "context_length_exceeded" and "is 64 tokens" in str(refused.value)
+    unbounded = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert unbounded.usage.total_tokens == 64
+
+
 @pytest.mark.parametrize(
     "content_type", ["multipart/form-data; boundary=x", "application/x-www-form-urlencoded"]
 )

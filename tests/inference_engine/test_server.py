@@ -320,7 +320,27 @@ async def test_context_length_exceeded_and_invalid_requests(client):
     assert delta.error == ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert delta.finish_reason == FinishReason.ERROR and "512" in delta.error_message
 
+    # as vLLM's server: a prompt and max_tokens that cannot both fit are refused, not cut short
+    over = GenerateRequest(prompt_token_ids=[5] * 500, params=SamplingParams(max_tokens=13))
+    [delta] = await collect(client, over)
+    assert delta.error == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert "513 tokens (500 in the messages, 13 in the completion)" in delta.error_message
+
+    # the caller's own context limit (a deployment's), lower than the engine's, holds the same
+    capped = GenerateRequest(prompt_token_ids=[5] * 60, params=GREEDY, max_model_len=64)
+    [delta] = await collect(client, capped)
+    assert (
+        delta.error == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "is 64 tokens" in delta.error_message
+    )
+    unbounded = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    deltas = await collect(
+        client, GenerateRequest(prompt_token_ids=[5] * 60, params=unbounded, max_model_len=64)
+    )
+    assert deltas[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(d.token_ids) for d in deltas) == 4  # up to 64 in all, not the engine's 512
+
     invalid = [
+        GenerateRequest(prompt="x", max_model_len=0),
         GenerateRequest(prompt="a", prompt_token_ids=[1]),
         GenerateRequest(),
         GenerateRequest(prompt=""),
