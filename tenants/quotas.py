@@ -198,19 +198,27 @@ class _Admission:
 
     def per_minute(
         self, scope: _Scope, kind: str, limit: int | None, amount: int, likely: int | None = None
-    ) -> str | None:
-        """Count ``amount`` against a per-minute limit. A request likely to need more than the
-        limit is refused for good; one that may (``amount``) but likely won't holds the whole
-        limit until it settles."""
+    ) -> tuple[str, int] | None:
+        """Count ``amount`` against a per-minute limit; the counter's key and what it holds.
+        A request likely to need more than the limit is refused for good. One that may
+        (``amount``) need more than is left of the limit, but likely won't, is admitted while
+        what it likely needs is left, and holds what is left until it settles: so a request
+        that may run to a context longer than the limit (a chat without max_tokens) is not
+        refused after every other request of the minute, and its use past the limit is owed
+        by the next ones."""
         if limit is None:
             return None
-        if (amount if likely is None else likely) > limit:
+        needed = amount if likely is None else likely
+        if needed > limit:
             raise self._refuse("request_too_large", scope, limit, WINDOW_SECONDS)
-        amount = min(amount, limit)
         key = scope.key(kind, self.window)
+        previous = cache.get(scope.key(kind, self.window - 1), 0)
+        if amount > needed:
+            # what is left (read, not held: a request racing in makes one of the two refused)
+            used_before = previous * self.previous_weight + cache.get(key, 0)
+            amount = min(amount, max(math.floor(limit - used_before), needed))
         current = _add(key, amount, timeout=2 * WINDOW_SECONDS + 5)
         self.added.append((key, amount))
-        previous = cache.get(scope.key(kind, self.window - 1), 0)
         used = previous * self.previous_weight + current
         until_next_window = WINDOW_SECONDS - self.elapsed
         if used > limit:
@@ -221,7 +229,7 @@ class _Admission:
                 retry = min(until_next_window, (used - limit) / (previous / WINDOW_SECONDS))
             raise self._refuse(kind, scope, limit, max(1, math.ceil(retry)))
         self._record_window(kind, limit, limit - used, until_next_window)
-        return key
+        return key, amount
 
     def concurrency(self, scope: _Scope, limit: int | None, num_sequences: int) -> None:
         """Hold one lease per engine sequence against the concurrency limit."""
@@ -302,7 +310,8 @@ def admission_acquire(
     changed nothing (as far as the failing cache allows). ``likely_tokens`` (default: the
     same) is what it will probably use: a request is refused for good (``is_hopeless``) only
     when that alone is past a limit; the budgets hold ``estimated_tokens`` (a per-minute limit
-    at most its whole self) until the request settles with its real count. A request fanned
+    at most what is left of it, see ``per_minute``) until the request settles with its real
+    count. A request fanned
     out to ``num_sequences`` engine sequences (prompts × n) counts that many against the
     concurrency limits. A request that does not ``counts_per_minute`` (a batch line: OpenAI keeps
     batches in a pool of their own) skips the per-minute limits; the monthly budget and the
@@ -321,17 +330,17 @@ def admission_acquire(
         for scope in _scopes(tenant, api_key):
             limits = scope.limits
             attempt.month(scope, tenant, api_key, estimated_tokens, likely_tokens)
-            tokens_key = None
+            tokens = None
             if counts_per_minute:
                 attempt.per_minute(scope, "requests", limits.requests_per_minute, 1)
-                tokens_key = attempt.per_minute(
+                tokens = attempt.per_minute(
                     scope, "tokens", limits.tokens_per_minute, estimated_tokens, likely_tokens
                 )
-            if tokens_key and limits.tokens_per_minute < estimated_tokens:
-                ticket.counter_reservations[tokens_key] = limits.tokens_per_minute
+            if tokens is not None and tokens[1] != estimated_tokens:
+                ticket.counter_reservations[tokens[0]] = tokens[1]
             attempt.concurrency(scope, limits.max_concurrent_requests, num_sequences)
-            if tokens_key:
-                ticket.token_counters.append(tokens_key)
+            if tokens is not None:
+                ticket.token_counters.append(tokens[0])
     except BaseException:
         attempt.rollback()
         raise

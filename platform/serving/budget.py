@@ -80,10 +80,11 @@ def reserve(*, prompt: PromptTokens, max_tokens: list[int | None], max_context: 
             f"This model's maximum context length is {max_context} tokens. However, you "
             f"requested {largest} tokens for the completion."
         )
-    # unset: up to the context, less the prompt (each prompt's own share of it at most)
+    # Unset: it may run to the context (held: each prompt's own share of it at most), but it
+    # may as well stop at its first token, so no limit below the context makes it hopeless
+    # (OpenAI counts max_tokens where it is given, and the prompt's characters).
     completion = sum(max_context if m is None else m for m in max_tokens)
-    likely_rest = max(0, max_context - prompt.likely)
-    likely_completion = sum(likely_rest if m is None else m for m in max_tokens)
+    likely_completion = sum(1 if m is None else m for m in max_tokens)
     return Reservation(
         tokens=prompt.most + completion, likely_tokens=prompt.likely + likely_completion
     )

@@ -321,19 +321,42 @@ def test_a_request_likely_past_a_limit_is_refused_for_good(tenant):
     assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 0
 
 
-def test_a_request_that_may_exceed_a_per_minute_limit_holds_all_of_it_until_it_settles(tenant):
-    """250 emoji: likely 70 tokens, at most 1,010. The minute's limit (1,000) is held whole,
-    the month holds the most, and both settle to the real count."""
+def test_a_request_that_may_exceed_a_per_minute_limit_holds_what_is_left_until_it_settles(
+    tenant,
+):
+    """250 emoji: likely 70 tokens, at most 1,010. It holds what is left of the minute's limit
+    (1,000, less the 9 a request used already), the month holds the most, and both settle to
+    the real count. It held the whole limit, so after any use in the minute it was refused
+    until the minute went by: every chat without max_tokens on a plan whose limit is below the
+    model's context."""
     tenant.tokens_per_minute = 1000
     tenant.monthly_token_budget = 100_000
     tenant.save()
+    quotas.admission_release(
+        ticket=quotas.admission_acquire(tenant=tenant, estimated_tokens=10), actual_tokens=9
+    )
     ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=1010, likely_tokens=70)
     usage = quotas.quota_usage(tenant=tenant)
-    assert (usage.tokens_this_minute, usage.month_tokens) == (1000, 1010)
+    assert (usage.tokens_this_minute, usage.month_tokens) == (1000, 1019)
     with pytest.raises(quotas.QuotaExceeded) as refused:
         quotas.admission_acquire(tenant=tenant, estimated_tokens=10, likely_tokens=10)
     assert not refused.value.is_hopeless  # a 429: it fits once the first one settles
 
     quotas.admission_release(ticket=ticket, actual_tokens=300)
     usage = quotas.quota_usage(tenant=tenant)
-    assert (usage.tokens_this_minute, usage.month_tokens) == (300, 300)
+    assert (usage.tokens_this_minute, usage.month_tokens) == (309, 309)
+
+
+def test_a_request_that_may_exceed_what_is_left_is_admitted_while_its_likely_need_fits(tenant):
+    tenant.tokens_per_minute = 1000
+    tenant.save()
+    quotas.admission_release(
+        ticket=quotas.admission_acquire(tenant=tenant, estimated_tokens=950), actual_tokens=950
+    )
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        quotas.admission_acquire(tenant=tenant, estimated_tokens=400, likely_tokens=70)
+    assert not refused.value.is_hopeless  # 70 likely, 50 left: a 429
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=400, likely_tokens=40)
+    assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 1000  # what was left, held
+    quotas.admission_release(ticket=ticket, actual_tokens=120)  # past the limit: owed, not lost
+    assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 1070
