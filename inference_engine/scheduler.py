@@ -25,7 +25,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from inference_engine.kv_cache import KVCacheManager
+from inference_engine.kv_cache import KVCacheBlock, KVCacheManager
 from inference_engine.protocol import FinishReason
 from inference_engine.request import Request, RequestStatus
 from inference_engine.waiting_queue import make_waiting_queue
@@ -189,20 +189,22 @@ class Scheduler:
                 and request.tenant_id not in preempted_tenants
                 and self._is_below_fair_share(request.tenant_id)
             ):
-                num_blocks = self.kv_cache.num_blocks_for(num_cached + num_new_tokens)
-                while (
-                    new_block_ids := self.kv_cache.allocate_slots(
-                        request, num_new_tokens, computed_blocks
-                    )
-                ) is None and (victim := self._fair_victim(request, num_blocks)) is not None:
-                    budget += self._preempt_in_step(victim, scheduled, output)
-                    preempted_tenants.update(
-                        self.requests[req_id].tenant_id for req_id in output.preempted_req_ids
-                    )
-                    # a hit on a block the victim was to write this step is no hit any more
+                # preempt only victims that make room: preempting some that leave it short
+                # all the same would waste their places (and it would again each step)
+                victims = self._fair_victims(request, computed_blocks, num_new_tokens)
+                for victim in victims:
+                    if victim.status == RequestStatus.RUNNING:  # not gone with another
+                        budget += self._preempt_in_step(victim, scheduled, output)
+                preempted_tenants.update(
+                    self.requests[req_id].tenant_id for req_id in output.preempted_req_ids
+                )
+                if victims:
+                    # a hit on a block a victim was to write this step is no hit any more
                     computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
                     num_new_tokens = min(request.num_tokens - num_cached, budget)
-                    num_blocks = self.kv_cache.num_blocks_for(num_cached + num_new_tokens)
+                new_block_ids = self.kv_cache.allocate_slots(
+                    request, num_new_tokens, computed_blocks
+                )
             if new_block_ids is None:
                 break
             item = self._admit(request, num_cached, num_new_tokens)
@@ -369,18 +371,51 @@ class Scheduler:
         over = [r for r in pool if not self._is_below_fair_share(r.tenant_id, num_held)]
         return self.waiting.victim(over or pool)
 
-    def _fair_victim(self, request: Request, num_blocks: int) -> Request | None:
-        """The running request to preempt so that ``request`` (of a tenant below its fair
-        share, ``num_blocks`` blocks once admitted) fits: the newest of the most-served tenant
-        among those at or above their share that still hold more than ``request``'s tenant
-        once the move is done (weighed by their shares, so two tenants never take a request
-        back and forth), and never one of a higher priority than ``request``'s."""
+    def _fair_victims(
+        self, request: Request, computed_blocks: list[KVCacheBlock], num_new_tokens: int
+    ) -> list[Request]:
+        """The running requests to preempt, one by one as ``_fair_victim`` picks them, so that
+        ``request`` (its prefix hits ``computed_blocks``, then ``num_new_tokens``) fits; none
+        when even all that may be taken would leave it short."""
+        kv = self.kv_cache
+        num_blocks = kv.num_blocks_for(len(computed_blocks) * kv.block_size + num_new_tokens)
+        # a hit in the free queue is taken from it like a new block
+        num_needed = num_blocks - sum(1 for block in computed_blocks if block.ref_cnt > 0)
+        num_free = kv.num_free_blocks
         num_held = self._num_blocks_by_tenant()
+        refs: dict[int, int] = {}  # block id -> holders left once the victims so far are gone
+        victims: list[Request] = []
+        while num_free < num_needed:
+            victim = self._fair_victim(request, num_blocks, num_held, victims)
+            if victim is None:
+                return []
+            victims.append(victim)
+            blocks = kv.req_to_blocks.get(victim.req_id, [])
+            num_held[victim.tenant_id] -= len(blocks)
+            for block in blocks:
+                refs[block.block_id] = refs.get(block.block_id, block.ref_cnt) - 1
+                num_free += refs[block.block_id] == 0
+        return victims
+
+    def _fair_victim(
+        self,
+        request: Request,
+        num_blocks: int,
+        num_held: dict[str, int],
+        taken: list[Request],
+    ) -> Request | None:
+        """The running request to preempt, besides ``taken``, so that ``request`` (of a tenant
+        below its fair share, ``num_blocks`` blocks once admitted) fits, the tenants holding
+        ``num_held`` blocks: the newest of the most-served tenant among those at or above
+        their share that still hold more than ``request``'s tenant once the move is done
+        (weighed by their shares, so two tenants never take a request back and forth), and
+        never one of a higher priority than ``request``'s."""
         num_after = (num_held.get(request.tenant_id, 0) + num_blocks) / request.weight
         candidates = [
             running
             for running in self.running
             if running.tenant_id != request.tenant_id
+            and running not in taken
             and running.priority >= request.priority
             and not self._is_below_fair_share(running.tenant_id, num_held)
             and (num_held[running.tenant_id] - len(self.kv_cache.get_block_ids(running.req_id)))

@@ -12,6 +12,7 @@ import pytest
 from inference_engine.protocol import SamplingParams
 from inference_engine.request import Request
 from inference_engine.scheduler import Scheduler
+from tests.inference_engine.test_scheduler import make_request, make_scheduler, scheduled_tokens
 
 PROMPT, OUTPUT = 8, 8  # tokens of every request here
 REQUEST_COST = PROMPT * 1 + OUTPUT * 2  # its weighted cost once served in full
@@ -437,3 +438,29 @@ def test_inside_a_step_a_newcomer_below_its_share_may_take_the_reserve():
     newcomer = request("b")
     s.add_request(newcomer)
     assert [item.request for item in s.schedule_newcomers(in_flight).scheduled] == [newcomer]
+
+
+def run_steps(s: Scheduler, num_steps: int) -> list:
+    outputs = []
+    for _ in range(num_steps):
+        outputs.append(s.schedule())
+        sampled = {i.request.req_id: 7 for i in outputs[-1].scheduled if i.is_sampling}
+        s.update_from_output(outputs[-1], sampled)
+    return outputs
+
+
+def test_a_newcomer_that_would_not_fit_anyway_preempts_nobody():
+    """B (tenant b, below its share) needs 4 blocks; A1 holds 4 of the 7 and is not to be
+    taken, so preempting A2 (2 blocks, admitted just before B in the same step) leaves B short
+    all the same. A2 was preempted for nothing in every step, and waited for A1 to finish."""
+    scheduler = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("B0", 20, max_tokens=2, first_token=700, tenant="b"))
+    run_steps(scheduler, 2)  # b has been served more than a will have been
+    scheduler.add_request(make_request("A1", 13, max_tokens=4, tenant="a"))
+    run_steps(scheduler, 1)
+    scheduler.add_request(make_request("A2", 5, max_tokens=2, first_token=300, tenant="a"))
+    scheduler.add_request(make_request("B", 16, max_tokens=2, first_token=500, tenant="b"))
+
+    output = run_steps(scheduler, 1)[0]
+    assert output.preempted_req_ids == []
+    assert scheduled_tokens(output) == {"A1": 1, "A2": 5}
