@@ -32,6 +32,8 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    # OpenAI's padding of streamed events against length side channels: accepted, not done
+    include_obfuscation: bool | None = None
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -159,6 +161,10 @@ class _GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # nothing is stored beyond the usage record
     service_tier: str | None = None
     store: bool | None = None
+    # OpenAI's cache routing hint and end-user id for abuse detection: accepted and ignored
+    # (each tenant's prefix cache is its own already; the usage record names the key)
+    prompt_cache_key: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    safety_identifier: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):

@@ -127,6 +127,21 @@ def test_a_valid_chat_request_becomes_one_engine_request():
     assert reservation.tokens == plan.prompt_tokens.most + 14
 
 
+def test_fields_of_openais_api_that_change_nothing_here_are_accepted():
+    """Sent by current SDKs and frameworks where their users set them; refused as unknown,
+    they failed requests that any OpenAI-compatible server takes."""
+    plan = plan_chat(
+        _chat(
+            prompt_cache_key="tenant-app-7",
+            safety_identifier="user-hash-1",
+            stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": False},
+        )
+    )
+    assert plan.include_usage
+    assert _error(plan_chat, _chat(prompt_cache_keys="x")).param == "prompt_cache_keys"
+
+
 def test_nulls_mean_defaults():
     plan = plan_chat(_chat(temperature=None, top_p=None, n=None, stop=None, max_tokens=None))
     assert plan.prompts[0].params.temperature == 1.0 and plan.n == 1
