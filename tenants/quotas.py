@@ -255,9 +255,7 @@ class _Admission:
             return None
         if (amount if likely is None else likely) > budget:
             raise self._refuse("budget_too_small", scope, budget, _seconds_to_next_month(self.now))
-        month_start = datetime.fromtimestamp(self.now, UTC).replace(
-            day=1, hour=0, minute=0, second=0, microsecond=0
-        )
+        month_start = _month_start(self.now)
         key = scope.key("month", month_start.strftime("%Y%m"))
         if cache.get(key) is None:
             used = month_tokens_used(
@@ -288,6 +286,12 @@ class _Admission:
             retry_after=retry_after,
             windows=dict(self.windows),
         )
+
+
+def _month_start(now: float) -> datetime:
+    return datetime.fromtimestamp(now, UTC).replace(
+        day=1, hour=0, minute=0, second=0, microsecond=0
+    )
 
 
 def _seconds_to_next_month(now: float) -> int:
@@ -390,7 +394,7 @@ class QuotaUsage:
     requests_this_minute: float
     tokens_this_minute: float
     concurrent_requests: int
-    month_tokens: int | None
+    month_tokens: int
     limits: Limits
 
 
@@ -402,11 +406,17 @@ def quota_usage(*, tenant: Tenant, api_key: ApiKey | None = None) -> QuotaUsage:
         previous = cache.get(scope.key(kind, attempt.window - 1), 0)
         return previous * attempt.previous_weight + cache.get(scope.key(kind, attempt.window), 0)
 
-    month_start = datetime.fromtimestamp(attempt.now, UTC).strftime("%Y%m")
+    month_start = _month_start(attempt.now)
+    month_tokens = counter_value(name=scope.key("month", month_start.strftime("%Y%m")))
+    if month_tokens is None:
+        # no budget keeps no counter, and a cache restart or a new month drops it: the records
+        month_tokens = month_tokens_used(
+            tenant=tenant, api_key=api_key if scope.name == "key" else None, since=month_start
+        )
     return QuotaUsage(
         requests_this_minute=sliding("requests"),
         tokens_this_minute=sliding("tokens"),
         concurrent_requests=slot_count(name=scope.key("slots")),
-        month_tokens=counter_value(name=scope.key("month", month_start)),
+        month_tokens=month_tokens,
         limits=scope.limits,
     )

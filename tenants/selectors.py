@@ -69,7 +69,8 @@ def tenant_share(*, tenant: Tenant) -> float:
 
 
 def tenant_api_keys(*, tenant: Tenant) -> QuerySet[ApiKey]:
-    return ApiKey.objects.filter(tenant=tenant).order_by("-created_at")
+    """The tenant's keys, newest first, with who created each (the keys page shows it)."""
+    return ApiKey.objects.filter(tenant=tenant).select_related("created_by").order_by("-created_at")
 
 
 def tenant_memberships(*, tenant: Tenant) -> QuerySet[Membership]:

@@ -2,6 +2,8 @@ import re
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from serving.models import ModelDeployment
@@ -103,6 +105,21 @@ def test_csv_export_matches_the_rollups(client, people, tenant):
     assert lines[0].startswith("date,model,source,api_key,requests")
     assert sum(int(line.split(",")[4]) for line in lines[1:]) == 6
     assert sum(int(line.split(",")[6]) for line in lines[1:]) == sum(50 + n for n in range(6))
+
+
+def test_the_keys_page_costs_the_same_queries_for_3_keys_as_for_30(client, people, tenant):
+    """Each row shows who created its key: one query per key before."""
+    client.force_login(people["admin_a"])
+    url = reverse("console:keys", args=[tenant.slug])
+
+    def num_queries(num_keys: int) -> int:
+        while ApiKey.objects.filter(tenant=tenant).count() < num_keys:
+            services.api_key_create(tenant=tenant, name="k", created_by=people["admin_a"])
+        with CaptureQueriesContext(connection) as queries:
+            assert client.get(url).status_code == 200
+        return len(queries.captured_queries)
+
+    assert num_queries(3) == num_queries(30)
 
 
 def test_keys_are_created_once_shown_and_revoked(client, people, tenant):

@@ -153,6 +153,32 @@ def test_monthly_budget_counts_recorded_usage(clock):
     assert quotas.quota_usage(tenant=tenant).month_tokens == 930
 
 
+@pytest.mark.parametrize("monthly_token_budget", [None, 10_000])
+def test_the_months_tokens_are_the_records_where_no_counter_holds_them(
+    clock, monthly_token_budget
+):
+    """No budget keeps no counter, and a cache restart or a new month drops it: the console's
+    "Tokens this month" said 0 then, whatever the records said."""
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant(monthly_token_budget=monthly_token_budget)
+    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+    now = timezone.now()
+    usage_record_add(
+        request_id="earlier",
+        tenant=tenant,
+        api_key=api_key,
+        model="demo-chat",
+        source=UsageRecord.Source.API,
+        status=UsageRecord.Status.OK,
+        started_at=now - timedelta(seconds=5),
+        finished_at=now,
+        prompt_tokens=400,
+        completion_tokens=100,
+    )
+    assert quotas.quota_usage(tenant=tenant).month_tokens == 500
+    assert quotas.quota_usage(tenant=tenant, api_key=api_key).month_tokens == 500
+
+
 def test_key_limits_apply_on_top_of_the_tenants(clock):
     tenant = _tenant(requests_per_minute=100)
     limited, _ = services.api_key_create(tenant=tenant, name="small", requests_per_minute=2)
