@@ -154,9 +154,7 @@ def test_monthly_budget_counts_recorded_usage(clock):
 
 
 @pytest.mark.parametrize("monthly_token_budget", [None, 10_000])
-def test_the_months_tokens_are_the_records_where_no_counter_holds_them(
-    clock, monthly_token_budget
-):
+def test_the_months_tokens_are_the_records_where_no_counter_holds_them(clock, monthly_token_budget):
     """No budget keeps no counter, and a cache restart or a new month drops it: the console's
     "Tokens this month" said 0 then, whatever the records said."""
     clock.now = timezone.now().timestamp()
