@@ -8,11 +8,12 @@ run, whenever the request started.
 """
 
 import bisect
+import hashlib
 from collections import defaultdict
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
@@ -150,6 +151,7 @@ def rollup_day(start: datetime) -> int:
 
 
 def _replace(period: str, start: datetime, groups: dict[tuple, dict]) -> int:
+    _lock_period(period, start)
     UsageRollup.objects.filter(period=period, period_start=start).delete()
     UsageRollup.objects.bulk_create(
         UsageRollup(
@@ -158,6 +160,21 @@ def _replace(period: str, start: datetime, groups: dict[tuple, dict]) -> int:
         for key, values in groups.items()
     )
     return len(groups)
+
+
+def _lock_period(period: str, start: datetime) -> None:
+    """Hold the period until this transaction ends. Two roll-ups at once (a slow run and the
+    next, on a worker that runs two tasks) each delete the period's rows and insert their own:
+    under PostgreSQL's READ COMMITTED the second's delete does not see the rows the first has
+    not committed yet, and both sets stay. Waiting for the first's commit, it deletes them.
+    (SQLite runs one writing transaction at a time.)"""
+    if connection.vendor != "postgresql":
+        return
+    digest = hashlib.sha256(f"usage-rollup:{period}:{start.isoformat()}".encode()).digest()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_advisory_xact_lock(%s)", [int.from_bytes(digest[:8], "big", signed=True)]
+        )
 
 
 def rollup_pending(now: datetime | None = None) -> list[datetime]:

@@ -1,6 +1,9 @@
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.db import connection
 from django.db.models import Sum
 
 from config import celery_app
@@ -148,3 +151,46 @@ def test_tasks_run_through_celery(eager, keys, settings):
     assert purged["usage_records"] == 1
     assert not UsageRecord.objects.filter(pk=old.pk).exists()
     assert UsageRollup.objects.filter(period="day").count() == 2  # roll-ups outlive records
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_rollups_at_once_count_each_record_once(keys, monkeypatch):
+    """Beat queues a roll-up every 5 minutes and the worker runs two tasks at once: a slow run
+    overlaps the next. Under PostgreSQL's READ COMMITTED, the second run's delete of an hour
+    did not see the rows the first had just inserted, and both sets stayed, for good."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite runs one writing transaction at a time")
+    key = keys[0]
+    for n in range(3):
+        _record(key, T0 + timedelta(minutes=n), n + 1)
+    UsageRecord.objects.update(created_at=T0)  # created as they finished
+    rollups.rollup_pending(now=T0 + timedelta(minutes=30))
+
+    paused, go_on = threading.Event(), threading.Event()
+    replace = rollups._replace
+
+    def slow_replace(period, start, groups):
+        written = replace(period, start, groups)
+        if threading.current_thread().name == "first" and period == UsageRollup.Period.HOUR:
+            paused.set()
+            go_on.wait(10)  # inside rollup_hour's transaction, its rows not committed yet
+        return written
+
+    monkeypatch.setattr(rollups, "_replace", slow_replace)
+
+    def run() -> None:
+        try:
+            rollups.rollup_pending(now=T0 + timedelta(minutes=40))
+        finally:
+            connection.close()
+
+    first, second = threading.Thread(target=run, name="first"), threading.Thread(target=run)
+    first.start()
+    assert paused.wait(10)
+    second.start()
+    time.sleep(1.0)  # the second waits at the hour, or (before) got past it
+    go_on.set()
+    first.join(30)
+    second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    assert _totals("hour")["requests"] == _totals("day")["requests"] == 3
