@@ -15,6 +15,7 @@ of its group).
 """
 
 import asyncio
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from typing import Any
 from config.workers import database_worker
 from tenants import quotas, services
 from tenants.models import UsageRecord
+
+logger = logging.getLogger(__name__)
 
 MAX_GROUP = 256
 
@@ -89,16 +92,40 @@ _settlers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Settler]" = (
 )
 
 
+def _recorded_already(group: list[Settlement]) -> set[str]:
+    """The request ids of the group's batch lines that have their record already: a runner
+    that died after writing it, before the line's result, left the line to be run again under
+    the same id. (Every other request has an id of its own: nothing to look up for it.)"""
+    ids = [
+        settlement.record.get("request_id")
+        for settlement in group
+        if settlement.record.get("source") == UsageRecord.Source.BATCH
+    ]
+    if not ids:
+        return set()
+    try:
+        return set(
+            UsageRecord.objects.filter(request_id__in=ids).values_list("request_id", flat=True)
+        )
+    except Exception:  # the save will tell: nothing counts twice for want of this look-up
+        logger.exception("looking up the usage records of %d batch lines failed", len(ids))
+        return set()
+
+
 @database_worker
 def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
     """Settle each; return what failed for each one (None where all went well)."""
     outcomes: list[BaseException | None] = [None] * len(group)
     built: list[tuple[int, UsageRecord]] = []
+    recorded = _recorded_already(group)
     for index, settlement in enumerate(group):
+        request_id = settlement.record.get("request_id")
+        # a request id's first record stands and is what the counters count: a second
+        # settles its reservation to nothing
+        actual_tokens = 0 if request_id in recorded else settlement.actual_tokens
+        recorded.add(request_id)
         try:
-            quotas.admission_release(
-                ticket=settlement.ticket, actual_tokens=settlement.actual_tokens
-            )
+            quotas.admission_release(ticket=settlement.ticket, actual_tokens=actual_tokens)
         except Exception as exc:  # the record is still written
             outcomes[index] = exc
         try:

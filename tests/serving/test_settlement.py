@@ -118,14 +118,48 @@ async def test_one_bad_record_fails_alone(keys, groups):
 
 async def test_a_request_id_settled_twice_keeps_its_first_record(keys, groups):
     api_key, _ = keys
+    api_key.tenant.tokens_per_minute = 10_000
+    await api_key.tenant.asave()
     first = await sync_to_async(_settlement)(api_key, "twice", tokens=1)
     again = await sync_to_async(_settlement)(api_key, "twice", tokens=2)
     await asyncio.gather(settlement.settle(first), settlement.settle(again))
+    # the counter counts what the record says, once
+    usage = await sync_to_async(quotas.quota_usage)(tenant=api_key.tenant)
+    assert usage.tokens_this_minute == 1
     later = await sync_to_async(_settlement)(api_key, "twice", tokens=3)
     await settlement.settle(later)
 
     records = await sync_to_async(list)(UsageRecord.objects.filter(request_id="twice"))
     assert [r.completion_tokens for r in records] == [1]
+
+
+async def test_a_batch_line_run_again_under_its_id_is_charged_once(async_db):
+    """A runner died after the line's record was written, before its result was: the next
+    runner runs the line again under the same request id. The record stands and the second is
+    dropped; the month's counter was charged twice, and refused the tenant early."""
+    await sync_to_async(cache.clear)()
+    plan = await Plan.objects.acreate(slug="b", name="B", monthly_token_budget=1_000_000)
+    tenant = await sync_to_async(services.tenant_create)(slug="acme", plan=plan)
+    api_key = (await sync_to_async(services.api_key_create)(tenant=tenant, name="k"))[0]
+
+    async def run_line() -> None:
+        async with metered(
+            request_id="batch_req_1",
+            tenant=tenant,
+            api_key=api_key,
+            model="m",
+            source=UsageRecord.Source.BATCH,
+            estimated_tokens=500,
+            counts_per_minute=False,
+        ) as meter:
+            await asyncio.sleep(0)
+            meter.prompt_tokens, meter.completion_tokens = 20, 80
+
+    await run_line()
+    await run_line()
+    usage = await sync_to_async(quotas.quota_usage)(tenant=tenant)
+    assert usage.month_tokens == 100 and await UsageRecord.objects.acount() == 1
+    await sync_to_async(cache.clear)()
 
 
 async def test_when_the_database_fails_each_request_hears_it_and_frees_its_slot(
