@@ -4,6 +4,7 @@
 
 import asyncio
 import functools
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -19,6 +20,8 @@ from gateway.responses import Responder
 from gateway.validation import GenerationPlan
 from serving.runs import Caller, Run, RunError
 from tenants.models import UsageRecord
+
+logger = logging.getLogger(__name__)
 
 RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
 
@@ -121,7 +124,14 @@ class GenerationStreamResponse(StreamingHttpResponse):
             ended_by = exc
             raise
         finally:
-            await self._responder.run.aclose(ended_by)
+            try:
+                await self._responder.run.aclose(ended_by)
+            except Exception:
+                # the answer is out whole: raised from here, the response would never end
+                # and the client would wait on it (the record's failure is the log's to tell)
+                logger.exception(
+                    "settling the stream of %s failed", self._responder.run.spec.request_id
+                )
 
     def close(self) -> None:
         super().close()

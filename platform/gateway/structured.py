@@ -21,6 +21,7 @@ from inference_engine.protocol import Message, StructuredOutputsParams, ToolCall
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+NUL = "\x00"  # PostgreSQL's text refuses it
 # a function without parameters takes an empty object
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -190,6 +191,8 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
     if len(metadata) > MAX_METADATA_PAIRS:
         raise invalid(f"metadata may hold at most {MAX_METADATA_PAIRS} pairs.", "metadata")
     for key, value in metadata.items():
+        if NUL in key or NUL in value:  # stored on the usage record, whose text refuses it
+            raise invalid("metadata must not contain the NUL character (\\u0000).", "metadata")
         if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
             raise invalid(
                 f"metadata keys may have at most {MAX_METADATA_KEY_CHARS} characters and "

@@ -14,7 +14,7 @@ from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from gateway.structured import ToolPlan
+from gateway.structured import NUL, ToolPlan
 from inference_engine.protocol import GenerateRequest, InvalidParam, SamplingParams
 from serving.budget import PromptTokens, message_tokens, text_tokens, token_id_tokens
 from serving.runs import RunSpec
@@ -106,6 +106,10 @@ def _param_of(message: str) -> str | None:
 def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
     if not request.model:
         raise invalid("model must be a non-empty string.", "model")
+    # stored on the usage record or looked up in the database, whose text refuses NUL
+    for name, value in (("model", request.model), ("user", request.user)):
+        if value is not None and NUL in value:
+            raise invalid(f"{name} must not contain the NUL character (\\u0000).", name)
     if request.stop is not None:
         stops = [request.stop] if isinstance(request.stop, str) else request.stop
         if len(stops) > MAX_STOP or not all(stops):

@@ -17,7 +17,7 @@ from inference_engine.protocol import (
     TokenLogprobs,
     Usage,
 )
-from serving import runs
+from serving import runs, settlement
 from serving.runs import Run, RunSpec
 from tests.serving.fake_runs import run_world  # noqa: F401  (fixture)
 
@@ -90,6 +90,32 @@ async def test_ready_events_share_a_write(run_world):  # noqa: F811
     with pytest.raises(StopAsyncIteration):
         await anext(writes)
     await responder.run.aclose()
+
+
+async def test_a_stream_whose_settlement_fails_still_ends(run_world, monkeypatch):  # noqa: F811
+    """The usage record could not be written (the database refused it): the stream raised
+    from its last step, after [DONE], and the response was never ended, so the client hung.
+    The failure goes to the log; the stream ends."""
+    from gateway.handling import GenerationStreamResponse
+
+    fake = run_world.fake
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    responder = _responder("chat", plan_chat(json.dumps(body).encode()), run_world, "chatcmpl-9")
+    request_id = responder.run.spec.requests[0].request_id
+    starting = asyncio.create_task(responder.run.start())
+    identity, _ = await fake.generates.get()
+    last = GenerateDelta(
+        request_id, "hi", [1], finish_reason=FinishReason.STOP, usage=Usage(prompt_tokens=3)
+    )
+    await fake.send(identity, ResponseType.OUTPUTS, [last])
+    await starting
+
+    async def refused(group):
+        raise RuntimeError("the database refused the record")
+
+    monkeypatch.setattr(settlement, "_settle_group", refused)
+    writes = [write async for write in GenerationStreamResponse(responder)._events()]
+    assert _events(writes[-1])[-1] == b"[DONE]"
 
 
 # quotes, escapes, control characters, non-ASCII, the templates' own placeholder character

@@ -142,6 +142,24 @@ def test_fields_of_openais_api_that_change_nothing_here_are_accepted():
     assert _error(plan_chat, _chat(prompt_cache_keys="x")).param == "prompt_cache_keys"
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"model": "a\u0000b"}, "model"),
+        ({"user": "alice\u0000"}, "user"),
+        ({"metadata": {"k": "v\u0000"}}, "metadata"),
+        ({"metadata": {"k\u0000": "v"}}, "metadata"),
+    ],
+)
+def test_a_nul_in_a_field_that_is_stored_or_looked_up_is_refused(fields, param):
+    """PostgreSQL's text refuses NUL: the usage record of such a request could not be written
+    (it ran unmetered, and its stream never ended), and a model name failed its look-up (a
+    500). Text the model reads may hold one."""
+    body = json.dumps({**json.loads(_chat()), **fields}).encode()
+    assert _error(plan_chat, body).param == param
+    assert plan_chat(_chat(messages=[{"role": "user", "content": "a\u0000b"}]))
+
+
 def test_nulls_mean_defaults():
     plan = plan_chat(_chat(temperature=None, top_p=None, n=None, stop=None, max_tokens=None))
     assert plan.prompts[0].params.temperature == 1.0 and plan.n == 1
