@@ -7,6 +7,8 @@ import msgspec
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_REQUESTS = 50_000  # OpenAI's limit on the requests of one batch
+MAX_CUSTOM_ID_CHARS = 512  # what BatchRequest.custom_id holds
+NUL = "\x00"  # PostgreSQL's text and jsonb refuse it
 
 
 class InputLineError(ValueError):
@@ -26,15 +28,27 @@ class InputLine:
 
 
 def parse_line(raw: bytes, line_number: int) -> InputLine:
+    """One request line, checked as OpenAI checks it and for what the database can store (a
+    line it could not store would leave its batch ``validating`` for good)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputLineError(line_number, "not UTF-8 text.") from None
     try:
         item = msgspec.json.decode(raw)
     except msgspec.DecodeError:
         raise InputLineError(line_number, "not a JSON object.") from None
     if not isinstance(item, dict):
         raise InputLineError(line_number, "not a JSON object.")
+    if b"\\u0000" in raw and _holds_nul(item):
+        raise InputLineError(line_number, "the NUL character (\\u0000) cannot be stored.")
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise InputLineError(line_number, "'custom_id' must be a non-empty string.")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise InputLineError(
+            line_number, f"'custom_id' must be at most {MAX_CUSTOM_ID_CHARS} characters."
+        )
     if item.get("method") != "POST":
         raise InputLineError(line_number, "'method' must be \"POST\".")
     url = item.get("url")
@@ -44,6 +58,23 @@ def parse_line(raw: bytes, line_number: int) -> InputLine:
     if not isinstance(body, dict):
         raise InputLineError(line_number, "'body' must be a JSON object.")
     return InputLine(line_number=line_number, custom_id=custom_id, url=url, body=body)
+
+
+def _holds_nul(value: object) -> bool:
+    """Whether a NUL is in any string or key of a decoded JSON document."""
+    pending = [value]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            if NUL in value:
+                return True
+        elif isinstance(value, dict):
+            if any(NUL in key for key in value):
+                return True
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return False
 
 
 def parse_lines(raw_lines: Iterable[bytes]) -> list[InputLine]:

@@ -9,6 +9,7 @@ import secrets
 from django.db import models
 from django.utils import timezone
 
+from batches.jsonl import MAX_CUSTOM_ID_CHARS
 from tenants.models import ApiKey, Tenant
 
 
@@ -125,7 +126,7 @@ class BatchRequest(models.Model):
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
     batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="requests")
-    custom_id = models.CharField(max_length=512)
+    custom_id = models.CharField(max_length=MAX_CUSTOM_ID_CHARS)
     line_number = models.PositiveIntegerField()
     body = models.JSONField()
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)

@@ -8,6 +8,7 @@ from asgiref.sync import sync_to_async
 from django.db.models import Model, Q, QuerySet
 from django.utils import timezone
 
+from batches.jsonl import NUL
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage
 
@@ -15,11 +16,19 @@ READ_CHUNK_BYTES = 256 * 1024
 
 
 def file_get(*, tenant_id: int, file_id: str) -> File:
-    return File.objects.get(tenant_id=tenant_id, pk=file_id)
+    return _get(File.objects.filter(tenant_id=tenant_id), file_id)
 
 
 def batch_get(*, tenant_id: int, batch_id: str) -> Batch:
-    return Batch.objects.get(tenant_id=tenant_id, pk=batch_id)
+    return _get(Batch.objects.filter(tenant_id=tenant_id), batch_id)
+
+
+def _get(queryset: QuerySet, object_id: str) -> Model:
+    """The object with id ``object_id``; DoesNotExist also for an id no object can have (one
+    with a NUL, which the database would refuse to compare)."""
+    if NUL in object_id:
+        raise queryset.model.DoesNotExist
+    return queryset.get(pk=object_id)
 
 
 def _page(
@@ -30,7 +39,7 @@ def _page(
     sign = "-" if newest_first else ""
     queryset = queryset.order_by(f"{sign}created_at", f"{sign}id")
     if after is not None:
-        cursor = queryset.get(pk=after)
+        cursor = _get(queryset, after)
         op = "lt" if newest_first else "gt"
         queryset = queryset.filter(
             Q(**{f"created_at__{op}": cursor.created_at})

@@ -14,7 +14,7 @@ from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from batches.estimate import line_input_tokens
-from batches.jsonl import ENDPOINTS, InputLineError, encode_lines, parse_lines
+from batches.jsonl import ENDPOINTS, NUL, InputLineError, encode_lines, parse_lines
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage, max_file_bytes
 from tenants.models import ApiKey, Tenant
@@ -126,6 +126,10 @@ def _check_metadata(metadata: object) -> dict[str, str] | None:
             param="metadata",
         )
     for key, value in metadata.items():
+        if isinstance(value, str) and (NUL in key or NUL in value):
+            raise InvalidRequest(
+                "'metadata' must not contain the NUL character (\\u0000).", param="metadata"
+            )
         if len(key) > MAX_METADATA_KEY or not isinstance(value, str):
             raise InvalidRequest(
                 f"'metadata' keys are at most {MAX_METADATA_KEY} characters and its values "
@@ -192,7 +196,9 @@ def batch_create(
     checked_metadata = _check_metadata(metadata)
     if not isinstance(input_file_id, str):
         raise InvalidRequest("'input_file_id' must be a file id.", param="input_file_id")
-    input_file = File.objects.filter(tenant=tenant, pk=input_file_id).first()
+    # an id with a NUL is nobody's (and the database would refuse to compare it)
+    files = File.objects.filter(tenant=tenant, pk=input_file_id) if NUL not in input_file_id else []
+    input_file = next(iter(files), None)
     if input_file is None or input_file.purpose != File.Purpose.BATCH:
         raise InvalidRequest(
             f"No batch input file with id '{input_file_id}'.",

@@ -73,7 +73,7 @@ def _limit(request: HttpRequest, maximum: int, default: int) -> int:
     raw = request.GET.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= maximum:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= maximum:
         raise invalid(f"'limit' must be an integer from 1 to {maximum}.", param="limit")
     return int(raw)
 

@@ -1,0 +1,105 @@
+"""The Files and Batch API against hostile input, through the ASGI application: a 4xx that
+says what is wrong, never a 500, and nothing stored that the database cannot hold (a batch
+whose lines could not be stored stayed ``validating`` for good, holding its tenant's queued
+tokens)."""
+
+import json
+
+import httpx
+import pytest
+from django.core.cache import cache
+
+from serving.services import deployment_register
+from tenants import services
+from tenants.models import Plan
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CREATE = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
+
+
+@pytest.fixture
+def key(tmp_path, settings):
+    settings.VAR_DIR = tmp_path
+    cache.clear()
+    plan = Plan.objects.create(slug="open", name="Open")
+    tenant = services.tenant_create(slug="acme", plan=plan)
+    deployment_register(name="m", endpoints=[f"ipc://{tmp_path}/nobody.sock"])
+    return services.api_key_create(tenant=tenant, name="k")[1]
+
+
+def _client(key: str) -> httpx.AsyncClient:
+    from config.asgi import application
+
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=application),
+        base_url="http://testserver",
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+def _line(custom_id: str = "a", **body: object) -> bytes:
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    line = {"custom_id": custom_id, "method": "POST", "url": CREATE["endpoint"], "body": request}
+    return json.dumps(line).encode() + b"\n"
+
+
+async def _upload(client: httpx.AsyncClient, content: bytes) -> httpx.Response:
+    return await client.post(
+        "/v1/files",
+        files={"file": ("in.jsonl", content, "application/jsonl")},
+        data={"purpose": "batch"},
+    )
+
+
+@pytest.mark.parametrize("limit", ["\u00b2", "\u2460"])  # str.isdigit() says yes to both
+async def test_a_limit_of_unicode_digits_is_a_400(key, limit):
+    async with _client(key) as client:
+        for path in ("/v1/batches", "/v1/files"):
+            response = await client.get(path, params={"limit": limit})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "limit"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/files/file-%00",
+        "/v1/files/file-%00/content",
+        "/v1/batches/batch_%00",
+        "/v1/files?after=%00",
+        "/v1/batches?after=%00",
+    ],
+)
+async def test_a_nul_in_an_id_is_a_404_or_400(key, path):
+    async with _client(key) as client:
+        response = await client.get(path)
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["message"]
+
+
+async def test_a_nul_in_a_batchs_fields_is_a_4xx(key):
+    async with _client(key) as client:
+        upload = await _upload(client, _line())
+        assert upload.status_code == 200, upload.text
+        missing = await client.post("/v1/batches", json={**CREATE, "input_file_id": "file-\0"})
+        assert missing.status_code in (400, 404) and missing.json()["error"]["message"]
+        body = {**CREATE, "input_file_id": upload.json()["id"], "metadata": {"k": "v\0"}}
+        refused = await client.post("/v1/batches", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (_line(custom_id="x" * 513), "at most 512 characters"),
+        (_line(custom_id="a\0b"), "NUL"),
+        (_line(messages=[{"role": "user", "content": "a\0b"}]), "NUL"),
+        (b'{"custom_id": "a", "method": "POST", "body": {"content": "caf\xe9"}}\n', "UTF-8"),
+    ],
+)
+async def test_an_upload_with_a_line_that_cannot_be_stored_is_a_400_naming_it(key, content, reason):
+    async with _client(key) as client:
+        response = await _upload(client, _line("first") + content)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "Line 2" in message and reason in message
