@@ -128,7 +128,9 @@ class BatchRequest(models.Model):
     batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="requests")
     custom_id = models.CharField(max_length=MAX_CUSTOM_ID_CHARS)
     line_number = models.PositiveIntegerField()
-    body = models.JSONField()
+    # the request's JSON text as the line held it: jsonb would sort its keys, and the engine
+    # would see another JSON schema (or tools) than the online API gives it for the same body
+    body = models.TextField()
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     # the usage record's (and the response's id), kept when a line is run again after a
     # worker died: a record the dead run already wrote is not written twice
@@ -145,3 +147,7 @@ class BatchRequest(models.Model):
 
     def __str__(self) -> str:
         return f"{self.batch_id}:{self.custom_id}"
+
+    def body_bytes(self) -> bytes:
+        """The request's body, as the API's parsers take it."""
+        return self.body.encode()

@@ -177,7 +177,7 @@ class BatchRun:
         ``body``); ``RunError`` where the run was refused before it started."""
         request_id = request.request_id
         try:
-            plan = self.plan_of(msgspec.json.encode(request.body))
+            plan = self.plan_of(request.body_bytes())
             caller = await self._caller(plan.model)
             run = Run(plan.run_spec(request_id), caller)
             await run.start()

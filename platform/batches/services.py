@@ -7,6 +7,7 @@ import functools
 import logging
 from datetime import timedelta
 
+import msgspec
 from django.core.files import File as DjangoFile
 from django.core.files.base import ContentFile
 from django.db import transaction
@@ -286,7 +287,7 @@ def batch_validate(*, batch: Batch) -> Batch:
                 batch=batch,
                 custom_id=line.custom_id,
                 line_number=line.line_number,
-                body=line.body,
+                body=msgspec.json.encode(line.body).decode(),  # its keys in their order
             )
             for line in lines
         ],

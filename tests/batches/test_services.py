@@ -1,6 +1,8 @@
 """Files and batches through their services and selectors, on the real database and a
 temporary files folder."""
 
+import json
+
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
@@ -135,6 +137,23 @@ def test_validation_makes_one_pending_request_per_line_once(tenant, file_storage
         ("a", "pending", tenant.pk),
         ("b", "pending", tenant.pk),
     ]
+
+
+def test_a_lines_body_is_kept_as_it_was_sent_key_order_and_all(tenant, file_storage_dir):
+    """PostgreSQL's jsonb sorts an object's keys: the engine got another JSON schema (its
+    properties in another order) than the online API gives it for the same body, and a guided
+    answer came back with its keys in that other order."""
+    schema = {"type": "object", "properties": {"zeta_long_name": {}, "a": {}}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    batch = services.batch_validate(
+        batch=_batch(tenant, _upload(tenant, [request_line("a", body=body)]))
+    )
+    [stored] = BatchRequest.objects.filter(batch=batch)
+    assert stored.body_bytes() == json.dumps(body, separators=(",", ":")).encode()
 
 
 def test_a_line_for_another_endpoint_fails_the_batch(tenant, file_storage_dir):
