@@ -44,7 +44,9 @@ frame that would start another gets a ``busy`` error. The claim is a lease that 
 renews (``chat.claims``), so a process that dies mid-reply frees the conversation within
 half a minute, and its reply, left as streaming, is then marked interrupted. The reply runs
 as its own task, so a stop frame is read at once, even before the first token; stop and
-disconnect cancel the task, which aborts the engine request.
+disconnect cancel the task, which aborts the engine request. A conversation deleted while its
+reply runs (another window, another process) stops the reply within
+``claims.DELETED_CHECK_SECONDS``, saves nothing, and closes the socket with 4404.
 """
 
 import asyncio
@@ -54,6 +56,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 from channels.db import database_sync_to_async
@@ -72,6 +75,7 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_CHARS = 64 * 1024
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
+CLOSE_DELETED = 4404
 SETTINGS_FIELDS = ("model", "system_prompt", "temperature", "max_tokens")
 
 
@@ -87,6 +91,7 @@ class _Run:
     is_generating: bool = True
     is_stopped: bool = False
     is_finished: bool = False
+    is_deleted: bool = False  # its conversation was deleted meanwhile: nothing to save
     error: ChatError | None = None
 
     def cancel(self) -> None:
@@ -270,7 +275,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
         )
         self.num_replies_started += 1
         self.run = run = _Run(reply=reply, claim=claim)
-        run.keeper = asyncio.create_task(claims.akeep(self.conversation, run.claim))
+        run.keeper = asyncio.create_task(
+            claims.akeep(self.conversation, run.claim, on_deleted=partial(self._deleted, run))
+        )
         await self._send({"type": "start", "message_id": reply.pk, "after_id": after_id})
         run.task = asyncio.create_task(self._generate(run))
 
@@ -293,6 +300,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
             run.error = ChatError("internal_error", "Something went wrong. Please try again.")
         run.is_generating = False
         await self._finish(run)
+
+    def _deleted(self, run: _Run) -> None:
+        """The conversation was deleted while ``run`` generated its reply: stop it; its end
+        closes the socket."""
+        run.is_deleted = True
+        run.cancel()
 
     async def _send_text(self, text: str) -> None:
         await self._send({"type": "token", "text": text})
@@ -318,16 +331,19 @@ class ChatConsumer(AsyncWebsocketConsumer):
         else:
             status = Message.Status.COMPLETE
         try:
-            await database_sync_to_async(services.reply_finish)(
-                message=run.reply,
-                content=outcome.text,
-                status=status,
-                finish_reason=outcome.finish_reason,
-                error_code=error.code if error else "",
-                error_message=error.message if error else "",
-                prompt_tokens=outcome.prompt_tokens,
-                completion_tokens=outcome.completion_tokens,
-            )
+            if not run.is_deleted:
+                await database_sync_to_async(services.reply_finish)(
+                    message=run.reply,
+                    content=outcome.text,
+                    status=status,
+                    finish_reason=outcome.finish_reason,
+                    error_code=error.code if error else "",
+                    error_message=error.message if error else "",
+                    prompt_tokens=outcome.prompt_tokens,
+                    completion_tokens=outcome.completion_tokens,
+                )
+        except services.ConversationDeleted:
+            run.is_deleted = True
         except Exception:
             logger.exception("chat reply %s could not be saved", run.reply.request_id)
             error = ChatError("internal_error", "The reply could not be saved. Please try again.")
@@ -337,6 +353,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await claims.arelease(self.conversation, run.claim)
             if self.run is run:
                 self.run = None
+        if run.is_deleted:
+            # the usage is metered all the same (by the run); the socket has nothing to show
+            if not self.is_closed:
+                self.is_closed = True
+                await self.close(code=CLOSE_DELETED)
+            return
         if error is not None:
             await self._error(error.code, error.message, error.retry_after, run.reply.pk)
         else:

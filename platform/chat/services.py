@@ -11,6 +11,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
+from chat import claims
 from chat.models import ChatPreference, Conversation, Message
 from chat.selectors import chat_models
 from tenants.models import Tenant
@@ -81,7 +82,14 @@ def conversation_rename(*, conversation: Conversation, title: str) -> Conversati
 
 @transaction.atomic
 def conversation_delete(*, conversation: Conversation) -> None:
+    """Delete the conversation; a reply it is generating stops (``chat.claims``)."""
+    deleted = claims.deleted_key(conversation)  # the pk is gone once deleted
     conversation.delete()
+    transaction.on_commit(lambda: claims.mark_deleted(deleted))
+
+
+class ConversationDeleted(Exception):
+    """The reply's conversation was deleted while the reply ran: there is nothing to save."""
 
 
 class Unchanged:
@@ -243,7 +251,11 @@ def reply_finish(
     message.error_message = error_message
     message.prompt_tokens = prompt_tokens
     message.completion_tokens = completion_tokens
-    message.save()
+    fields = ("content", "status", "finish_reason", "error_code", "error_message",
+              "prompt_tokens", "completion_tokens")  # fmt: skip
+    # an update, not a save: a save of a row deleted meanwhile would insert it again
+    if not Message.objects.filter(pk=message.pk).update(**{f: getattr(message, f) for f in fields}):
+        raise ConversationDeleted(f"conversation {message.conversation_id} is gone")
     Conversation.objects.filter(pk=message.conversation_id).update(updated_at=timezone.now())
     return message
 

@@ -268,3 +268,55 @@ def test_a_refused_socket_reaches_the_browser_with_its_close_code(chromium, live
         assert page.evaluate(_CLOSE_CODE_JS, socket_path) == 4403
     finally:
         context.close()
+
+
+def _conversation_with_one_exchange() -> int:
+    alice = get_user_model().objects.get(username="alice")
+    conversation = chat_services.conversation_create(
+        user=alice, tenant=Tenant.objects.get(slug="acme")
+    )
+    chat_services.conversation_configure(conversation=conversation, max_tokens=200)
+    chat_services.message_send(conversation=conversation, content="Original question")
+    reply = chat_services.reply_start(conversation=conversation, request_id="chat-seed")
+    chat_services.reply_finish(message=reply, content="An answer.", status="complete")
+    return conversation.pk
+
+
+def _signed_in_page(context, base: str, conversation_id: int):
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(f"{base}/chat/{conversation_id}/")
+    if "/accounts/login/" in page.url:
+        page.fill("#id_username", "alice")
+        page.fill("#id_password", PASSWORD)
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{base}/chat/{conversation_id}/")
+    page.wait_for_function("() => document.body.dataset.socket === 'open'")
+    return page
+
+
+def test_what_the_server_refuses_stays_as_the_user_wrote_it(
+    chromium, live_chat, browser, ready_engine
+):
+    """An edit refused (too long) kept showing the refused text as if saved; a message refused
+    as busy (another window's reply streams) was gone from the composer."""
+    conversation_id = _in_thread(_conversation_with_one_exchange)
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    first = _signed_in_page(context, live_chat, conversation_id)
+    first.click(".message.user .edit")
+    first.fill(".edit-area", "y" * 33_000)  # past the server's 32,000 characters
+    first.click(".edit-row .primary")
+    first.wait_for_selector("#banner:not([hidden])")
+    assert first.locator(".message.user .body").first.inner_text() == "Original question"
+
+    second = _signed_in_page(context, live_chat, conversation_id)
+    with engine_paused(ready_engine):
+        first.click(".message.assistant .regenerate")
+        first.wait_for_selector(".message.assistant[data-status=streaming]")
+        second.fill("#input", "My carefully typed follow-up")
+        second.keyboard.press("Enter")
+        second.wait_for_selector("#banner:not([hidden])")
+        assert "another window" in second.inner_text("#banner-text")
+        assert second.input_value("#input") == "My carefully typed follow-up"
+    first.wait_for_selector(".message.assistant:not([data-status=streaming])")
+    context.close()

@@ -564,6 +564,32 @@ async def test_another_window_cannot_change_the_conversation_while_a_reply_strea
     await second.close()
 
 
+async def test_deleting_the_conversation_stops_its_reply_and_closes_its_sockets(
+    chat_world, async_db, ready_engine, caplog, monkeypatch
+):
+    """Deleted from another window (or the page's own Delete) while its reply streamed: the
+    reply ran on to max_tokens, metered, and ended with "The reply could not be saved". It
+    stops within a claim check, is metered as cancelled, and the socket closes with 4404."""
+    monkeypatch.setattr(claims, "DELETED_CHECK_SECONDS", 0.05)
+    conversation = chat_world["conversation"]
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    with engine_paused(ready_engine):
+        await chat.send(type="send", content="Tell me a long story")
+        await run_paused_engine_until(ready_engine, chat, "token")
+        await sync_to_async(services.conversation_delete)(conversation=conversation)
+        await asyncio.sleep(0.5)  # the holder looks, and stops the reply, the engine held
+    while (output := await chat.communicator.receive_output(timeout=30))["type"] != (
+        "websocket.close"
+    ):
+        assert json.loads(output["text"])["type"] == "token"
+    assert output["code"] == 4404
+    [record] = await sync_to_async(list)(UsageRecord.objects.filter(tenant=chat_world["tenant"]))
+    assert record.status == "cancelled" and record.completion_tokens < LONG_REPLY_TOKENS
+    assert "could not be saved" not in caplog.text
+    assert not await sync_to_async(claims.is_claimed)(conversation)
+
+
 async def test_a_reply_renews_its_claim_while_it_runs(
     chat_world, async_db, ready_engine, monkeypatch
 ):

@@ -240,3 +240,20 @@ def test_nul_characters_are_dropped_before_saving(alice, acme):
     reply.refresh_from_db()
     conversation.refresh_from_db()
     assert (message.content, reply.content, conversation.system_prompt) == ("ab", "cd", "ef")
+
+
+def test_deleting_a_conversation_tells_the_holder_of_its_reply(
+    alice, acme, django_capture_on_commit_callbacks
+):
+    """Its reply, if one runs, stops on the mark (chat.claims); a reply that ends before its
+    holder looks finds nothing to save (a save would have inserted it again, into nothing)."""
+    conversation = services.conversation_create(user=alice, tenant=acme)
+    services.message_send(conversation=conversation, content="hi")
+    reply = services.reply_start(conversation=conversation, request_id="chat-gone")
+    key = claims.deleted_key(conversation)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.conversation_delete(conversation=conversation)
+    assert cache.get(key) is not None
+    with pytest.raises(services.ConversationDeleted):
+        services.reply_finish(message=reply, content="late", status=Message.Status.COMPLETE)
+    assert not Message.objects.filter(pk=reply.pk).exists()

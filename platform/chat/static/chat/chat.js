@@ -19,6 +19,7 @@
   let reconnectDelay = 500;
   let isGenerating = false;
   let streaming = null; // {id, text, el, body, frame}
+  let pending = null; // a send or an edit the server has not answered yet
   let retryTimer = null;
   let isSavingSettings = false;
 
@@ -202,7 +203,12 @@
       if (!content.trim()) return;
       node.classList.remove("editing");
       body.textContent = content;
-      send({ type: "edit", message_id: Number(node.dataset.id), content: content });
+      // shown at once, but the server's "message" frame confirms it; a refusal restores it
+      if (send({ type: "edit", message_id: Number(node.dataset.id), content: content })) {
+        pending = { kind: "edit", id: Number(node.dataset.id), restore: finish };
+      } else {
+        finish();
+      }
     });
     area.addEventListener("keydown", function (event) {
       if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); save.click(); }
@@ -252,6 +258,15 @@
   function onFrame(frame) {
     switch (frame.type) {
       case "message":
+        if (pending && pending.kind === "send" && frame.message.role === "user") {
+          if (input.value === pending.content) {
+            input.value = "";
+            autosize();
+          }
+          pending = null;
+        } else if (pending && pending.kind === "edit" && frame.message.id === pending.id) {
+          pending = null;
+        }
         appendMessage(frame.message);
         scrollToEnd(true);
         break;
@@ -276,6 +291,8 @@
         finishStreaming({ status: frame.status, error_message: "" });
         break;
       case "error":
+        if (pending && pending.kind === "edit") pending.restore();  // not saved: as it was
+        pending = null;
         if (frame.message_id !== undefined && streaming && streaming.id === frame.message_id) {
           finishStreaming({ status: "error", error_message: frame.message });
         }
@@ -344,6 +361,11 @@
         showBanner("You no longer have access to this conversation.");
         return;
       }
+      if (event.code === 4404) {
+        setConnection("Deleted", "offline");
+        showBanner("This conversation was deleted.");
+        return;
+      }
       setConnection(opened ? "Reconnecting…" : "Connecting…", "offline");
       setTimeout(connect, reconnectDelay);
       reconnectDelay = Math.min(reconnectDelay * 2, 10000);
@@ -380,9 +402,10 @@
       location.href = data.url;
       return;
     }
+    // the text stays in the composer until the server saved it (its "message" frame): a
+    // refusal (busy in another window, too long) leaves it there to send again
     if (send({ type: "send", content: content })) {
-      input.value = "";
-      autosize();
+      pending = { kind: "send", content: content };
     }
   }
 
