@@ -51,7 +51,8 @@ def conversation_messages(*, conversation: Conversation) -> QuerySet[Message]:
 
 def engine_messages(*, conversation: Conversation, before_id: int | None = None) -> list:
     """The conversation as the engine sees it: the system prompt first, then every turn with
-    content (a failed or empty reply is left out), up to but excluding ``before_id``."""
+    content, up to but excluding ``before_id``. A failed reply is left out, also the text it
+    had streamed before it failed (a stopped one stays: the user chose where it ends)."""
     messages = []
     if conversation.system_prompt.strip():
         messages.append(EngineMessage("system", conversation.system_prompt))
@@ -59,7 +60,7 @@ def engine_messages(*, conversation: Conversation, before_id: int | None = None)
     if before_id is not None:
         turns = turns.filter(id__lt=before_id)
     for turn in turns:
-        if turn.content:
+        if turn.content and turn.status != Message.Status.ERROR:
             messages.append(EngineMessage(turn.role, turn.content))
     return messages
 

@@ -203,7 +203,7 @@ def test_nobody_sees_another_users_or_tenants_conversations(alice, acme, plan, d
     assert selectors.conversation_list(user=bob, tenant=globex).count() == 0
 
 
-def test_engine_messages_put_the_system_prompt_first_and_skip_empty_replies(alice, acme):
+def test_engine_messages_put_the_system_prompt_first_and_skip_failed_replies(alice, acme):
     conversation = services.conversation_create(user=alice, tenant=acme)
     services.conversation_configure(conversation=conversation, system_prompt="Be brief.")
     services.message_send(conversation=conversation, content="Hi")
@@ -213,7 +213,11 @@ def test_engine_messages_put_the_system_prompt_first_and_skip_empty_replies(alic
     reply = services.reply_start(conversation=conversation, request_id="chat-2")
     services.reply_finish(message=reply, content="Hello!", status=Message.Status.STOPPED)
     services.message_send(conversation=conversation, content="More")
-    pending = services.reply_start(conversation=conversation, request_id="chat-3")
+    # failed midway, its partial text saved (and shown): not the model's to read on from
+    broken = services.reply_start(conversation=conversation, request_id="chat-3")
+    services.reply_finish(message=broken, content="Half an ans", status=Message.Status.ERROR)
+    services.message_send(conversation=conversation, content="Go on")
+    pending = services.reply_start(conversation=conversation, request_id="chat-4")
 
     messages = selectors.engine_messages(conversation=conversation, before_id=pending.pk)
     assert [(m.role, m.content) for m in messages] == [
@@ -221,6 +225,7 @@ def test_engine_messages_put_the_system_prompt_first_and_skip_empty_replies(alic
         ("user", "Hi"),
         ("assistant", "Hello!"),
         ("user", "More"),
+        ("user", "Go on"),
     ]
     assert conversation.title == "Hi"
 
