@@ -5,10 +5,11 @@
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db.models import Count, QuerySet, Sum
+from django.db.models import QuerySet
 
 from batches.models import ACTIVE_STATUSES, Batch
-from console.selectors import DateRange, daily_rollups
+from console import usage
+from console.selectors import DateRange
 from tenants.models import Tenant, UsageRecord
 
 PAGE_SIZE = 50
@@ -54,32 +55,36 @@ def batch_usage(
     *, date_range: DateRange, tenant: Tenant | None = None, end_user: str | None = None
 ) -> BatchUsage:
     """Batch usage over the range against the rest, for one tenant or all of them (each
-    tenant's batch tokens weighed by its own plan's factor); with ``end_user``, only its
-    requests, read from the raw records (the roll-ups do not carry it)."""
-    if end_user is None:
-        rows: QuerySet = daily_rollups(date_range=date_range, tenant=tenant)
-        requests = Sum("requests")
-    else:
-        start, end = date_range.bounds
-        rows = UsageRecord.objects.filter(
-            end_user=end_user, started_at__gte=start, started_at__lt=end
-        )
-        rows = rows.filter(tenant=tenant) if tenant is not None else rows
-        requests = Count("id")
-    rows = rows.values("source", "tenant__plan__batch_price_factor").annotate(
-        requests=requests, prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")
-    )
+    tenant's batch tokens weighed by its own plan's factor), read as the usage report reads:
+    the roll-ups, then the records not rolled up yet (so a request finished a second ago
+    counts); with ``end_user``, only its requests, from the raw records (the roll-ups do not
+    carry end users)."""
+    start, end = date_range.bounds
+    handover = usage.handover_of(start, end, end_user)
+
+    def scoped(queryset: QuerySet) -> QuerySet:
+        return queryset.filter(tenant=tenant) if tenant is not None else queryset
+
+    tenants = Tenant.objects.filter(pk=tenant.pk) if tenant is not None else Tenant.objects
+    factors = dict(tenants.values_list("pk", "plan__batch_price_factor"))
     batch_requests = batch_tokens = other_tokens = 0
     billed = Decimal(0)
-    for row in rows:
-        tokens = (row["prompt"] or 0) + (row["completion"] or 0)
-        if row["source"] == UsageRecord.Source.BATCH:
-            batch_requests += row["requests"] or 0
+
+    def add(tenant_id: int, source: str, requests: int, tokens: int) -> None:
+        nonlocal batch_requests, batch_tokens, other_tokens, billed
+        if source == UsageRecord.Source.BATCH:
+            batch_requests += requests
             batch_tokens += tokens
-            billed += tokens * row["tenant__plan__batch_price_factor"]
+            billed += tokens * factors.get(tenant_id, 1)
         else:
             other_tokens += tokens
             billed += tokens
+
+    for row in usage.rollups_before(scoped, "day", start, handover):
+        add(row.tenant_id, row.source, row.requests, row.prompt_tokens + row.completion_tokens)
+    for record in usage.raw_records(scoped, handover, end, end_user):
+        tokens = record["prompt_tokens"] + record["completion_tokens"]
+        add(record["tenant_id"], record["source"], 1, tokens)
     return BatchUsage(
         batch_requests=batch_requests,
         batch_tokens=batch_tokens,

@@ -204,7 +204,7 @@ def usage_report(
     now = now or timezone.now()
     starts, end, step = _periods(date_range, granularity)
     start = starts[0] if starts else end
-    handover = _handover(start, end, end_user)
+    handover = handover_of(start, end, end_user)
     by_period = [Totals() for _ in starts]
     by_label: dict[str, Totals] = defaultdict(Totals)
     tokens_by: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(starts))
@@ -227,12 +227,12 @@ def usage_report(
     def scoped(queryset):
         return queryset.filter(tenant=tenant) if tenant is not None else queryset
 
-    for row in _rollups(scoped, granularity, start, handover):
+    for row in rollups_before(scoped, granularity, start, handover):
         label = label_of(
             tenant_id=row.tenant_id, api_key_id=row.api_key_id, model=row.model, source=row.source
         )
         count(index(row.period_start), label, lambda totals, row=row: totals.add_rollup(row))
-    for record in _raw_records(scoped, handover, end, end_user):
+    for record in raw_records(scoped, handover, end, end_user):
         label = label_of(
             tenant_id=record["tenant_id"],
             api_key_id=record["api_key_id"],
@@ -279,17 +279,17 @@ def usage_csv_rows(
     read as the dashboard reads them: roll-ups up to the cursor, raw records after it (so
     today is there), and with ``end_user`` that end user's records only."""
     start, end = date_range.bounds
-    handover = _handover(start, end, end_user)
+    handover = handover_of(start, end, end_user)
     key_names = dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name"))
     by_row: dict[tuple, Totals] = defaultdict(Totals)
 
     def scoped(queryset):
         return queryset.filter(tenant=tenant)
 
-    for row in _rollups(scoped, "day", start, handover):
+    for row in rollups_before(scoped, "day", start, handover):
         day = row.period_start.astimezone(UTC).date()
         by_row[(day, row.model, row.source, row.api_key_id)].add_rollup(row)
-    for record in _raw_records(scoped, handover, end, end_user):
+    for record in raw_records(scoped, handover, end, end_user):
         day = record["started_at"].astimezone(UTC).date()
         by_row[(day, record["model"], record["source"], record["api_key_id"])].add_record(record)
     return [
@@ -310,14 +310,14 @@ def usage_csv_rows(
     ]
 
 
-def _handover(start: datetime, end: datetime, end_user: str | None) -> datetime:
+def handover_of(start: datetime, end: datetime, end_user: str | None) -> datetime:
     """Where the roll-ups hand over to the raw records: the cursor, within the range; the
     range's start for an end user's usage (the roll-ups do not carry end users)."""
     handover = start if end_user is not None else rolled_up_until() or start
     return min(max(handover, start), end)
 
 
-def _raw_records(scoped, handover: datetime, end: datetime, end_user: str | None):
+def raw_records(scoped, handover: datetime, end: datetime, end_user: str | None):
     """The usage records from ``handover`` to ``end`` (an end user's only, if one is given),
     as the dicts ``Totals.add_record`` reads, with their tenant, key, model and source."""
     records = scoped(UsageRecord.objects).filter(started_at__gte=handover, started_at__lt=end)
@@ -334,7 +334,9 @@ def _refuse(totals: Totals, n: int) -> None:
     totals.refused += n
 
 
-def _rollups(scoped, granularity: str, start: datetime, handover: datetime) -> list[UsageRollup]:
+def rollups_before(
+    scoped, granularity: str, start: datetime, handover: datetime
+) -> list[UsageRollup]:
     """The roll-ups before ``handover``: days while whole days lie before it, then hours."""
     hours_from = start
     rows: list[UsageRollup] = []
