@@ -100,6 +100,10 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# Flash messages live in the session (on the server), not in a cookie: the admin's message
+# carries a new API key to the next page, and a cookie is signed but not encrypted.
+MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
+
 ROOT_URLCONF = "config.urls"
 API_URLCONF = "gateway.urls"  # what gateway.asgi resolves API paths against
 ASGI_APPLICATION = "config.asgi.application"
