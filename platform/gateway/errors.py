@@ -8,11 +8,12 @@ from gateway.ratelimits import ratelimit_headers
 from gateway.schemas import ErrorBody, ErrorResponse
 from serving.runs import RunError
 
+# as OpenAI's API answers: a bad key and an unknown model are invalid requests too
 ERROR_TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",

@@ -19,7 +19,7 @@ async def _call(
 async def test_api_paths_skip_the_browser_middleware(async_db):
     status, headers, body = await _call("/v1/models")
     assert status == 401
-    assert json.loads(body)["error"]["type"] == "authentication_error"
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
     assert headers["x-content-type-options"] == "nosniff"
     # no session, CSRF or clickjacking machinery on the API
     assert "set-cookie" not in headers and "x-frame-options" not in headers

@@ -46,7 +46,7 @@ def _error(response, status: int) -> dict:
 def test_missing_or_malformed_keys_get_401(client, key, authorization):
     headers = {} if authorization is None else {"HTTP_AUTHORIZATION": authorization}
     response = client.post(CHAT_URL, BODY, content_type="application/json", **headers)
-    assert _error(response, 401)["type"] == "authentication_error"
+    assert _error(response, 401)["type"] == "invalid_request_error"
 
 
 def test_inactive_tenant_gets_403(client, key):
