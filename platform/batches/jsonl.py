@@ -9,6 +9,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_REQUESTS = 50_000  # OpenAI's limit on the requests of one batch
 MAX_CUSTOM_ID_CHARS = 512  # what BatchRequest.custom_id holds
 NUL = "\x00"  # PostgreSQL's text and jsonb refuse it
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class InputLineError(ValueError):
@@ -83,6 +84,8 @@ def parse_lines(raw_lines: Iterable[bytes]) -> list[InputLine]:
     lines: list[InputLine] = []
     custom_ids: set[str] = set()
     for line_number, raw in enumerate(raw_lines, start=1):
+        if line_number == 1:
+            raw = raw.removeprefix(UTF8_BOM)  # as Windows' editors save UTF-8
         if not raw.strip():
             continue
         line = parse_line(raw, line_number)

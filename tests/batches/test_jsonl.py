@@ -52,3 +52,9 @@ def test_a_custom_id_may_appear_once_per_file():
 
 def test_a_file_without_requests_is_refused():
     assert "no requests" in str(_error(b"\n\n"))
+
+
+def test_a_byte_order_mark_at_the_start_of_the_file_is_read_past():
+    """Windows' editors write one; the first line was "not a JSON object"."""
+    raw = b"\xef\xbb\xbf" + jsonl([request_line("a"), request_line("b")])
+    assert [line.custom_id for line in parse_lines(raw.splitlines(keepends=True))] == ["a", "b"]
