@@ -17,6 +17,7 @@ context: what little thread-sensitive work is left (the ``request_started`` and
 """
 
 import logging
+import uuid
 from collections.abc import Callable
 
 from django.conf import settings
@@ -31,6 +32,7 @@ logger = logging.getLogger("django.request")
 
 API_PATH_PREFIXES = ("/v1/", "/health/", "/metrics")
 HEALTH_PATH_PREFIX = "/health/"
+V1_PATH_PREFIX = "/v1/"
 
 
 def is_api_path(path: str) -> bool:
@@ -68,6 +70,9 @@ class ApiASGIHandler(ASGIHandler):
             response = ApiError(
                 500, "The server had an error while processing your request.", code="server_error"
             ).response()
+        if request.path.startswith(V1_PATH_PREFIX):
+            # every answer has one, as OpenAI's; an admitted request's is its usage record's
+            response.headers.setdefault("x-request-id", f"req_{uuid.uuid4().hex}")
         if settings.SECURE_CONTENT_TYPE_NOSNIFF:
             response.headers.setdefault("X-Content-Type-Options", "nosniff")
         if settings.SECURE_HSTS_SECONDS and request.is_secure():

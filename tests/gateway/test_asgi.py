@@ -26,6 +26,19 @@ async def test_api_paths_skip_the_browser_middleware(async_db):
     assert "vary" not in headers
 
 
+async def test_every_api_answer_carries_a_request_id(async_db):
+    """As OpenAI's does, refusals too (a 401, a 404): what a client quotes to support. An
+    admitted request's is its usage record's (tests/gateway/test_openai_sdk.py)."""
+    ids = set()
+    for path in ("/v1/models", "/v1/nowhere"):
+        _, headers, _ = await _call(path)
+        assert headers["x-request-id"].startswith("req_")
+        ids.add(headers["x-request-id"])
+    assert len(ids) == 2
+    _, headers, _ = await _call("/health/live")
+    assert "x-request-id" not in headers  # the probes' answers are not requests to trace
+
+
 async def test_pages_keep_the_full_middleware(async_db):
     status, headers, _ = await _call("/accounts/login/")
     assert status == 200
