@@ -211,12 +211,16 @@ class _Admission:
         needed = amount if likely is None else likely
         if needed > limit:
             raise self._refuse("request_too_large", scope, limit, WINDOW_SECONDS)
-        key = scope.key(kind, self.window)
-        previous = cache.get(scope.key(kind, self.window - 1), 0)
+        key, previous_key = scope.key(kind, self.window), scope.key(kind, self.window - 1)
         if amount > needed:
-            # what is left (read, not held: a request racing in makes one of the two refused)
-            used_before = previous * self.previous_weight + cache.get(key, 0)
+            # what is left (read, not held: a request racing in makes one of the two refused),
+            # in the one round trip that reads the previous minute
+            counts = cache.get_many([previous_key, key])
+            previous = counts.get(previous_key, 0)
+            used_before = previous * self.previous_weight + counts.get(key, 0)
             amount = min(amount, max(math.floor(limit - used_before), needed))
+        else:
+            previous = cache.get(previous_key, 0)
         current = _add(key, amount, timeout=2 * WINDOW_SECONDS + 5)
         self.added.append((key, amount))
         used = previous * self.previous_weight + current
