@@ -166,6 +166,7 @@ class Scheduler:
                 budget -= num_new_tokens
 
         preempted_tenants = {self.requests[req_id].tenant_id for req_id in output.preempted_req_ids}
+        admitted: list[Request] = []
         while (
             budget > 0
             and len(self.running) < self.max_num_seqs
@@ -191,7 +192,7 @@ class Scheduler:
             ):
                 # preempt only victims that make room: preempting some that leave it short
                 # all the same would waste their places (and it would again each step)
-                victims = self._fair_victims(request, computed_blocks, num_new_tokens)
+                victims = self._fair_victims(request, computed_blocks, num_new_tokens, admitted)
                 for victim in victims:
                     if victim.status == RequestStatus.RUNNING:  # not gone with another
                         budget += self._preempt_in_step(victim, scheduled, output)
@@ -199,9 +200,12 @@ class Scheduler:
                     self.requests[req_id].tenant_id for req_id in output.preempted_req_ids
                 )
                 if victims:
-                    # a hit on a block a victim was to write this step is no hit any more
+                    # a hit on a block a victim was to write this step is no hit any more;
+                    # the chunk ends where the victims were chosen to make room for (their
+                    # refunded budget would make it longer than the room they leave)
+                    end = num_cached + num_new_tokens
                     computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-                    num_new_tokens = min(request.num_tokens - num_cached, budget)
+                    num_new_tokens = min(end - num_cached, budget)
                 new_block_ids = self.kv_cache.allocate_slots(
                     request, num_new_tokens, computed_blocks
                 )
@@ -209,6 +213,7 @@ class Scheduler:
                 break
             item = self._admit(request, num_cached, num_new_tokens)
             scheduled[request.req_id] = item
+            admitted.append(request)
             budget -= num_new_tokens
 
         output.scheduled = list(scheduled.values())
@@ -372,21 +377,27 @@ class Scheduler:
         return self.waiting.victim(over or pool)
 
     def _fair_victims(
-        self, request: Request, computed_blocks: list[KVCacheBlock], num_new_tokens: int
+        self,
+        request: Request,
+        computed_blocks: list[KVCacheBlock],
+        num_new_tokens: int,
+        admitted: list[Request],
     ) -> list[Request]:
         """The running requests to preempt, one by one as ``_fair_victim`` picks them, so that
         ``request`` (its prefix hits ``computed_blocks``, then ``num_new_tokens``) fits; none
-        when even all that may be taken would leave it short."""
+        when even all that may be taken would leave it short. None of ``admitted`` (in this
+        step) is taken: the queue put it first, and it is a newcomer too."""
         kv = self.kv_cache
         num_blocks = kv.num_blocks_for(len(computed_blocks) * kv.block_size + num_new_tokens)
         # a hit in the free queue is taken from it like a new block
         num_needed = num_blocks - sum(1 for block in computed_blocks if block.ref_cnt > 0)
         num_free = kv.num_free_blocks
         num_held = self._num_blocks_by_tenant()
+        hits = {block.block_id for block in computed_blocks}
         refs: dict[int, int] = {}  # block id -> holders left once the victims so far are gone
         victims: list[Request] = []
         while num_free < num_needed:
-            victim = self._fair_victim(request, num_blocks, num_held, victims)
+            victim = self._fair_victim(request, num_blocks, num_held, admitted + victims)
             if victim is None:
                 return []
             victims.append(victim)
@@ -394,7 +405,10 @@ class Scheduler:
             num_held[victim.tenant_id] -= len(blocks)
             for block in blocks:
                 refs[block.block_id] = refs.get(block.block_id, block.ref_cnt) - 1
-                num_free += refs[block.block_id] == 0
+                if refs[block.block_id] == 0:
+                    num_free += 1
+                    # a hit the victim held alone goes to the free queue, to be taken back
+                    num_needed += block.block_id in hits
         return victims
 
     def _fair_victim(

@@ -4,14 +4,16 @@ no credit, priorities still come first, and nobody starves."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import random
 from collections import Counter
 
 import pytest
 
 from inference_engine.protocol import SamplingParams
 from inference_engine.request import Request
-from inference_engine.scheduler import Scheduler
+from inference_engine.scheduler import RequestRejected, Scheduler
 from tests.inference_engine.test_scheduler import make_request, make_scheduler, scheduled_tokens
 
 PROMPT, OUTPUT = 8, 8  # tokens of every request here
@@ -464,3 +466,46 @@ def test_a_newcomer_that_would_not_fit_anyway_preempts_nobody():
     output = run_steps(scheduler, 1)[0]
     assert output.preempted_req_ids == []
     assert scheduled_tokens(output) == {"A1": 1, "A2": 5}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_newcomer_preempts_only_to_be_admitted(seed, monkeypatch):
+    """Random traffic of three tenants sharing prefixes in small caches: whenever fair
+    admission picks victims for a newcomer, the newcomer is admitted in that step. It was not,
+    at times: the victims' refunded budget made its chunk longer than the room they left, a
+    prefix hit the victim held alone was counted as room, or a later newcomer took the place
+    of one admitted just before it in the same step."""
+    chosen: list[tuple[Request, list[Request]]] = []
+    fair_victims = Scheduler._fair_victims
+
+    def recorded(self, request, *args):
+        victims = fair_victims(self, request, *args)
+        chosen.append((request, victims))
+        return victims
+
+    monkeypatch.setattr(Scheduler, "_fair_victims", recorded)
+    rng = random.Random(seed)
+    num_wasted = num_taken = 0
+    for trial in range(300):
+        s = scheduler(
+            num_blocks=rng.randint(6, 20), max_num_seqs=6, max_num_batched_tokens=rng.randint(4, 40)
+        )
+        prefix = [rng.randrange(5, 300) for _ in range(16)]
+        for t in range(80):
+            if rng.random() < 0.4:
+                prompt = prefix[: rng.randint(0, 16)]
+                prompt += [rng.randrange(5, 300) for _ in range(rng.randint(1, 20))]
+                params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True)
+                new = Request(f"{trial}-{t}", prompt, params, tenant_id=rng.choice("abc"))
+                with contextlib.suppress(RequestRejected):
+                    s.add_request(new)
+            chosen.clear()
+            output = s.schedule()
+            admitted = {item.request.req_id for item in output.scheduled}
+            for request, victims in chosen:
+                num_taken += bool(victims)
+                num_wasted += bool(victims) and request.req_id not in admitted
+            sampled = {item.request.req_id: 7 for item in output.scheduled if item.is_sampling}
+            s.update_from_output(output, sampled)
+    assert num_taken > 0  # the case it says
+    assert num_wasted == 0
