@@ -168,6 +168,19 @@ actions = st.lists(
 )
 
 
+def action_request(counter: int, length: int, max_tokens: int, choice: int) -> Request:
+    """The request of an "add" action: two priorities and two prompt prefixes by ``choice``,
+    three tenants by ``length`` (the fair policy's shares and preemptions too)."""
+    return make_request(
+        f"r{counter}",
+        length,
+        max_tokens,
+        priority=choice % 2,
+        first_token=100 * (choice % 2),
+        tenant="abc"[length % 3],
+    )
+
+
 @settings(max_examples=150, deadline=None)
 @given(actions=actions, num_blocks=st.integers(6, 24), budget=st.integers(1, 24))
 def test_random_traffic_never_leaks_or_double_frees_blocks(actions, num_blocks, budget):
@@ -178,14 +191,7 @@ def test_random_traffic_never_leaks_or_double_frees_blocks(actions, num_blocks, 
     counter = 0
     for action, length, max_tokens, choice in actions:
         if action == "add":
-            request = make_request(
-                f"r{counter}",
-                length,
-                max_tokens,
-                priority=choice % 2,
-                first_token=100 * (choice % 2),
-                tenant="abc"[length % 3],  # the fair policy's shares and preemptions too
-            )
+            request = action_request(counter, length, max_tokens, choice)
             counter += 1
             try:
                 scheduler.add_request(request)
@@ -244,14 +250,7 @@ def test_every_scheduled_request_reads_the_kv_of_its_own_tokens(actions, num_blo
     counter = 0
     for action, length, max_tokens, choice in actions:
         if action == "add":
-            request = make_request(
-                f"r{counter}",
-                length,
-                max_tokens,
-                priority=choice % 2,
-                first_token=100 * (choice % 2),
-                tenant="abc"[length % 3],
-            )
+            request = action_request(counter, length, max_tokens, choice)
             request.cache_salt = "ab"[choice // 2]
             counter += 1
             with contextlib.suppress(RequestRejected):  # can never fit: not the point here

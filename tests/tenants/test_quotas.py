@@ -126,23 +126,28 @@ def test_a_refusal_rolls_back_every_counter_it_touched(clock):
     assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 40
 
 
-def test_monthly_budget_counts_recorded_usage(clock):
-    clock.now = timezone.now().timestamp()
-    tenant = _tenant(monthly_token_budget=1000)
-    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+def _recorded_earlier(api_key, *, prompt_tokens: int, completion_tokens: int) -> None:
+    """A request of the key's that ended a few seconds ago, this month."""
     now = timezone.now()
     usage_record_add(
         request_id="earlier",
-        tenant=tenant,
+        tenant=api_key.tenant,
         api_key=api_key,
         model="demo-chat",
         source=UsageRecord.Source.API,
         status=UsageRecord.Status.OK,
         started_at=now - timedelta(seconds=5),
         finished_at=now,
-        prompt_tokens=400,
-        completion_tokens=500,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
     )
+
+
+def test_monthly_budget_counts_recorded_usage(clock):
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant(monthly_token_budget=1000)
+    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+    _recorded_earlier(api_key, prompt_tokens=400, completion_tokens=500)
 
     with pytest.raises(quotas.QuotaExceeded) as refused:
         _admit(tenant, tokens=200)
@@ -160,19 +165,7 @@ def test_the_months_tokens_are_the_records_where_no_counter_holds_them(clock, mo
     clock.now = timezone.now().timestamp()
     tenant = _tenant(monthly_token_budget=monthly_token_budget)
     api_key, _ = services.api_key_create(tenant=tenant, name="ci")
-    now = timezone.now()
-    usage_record_add(
-        request_id="earlier",
-        tenant=tenant,
-        api_key=api_key,
-        model="demo-chat",
-        source=UsageRecord.Source.API,
-        status=UsageRecord.Status.OK,
-        started_at=now - timedelta(seconds=5),
-        finished_at=now,
-        prompt_tokens=400,
-        completion_tokens=100,
-    )
+    _recorded_earlier(api_key, prompt_tokens=400, completion_tokens=100)
     assert quotas.quota_usage(tenant=tenant).month_tokens == 500
     assert quotas.quota_usage(tenant=tenant, api_key=api_key).month_tokens == 500
 
