@@ -5,10 +5,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from config.json_text import NUL
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_REQUESTS = 50_000  # OpenAI's limit on the requests of one batch
 MAX_CUSTOM_ID_CHARS = 512  # what BatchRequest.custom_id holds
-NUL = "\x00"  # PostgreSQL's text and jsonb refuse it
 UTF8_BOM = b"\xef\xbb\xbf"
 
 

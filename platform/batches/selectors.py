@@ -8,9 +8,9 @@ from asgiref.sync import sync_to_async
 from django.db.models import Model, Q, QuerySet
 from django.utils import timezone
 
-from batches.jsonl import NUL
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage
+from config.json_text import NUL
 
 READ_CHUNK_BYTES = 256 * 1024
 

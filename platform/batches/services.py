@@ -15,9 +15,10 @@ from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from batches.estimate import line_input_tokens
-from batches.jsonl import ENDPOINTS, NUL, InputLineError, encode_lines, parse_lines
+from batches.jsonl import ENDPOINTS, InputLineError, encode_lines, parse_lines
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage, max_file_bytes
+from config.json_text import NUL
 from tenants.models import ApiKey, Tenant
 from tenants.selectors import tenant_queued_batch_tokens_limit
 

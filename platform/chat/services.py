@@ -14,6 +14,7 @@ from django.utils import timezone
 from chat import claims
 from chat.models import ChatPreference, Conversation, Message
 from chat.selectors import chat_models
+from config.json_text import NUL
 from tenants.models import Tenant
 from tenants.selectors import user_tenants
 
@@ -34,7 +35,7 @@ def _title_from(content: str) -> str:
 
 def _clean(text: str) -> str:
     """Without NUL characters, which PostgreSQL's text fields refuse (a model may emit one)."""
-    return text.replace("\x00", "")
+    return text.replace(NUL, "")
 
 
 def _check_content(content: object) -> str:

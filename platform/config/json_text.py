@@ -9,6 +9,9 @@ it enters (the API's body, the chat socket's frame), once, whatever its field.
 import json
 import re
 
+# valid JSON and Unicode, but PostgreSQL's text and jsonb refuse it: stored text must not hold it
+NUL = "\x00"
+
 # an escaped surrogate, paired or lone: only a body with one is parsed again
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -70,9 +70,9 @@ class ApiASGIHandler(ASGIHandler):
             response = ApiError(
                 500, "The server had an error while processing your request.", code="server_error"
             ).response()
-        if request.path.startswith(V1_PATH_PREFIX):
+        if request.path.startswith(V1_PATH_PREFIX) and "x-request-id" not in response.headers:
             # every answer has one, as OpenAI's; an admitted request's is its usage record's
-            response.headers.setdefault("x-request-id", f"req_{uuid.uuid4().hex}")
+            response.headers["x-request-id"] = f"req_{uuid.uuid4().hex}"
         if settings.SECURE_CONTENT_TYPE_NOSNIFF:
             response.headers.setdefault("X-Content-Type-Options", "nosniff")
         if settings.SECURE_HSTS_SECONDS and request.is_secure():

@@ -34,8 +34,8 @@ def api_key_for(raw_key: str) -> ApiKey:
         api_key = api_key_authenticate(raw_key=raw_key)
     except ApiKeyInvalid as exc:
         raise ApiError(401, _MESSAGES.get(exc.reason, _INCORRECT), code="invalid_api_key") from exc
-    if not api_key.tenant.is_active:
-        raise ApiError(403, _TENANT_INACTIVE, code="tenant_inactive")
+    if (refusal := refusal_of(api_key)) is not None:  # its tenant inactive
+        raise refusal
     return api_key
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from config.json_text import NUL
 from gateway import schemas
 from gateway.errors import invalid
 from inference_engine.protocol import Message, StructuredOutputsParams, ToolCall
@@ -21,7 +22,6 @@ from inference_engine.protocol import Message, StructuredOutputsParams, ToolCall
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
-NUL = "\x00"  # PostgreSQL's text refuses it
 # a function without parameters takes an empty object
 NO_PARAMETERS = {"type": "object", "properties": {}}
 

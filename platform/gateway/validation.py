@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from config.json_text import NUL
 from gateway import structured
 from gateway.errors import invalid
 from gateway.schemas import (
@@ -14,7 +15,7 @@ from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from gateway.structured import NUL, ToolPlan
+from gateway.structured import ToolPlan
 from inference_engine.protocol import GenerateRequest, InvalidParam, SamplingParams
 from serving.budget import PromptTokens, message_tokens, text_tokens, token_id_tokens
 from serving.runs import RunSpec
