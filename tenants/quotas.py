@@ -19,7 +19,8 @@ A request holds one concurrency lease per engine sequence it fans out to (prompt
 Tokens per minute and the month are *reserved* on admission (prompt estimate plus
 ``max_tokens``) and reconciled with the engine's real counts by ``admission_release``.
 The month counter is seeded from the usage records when the cache has none, so a cache
-restart does not reset anybody's budget. A month reservation is a lease
+restart does not reset anybody's budget (``tenants.month_locks`` keeps the requests settling
+meanwhile from being counted twice or not at all). A month reservation is a lease
 (``tenants.reservations``), renewed with the slots: one held by a process that died comes off
 the counter when its lease runs out, so the counter returns to the sum of the records. (A
 minute's counter needs none: it is gone in two minutes.)
@@ -40,6 +41,7 @@ from datetime import UTC, datetime
 
 from django.core.cache import cache
 
+from tenants import month_locks
 from tenants.models import ApiKey, Tenant
 from tenants.reservations import (
     Reservation,
@@ -262,10 +264,13 @@ class _Admission:
         month_start = _month_start(self.now)
         key = scope.key("month", month_start.strftime("%Y%m"))
         if cache.get(key) is None:
-            used = month_tokens_used(
-                tenant=tenant, api_key=api_key if scope.name == "key" else None, since=month_start
-            )
-            counter_seed(name=key, value=used, ttl=MONTH_TTL_SECONDS)
+            with month_locks.counter_rebuilding(tenant.pk):
+                used = month_tokens_used(
+                    tenant=tenant,
+                    api_key=api_key if scope.name == "key" else None,
+                    since=month_start,
+                )
+                counter_seed(name=key, value=used, ttl=MONTH_TTL_SECONDS)
         reservation, current = reservation_add(name=key, tokens=amount, ttl=MONTH_TTL_SECONDS)
         self.reservations.append(reservation)
         if current > budget:

@@ -20,8 +20,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from django.db import transaction
+
 from config.workers import database_worker
-from tenants import quotas, services
+from tenants import month_locks, quotas, services
 from tenants.models import UsageRecord
 
 logger = logging.getLogger(__name__)
@@ -114,30 +116,65 @@ def _recorded_already(group: list[Settlement]) -> set[str]:
 
 @database_worker
 def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
-    """Settle each; return what failed for each one (None where all went well)."""
+    """Settle each; return what failed for each one (None where all went well). The records
+    are written and the counters corrected in one transaction that no rebuild of those
+    tenants' month counters overlaps (``tenants.month_locks``); where it fails, the admissions
+    are released all the same."""
     outcomes: list[BaseException | None] = [None] * len(group)
+    released: set[int] = set()
+    try:
+        with month_locks.records_settling({s.ticket.tenant_id for s in group}):
+            tokens = _write_records(group, outcomes)
+            _release(group, tokens, outcomes, released)
+    except Exception as exc:  # the transaction failed: none of its records stands
+        for index in range(len(group)):
+            outcomes[index] = outcomes[index] or exc
+        _release(group, [0] * len(group), outcomes, released)
+    return outcomes
+
+
+def _write_records(group: list[Settlement], outcomes: list[BaseException | None]) -> list[int]:
+    """Write each settlement's record; return the tokens each one counts (a request id's first
+    record stands and is what the counters count: a second settles its reservation to
+    nothing)."""
+    tokens = [0] * len(group)
     built: list[tuple[int, UsageRecord]] = []
     recorded = _recorded_already(group)
     for index, settlement in enumerate(group):
         request_id = settlement.record.get("request_id")
-        # a request id's first record stands and is what the counters count: a second
-        # settles its reservation to nothing
-        actual_tokens = 0 if request_id in recorded else settlement.actual_tokens
+        if request_id not in recorded:
+            tokens[index] = settlement.actual_tokens
         recorded.add(request_id)
-        try:
-            quotas.admission_release(ticket=settlement.ticket, actual_tokens=actual_tokens)
-        except Exception as exc:  # the record is still written
-            outcomes[index] = exc
         try:
             built.append((index, services.usage_record_build(**settlement.record)))
         except Exception as exc:
-            outcomes[index] = outcomes[index] or exc
+            outcomes[index] = exc
     try:
-        services.usage_records_save([record for _, record in built])
+        with transaction.atomic():
+            services.usage_records_save([record for _, record in built])
     except Exception:
         for index, record in built:  # one at a time, so that one bad record loses no other
             try:
-                services.usage_records_save([record])
+                with transaction.atomic():
+                    services.usage_records_save([record])
             except Exception as exc:
-                outcomes[index] = outcomes[index] or exc
-    return outcomes
+                outcomes[index] = exc
+    return tokens
+
+
+def _release(
+    group: list[Settlement],
+    tokens: list[int],
+    outcomes: list[BaseException | None],
+    released: set[int],
+) -> None:
+    """Release each admission not released yet (its record failed or not: what it used is
+    off the budgets' reservations either way)."""
+    for index, settlement in enumerate(group):
+        if index in released:
+            continue
+        released.add(index)
+        try:
+            quotas.admission_release(ticket=settlement.ticket, actual_tokens=tokens[index])
+        except Exception as exc:
+            outcomes[index] = outcomes[index] or exc

@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.core.cache import cache
 from django.core.exceptions import ValidationError
-from django.db import OperationalError
+from django.db import OperationalError, connections
 
 from serving import settlement
 from serving.metering import metered
@@ -224,3 +224,100 @@ async def test_a_request_cancelled_during_its_admission_holds_no_slot(keys):
         "cancelled",
     )
     assert (record.prompt_tokens, record.completion_tokens) == (0, 0)
+
+
+def _month_tokens(tenant) -> int:
+    return quotas.quota_usage(tenant=tenant).month_tokens
+
+
+def _settle_now(pending: settlement.Settlement) -> None:
+    asyncio.run(settlement.settle(pending))
+
+
+def _thread(target, *args) -> threading.Thread:
+    def run() -> None:
+        try:
+            target(*args)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def budgeted_key(async_db):
+    cache.clear()
+    plan = Plan.objects.create(slug="metered", name="Metered", monthly_token_budget=1_000_000)
+    tenant = services.tenant_create(slug="acme", plan=plan)
+    yield services.api_key_create(tenant=tenant, name="k")[0]
+    cache.clear()
+
+
+def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_read_before(
+    budgeted_key, monkeypatch
+):
+    """The cache lost the month's counter mid-request (a Redis restart). The next admission
+    rebuilds it from the usage records; the request settles after that read, before the
+    counter is back. Its tokens were in neither: the counter under-counted the month."""
+    api_key = budgeted_key
+    running = _settlement(api_key, "in-flight", tokens=7)
+    cache.clear()
+    read, go_on = threading.Event(), threading.Event()
+    records_total = quotas.month_tokens_used
+
+    def slow_read(**kwargs) -> int:
+        used = records_total(**kwargs)
+        read.set()
+        go_on.wait(10)
+        return used
+
+    monkeypatch.setattr(quotas, "month_tokens_used", slow_read)
+    tickets = []
+    rebuilding = _thread(
+        lambda: tickets.append(quotas.admission_acquire(tenant=api_key.tenant, estimated_tokens=0))
+    )
+    assert read.wait(10)
+    settling = _thread(_settle_now, running)
+    settling.join(1)  # give it the chance to settle within the window, as it could
+    go_on.set()
+    rebuilding.join(10)
+    settling.join(10)
+    monkeypatch.setattr(quotas, "month_tokens_used", records_total)
+
+    assert UsageRecord.objects.get(request_id="in-flight").completion_tokens == 7
+    assert _month_tokens(api_key.tenant) == 7
+
+
+def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_read_after(
+    budgeted_key, monkeypatch
+):
+    """The same, the other way round: the request's record is written, the rebuild reads it,
+    and then the request corrects a counter it no longer holds a reservation on."""
+    api_key = budgeted_key
+    running = _settlement(api_key, "in-flight", tokens=7)
+    cache.clear()
+    releasing, go_on = threading.Event(), threading.Event()
+    release = quotas.admission_release
+
+    def slow_release(**kwargs) -> None:
+        releasing.set()
+        go_on.wait(10)
+        release(**kwargs)
+
+    monkeypatch.setattr(quotas, "admission_release", slow_release)
+    settling = _thread(_settle_now, running)
+    assert releasing.wait(10)
+    tickets = []
+    rebuilding = _thread(
+        lambda: tickets.append(quotas.admission_acquire(tenant=api_key.tenant, estimated_tokens=0))
+    )
+    rebuilding.join(1)
+    go_on.set()
+    settling.join(10)
+    rebuilding.join(10)
+    monkeypatch.setattr(quotas, "admission_release", release)
+
+    assert UsageRecord.objects.get(request_id="in-flight").completion_tokens == 7
+    assert _month_tokens(api_key.tenant) == 7
