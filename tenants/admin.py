@@ -201,7 +201,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
     )
     list_filter = ("tenant",)
     search_fields = ("name", "prefix", "tenant__slug")
-    readonly_fields = ("display_prefix", "created_by", "created_at", "last_used_at")
+    # revocation cannot be undone: the action revokes, and nothing clears it
+    readonly_fields = ("display_prefix", "created_by", "created_at", "last_used_at", "revoked_at")
     autocomplete_fields = ("tenant",)
     actions = ("revoke_selected",)
 
@@ -243,7 +244,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         obj.pk, obj.prefix, obj.key_hash = api_key.pk, api_key.prefix, api_key.key_hash
         messages.warning(request, f"New API key (copy it now, it is not shown again): {raw_key}")
 
-    @admin.action(description="Revoke selected keys")
+    @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke_selected(self, request: HttpRequest, queryset) -> None:
         for api_key in queryset:
             services.api_key_revoke(api_key=api_key)

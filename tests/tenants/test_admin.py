@@ -1,6 +1,7 @@
 import re
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.urls import reverse
 
 from tenants import api_keys, services
@@ -71,6 +72,43 @@ def test_revoke_action(staff_client, tenant):
         reverse("admin:tenants_apikey_changelist"),
         {"action": "revoke_selected", "_selected_action": [api_key.pk]},
     )
+    with pytest.raises(services.ApiKeyInvalid):
+        services.api_key_authenticate(raw_key=raw_key)
+
+
+def test_staff_who_may_only_view_keys_cannot_revoke_them(client, django_user_model, tenant):
+    viewer = django_user_model.objects.create_user("auditor", password="x", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_apikey"))
+    api_key, _ = services.api_key_create(tenant=tenant, name="prod")
+    client.force_login(viewer)
+    changelist = reverse("admin:tenants_apikey_changelist")
+    assert "revoke_selected" not in client.get(changelist).content.decode()
+
+    client.post(changelist, {"action": "revoke_selected", "_selected_action": [api_key.pk]})
+    api_key.refresh_from_db()
+    assert api_key.revoked_at is None
+
+
+def test_a_revoked_key_stays_revoked_when_its_page_is_saved(staff_client, tenant):
+    """Revocation cannot be undone (as the console says): the change form shows when, and a
+    save cannot clear it."""
+    api_key, raw_key = services.api_key_create(tenant=tenant, name="prod")
+    services.api_key_revoke(api_key=api_key)
+    url = reverse("admin:tenants_apikey_change", args=[api_key.pk])
+    assert 'name="revoked_at_0"' not in staff_client.get(url).content.decode()
+
+    staff_client.post(
+        url,
+        {
+            "name": "prod",
+            "expires_at_0": "",
+            "expires_at_1": "",
+            "revoked_at_0": "",
+            "revoked_at_1": "",
+        },
+    )
+    api_key.refresh_from_db()
+    assert api_key.revoked_at is not None
     with pytest.raises(services.ApiKeyInvalid):
         services.api_key_authenticate(raw_key=raw_key)
 
