@@ -22,6 +22,8 @@ class BatchRow:
     percent: int  # of its lines done
     is_active: bool  # not yet ended: it may be cancelled
     is_cancellable: bool
+    # (key, value) pairs by key: a template reads a dict's key "items" for its ``items`` method
+    metadata: list[tuple[str, str]]
 
 
 def tenant_batches(*, tenant: Tenant, limit: int = PAGE_SIZE) -> list[BatchRow]:
@@ -37,6 +39,7 @@ def tenant_batches(*, tenant: Tenant, limit: int = PAGE_SIZE) -> list[BatchRow]:
                 percent=min(100, round(100 * num_done / batch.num_total)) if batch.num_total else 0,
                 is_active=batch.status in ACTIVE_STATUSES,
                 is_cancellable=batch.status in (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS),
+                metadata=sorted((batch.metadata or {}).items()),
             )
         )
     return rows

@@ -7,7 +7,7 @@ rolled are read rolled up, everything from that hour on is read raw. Refusals be
 admission come from their hourly counts (``RefusalCount``), which are always current.
 """
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -108,13 +108,22 @@ class UsageReport:
     granularity: str  # "hour" or "day"
     starts: list[datetime]  # each period's start (UTC)
     by_period: list[Totals]
-    by_label: dict[str, Totals]  # the top labels by tokens (then requests), the rest "other"
+    by_label: dict[str, Totals]  # the top lines by tokens (then requests), then the rest
     total: Totals
     as_of: datetime  # the raw records are read up to now
     rolled_up_until: datetime | None  # roll-ups cover the hours before; None: none yet
     end_user: str | None = None  # set: only its requests, all read from the raw records
     tokens_by: dict[str, list[float]] = field(default_factory=dict)
     requests_by: dict[str, list[float]] = field(default_factory=dict)
+    tenant_links: dict[str, str] = field(default_factory=dict)  # a line's name -> its tenant
+
+    @property
+    def rows(self) -> list[tuple[str, Totals, str | None]]:
+        """``by_label`` as (name, totals, tenant slug or None) for a template: a dict's
+        ``items`` there would be its key "items" where a line has that name."""
+        return [
+            (label, totals, self.tenant_links.get(label)) for label, totals in self.by_label.items()
+        ]
 
     @property
     def labels(self) -> list[str]:
@@ -166,24 +175,73 @@ def rolled_up_until() -> datetime | None:
     return _hour_floor(cursor.position) if cursor is not None else None
 
 
+@dataclass(frozen=True)
+class _Series:
+    """One line of a breakdown: what it counts (``kind`` and ``ident``), the name it is shown
+    by, and a longer name for when another line of the same report has that name (two keys
+    may share a name, and a key may be called "chat" or "other")."""
+
+    kind: str
+    ident: object
+    name: str
+    distinct_name: str
+    tenant_slug: str | None = None  # a tenant's line links to its dashboard
+
+
+_REST = _Series("rest", None, "other", "other (the rest)")
+
+
 class _Labeller:
     def __init__(self, group_by: str, tenant: Tenant | None) -> None:
         self.group_by = group_by
         self.key_names = (
-            dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name")) if tenant else {}
+            {
+                pk: (name, f"sk-{prefix}…")
+                for pk, name, prefix in ApiKey.objects.filter(tenant=tenant).values_list(
+                    "pk", "name", "prefix"
+                )
+            }
+            if tenant
+            else {}
         )
         self.slugs = dict(Tenant.objects.values_list("pk", "slug")) if group_by == "tenant" else {}
 
-    def __call__(self, *, tenant_id: int, api_key_id: int | None, model: str, source: str) -> str:
+    def __call__(
+        self, *, tenant_id: int, api_key_id: int | None, model: str, source: str
+    ) -> _Series:
         if self.group_by == "key":
-            if api_key_id is None:
-                return source if source in ("chat", "batch") else "deleted key"
-            return self.key_names.get(api_key_id, "deleted key")
+            if api_key_id is None and source in ("chat", "batch"):
+                return _Series("source", source, source, f"{source} (no API key)")
+            if api_key_id not in self.key_names:
+                return _Series("deleted key", None, "deleted key", "deleted keys")
+            name, prefix = self.key_names[api_key_id]
+            return _Series("key", api_key_id, name, f"{name} ({prefix})")
         if self.group_by == "tenant":
-            return self.slugs.get(tenant_id, "deleted tenant")
+            slug = self.slugs.get(tenant_id)
+            if slug is None:
+                return _Series("deleted tenant", None, "deleted tenant", "deleted tenants")
+            return _Series("tenant", tenant_id, slug, slug, tenant_slug=slug)
         if self.group_by == "source":
-            return UsageRecord.Source(source).label
-        return model or "unknown model"
+            label = UsageRecord.Source(source).label
+            return _Series("source", source, label, label)
+        if not model:
+            return _Series("model", "", "unknown model", "(no model name)")
+        return _Series("model", model, model, model)
+
+
+def _display_names(series: list[_Series]) -> dict[_Series, str]:
+    """Each line's name, the longer one where two lines would show the same (and a number
+    after it should even those meet)."""
+    shown = Counter(line.name for line in series)
+    names = {line: line.name if shown[line.name] == 1 else line.distinct_name for line in series}
+    taken = Counter(names.values())
+    seen: Counter[str] = Counter()
+    for line in series:
+        name = names[line]
+        if taken[name] > 1:
+            seen[name] += 1
+            names[line] = f"{name} #{seen[name]}"
+    return names
 
 
 def usage_report(
@@ -206,16 +264,16 @@ def usage_report(
     start = starts[0] if starts else end
     handover = handover_of(start, end, end_user)
     by_period = [Totals() for _ in starts]
-    by_label: dict[str, Totals] = defaultdict(Totals)
-    tokens_by: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(starts))
-    requests_by: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(starts))
+    by_label: dict[_Series, Totals] = defaultdict(Totals)
+    tokens_by: dict[_Series, list[float]] = defaultdict(lambda: [0.0] * len(starts))
+    requests_by: dict[_Series, list[float]] = defaultdict(lambda: [0.0] * len(starts))
     label_of = _Labeller(group_by, tenant)
 
     def index(moment: datetime) -> int | None:
         i = int((moment.astimezone(UTC) - start) / step)
         return i if 0 <= i < len(starts) else None
 
-    def count(i: int | None, label: str, add) -> None:
+    def count(i: int | None, label: _Series, add) -> None:
         if i is None:
             return
         before = (by_label[label].tokens, by_label[label].requests)
@@ -254,7 +312,9 @@ def usage_report(
         )
         count(index(group["hour"]), label, lambda totals, n=group["n"]: _refuse(totals, n))
 
-    order = sorted(by_label, key=lambda label: (-by_label[label].tokens, -by_label[label].attempts))
+    order = sorted(by_label, key=lambda line: (-by_label[line].tokens, -by_label[line].attempts))
+    shown = order[:MAX_SERIES] + ([_REST] if len(order) > MAX_SERIES else [])
+    names = _display_names(shown)
     total = Totals()
     for period in by_period:
         _merge_into(total, period)
@@ -262,13 +322,14 @@ def usage_report(
         granularity=granularity,
         starts=starts,
         by_period=by_period,
-        by_label=_top_totals(by_label, order),
+        by_label=_top_totals(by_label, order, names),
+        tenant_links={names[line]: line.tenant_slug for line in shown if line.tenant_slug},
         total=total,
         as_of=now,
         rolled_up_until=rolled_up_until(),
         end_user=end_user,
-        tokens_by=_top_series(tokens_by, order),
-        requests_by=_top_series(requests_by, order),
+        tokens_by=_top_series(tokens_by, order, names),
+        requests_by=_top_series(requests_by, order, names),
     )
 
 
@@ -361,21 +422,25 @@ def _merge_into(total: Totals, part: Totals) -> None:
         )
 
 
-def _top_totals(by_label: dict[str, Totals], order: list[str]) -> dict[str, Totals]:
-    top = {label: by_label[label] for label in order[:MAX_SERIES]}
+def _top_totals(
+    by_series: dict[_Series, Totals], order: list[_Series], names: dict[_Series, str]
+) -> dict[str, Totals]:
+    top = {names[line]: by_series[line] for line in order[:MAX_SERIES]}
     if len(order) > MAX_SERIES:
-        other = Totals()
-        for label in order[MAX_SERIES:]:
-            _merge_into(other, by_label[label])
-        top["other"] = other
+        rest = Totals()
+        for line in order[MAX_SERIES:]:
+            _merge_into(rest, by_series[line])
+        top[names[_REST]] = rest
     return top
 
 
-def _top_series(series: dict[str, list[float]], order: list[str]) -> dict[str, list[float]]:
-    """The first ``MAX_SERIES`` labels of ``order`` (the same colours in every chart), the
-    rest summed as "other"."""
-    top = {label: series[label] for label in order[:MAX_SERIES] if label in series}
-    rest = [series[label] for label in order[MAX_SERIES:] if label in series]
+def _top_series(
+    series: dict[_Series, list[float]], order: list[_Series], names: dict[_Series, str]
+) -> dict[str, list[float]]:
+    """The first ``MAX_SERIES`` lines of ``order`` (the same colours in every chart), the
+    rest summed as one."""
+    top = {names[line]: series[line] for line in order[:MAX_SERIES] if line in series}
+    rest = [series[line] for line in order[MAX_SERIES:] if line in series]
     if rest:
-        top["other"] = [sum(values) for values in zip(*rest, strict=True)]
+        top[names[_REST]] = [sum(values) for values in zip(*rest, strict=True)]
     return top

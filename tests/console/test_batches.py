@@ -206,3 +206,25 @@ def test_the_dashboards_show_batch_usage_and_group_by_source(client, people, ten
     client.force_login(people["staff"])
     platform = client.get(reverse("console:platform"))
     assert platform.context["batch_usage"].batch_tokens == 1000
+
+
+def test_metadata_named_like_a_dict_method_shows_as_written(manager, tenant, file_storage_dir):
+    """Any key of the tenant's may set a batch's metadata: a key "items" hid the dict's
+    method from the template, and the page was a 500 for the tenant's admins."""
+    file = batch_services.file_create(
+        tenant=tenant,
+        upload=SimpleUploadedFile("in.jsonl", jsonl([request_line("r0")])),
+        purpose="batch",
+    )
+    batch_services.batch_create(
+        tenant=tenant,
+        input_file_id=file.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"keys": "y", "items": "x"},
+    )
+
+    response = manager.get(reverse("console:batches", args=[tenant.slug]))
+
+    assert response.status_code == 200
+    assert "items=x, keys=y" in response.content.decode()

@@ -333,3 +333,29 @@ def test_platform_console_shows_a_down_replica_and_a_restarting_engine(
     )
     assert rows == [("engine", "restarting", "2", "-9"), ("daphne", "running", "0", "–")]
     assert 'http-equiv="refresh"' in page  # followed until it is back
+
+
+def test_the_platform_page_shows_a_tenant_and_a_model_named_like_a_dict_method(client, people):
+    tenant = services.tenant_create(slug="items", name="Items")
+    api_key, _ = services.api_key_create(tenant=tenant, name="k")
+    now = datetime.now(UTC)
+    usage_record_add(
+        request_id="named-items",
+        tenant=tenant,
+        api_key=api_key,
+        model="items",
+        source=UsageRecord.Source.API,
+        status="ok",
+        started_at=now,
+        finished_at=now,
+        prompt_tokens=3,
+        completion_tokens=4,
+    )
+    client.force_login(people["staff"])
+
+    response = client.get(reverse("console:platform"))
+
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert f'<a href="{reverse("console:dashboard", args=["items"])}">items</a>' in page
+    assert "<td>items</td><td>1</td><td>3</td><td>4</td>" in page

@@ -229,3 +229,56 @@ def test_the_csv_has_what_is_not_rolled_up_yet_and_filters_by_end_user(
     assert client.get(url, {"end_user": "x" * 257}).status_code == 400
     page = client.get(reverse("console:dashboard", args=[tenant.slug]), {"end_user": "alice"})
     assert "end_user=alice" in page.content.decode()  # the export link keeps the filter
+
+
+def _key_record(tenant, api_key, request_id: str, completion: int, **fields) -> None:
+    usage_record_add(
+        request_id=request_id,
+        tenant=tenant,
+        api_key=api_key,
+        model="demo-chat",
+        source=fields.pop("source", UsageRecord.Source.API),
+        status="ok",
+        started_at=NOW - timedelta(minutes=1),
+        finished_at=NOW,
+        prompt_tokens=0,
+        completion_tokens=completion,
+        **fields,
+    )
+
+
+def test_usage_by_key_keeps_keys_of_the_same_name_apart(tenant, user):
+    """Two keys issued without a name are both "unnamed", and a key may be called "chat": each
+    is a line of its own, told apart by its prefix, and the chat's usage stays the chat's."""
+    first = services.api_key_create(tenant=tenant, name="unnamed")[0]
+    second = services.api_key_create(tenant=tenant, name="unnamed")[0]
+    chat_named = services.api_key_create(tenant=tenant, name="chat")[0]
+    _key_record(tenant, first, "a", 1000)
+    _key_record(tenant, second, "b", 10)
+    _key_record(tenant, chat_named, "c", 7)
+    _key_record(tenant, None, "d", 3, source=UsageRecord.Source.CHAT, user=user)
+
+    report = _report(tenant, group_by="key")
+
+    assert {label: totals.completion_tokens for label, totals in report.by_label.items()} == {
+        f"unnamed ({first.display_prefix})": 1000,
+        f"unnamed ({second.display_prefix})": 10,
+        f"chat ({chat_named.display_prefix})": 7,
+        "chat (no API key)": 3,
+    }
+    assert set(report.tokens_by) == set(report.by_label)
+
+
+def test_a_key_named_other_is_not_lost_in_the_rest(tenant):
+    names = ["other", *(f"k{n}" for n in range(usage.MAX_SERIES))]
+    keys = {name: services.api_key_create(tenant=tenant, name=name)[0] for name in names}
+    for n, name in enumerate(names):
+        _key_record(tenant, keys[name], f"r{n}", 1000 if name == "other" else 10 - n)
+
+    report = _report(tenant, group_by="key")
+
+    tokens = {label: totals.completion_tokens for label, totals in report.by_label.items()}
+    assert sum(tokens.values()) == 1000 + sum(10 - n for n in range(1, len(names)))
+    assert tokens[f"other ({keys['other'].display_prefix})"] == 1000
+    assert tokens["other (the rest)"] == 10 - len(names) + 1
+    assert sum(sum(series) for series in report.tokens_by.values()) == sum(tokens.values())
