@@ -159,13 +159,24 @@ def _hour_floor(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
+def granularity_of(date_range: DateRange, asked: str | None) -> str:
+    """``asked`` (``hour`` or ``day``), or by default per hour for a range of up to two days."""
+    if asked in GRANULARITIES:
+        return asked
+    return "hour" if len(date_range.days) <= 2 else "day"
+
+
+def range_shown(date_range: DateRange, granularity: str) -> DateRange:
+    """The range a page shows ``date_range`` as: per hour its last ``MAX_HOURLY_DAYS`` days at
+    most (168 bars), and every figure on the page then covers that range."""
+    if granularity == "hour" and len(date_range.days) > MAX_HOURLY_DAYS:
+        return DateRange(date_range.end - timedelta(days=MAX_HOURLY_DAYS - 1), date_range.end)
+    return date_range
+
+
 def _periods(date_range: DateRange, granularity: str) -> tuple[list[datetime], datetime, timedelta]:
     start, end = date_range.bounds
-    if granularity == "hour":
-        start = max(start, end - timedelta(days=MAX_HOURLY_DAYS))
-        step = HOUR
-    else:
-        step = timedelta(days=1)
+    step = HOUR if granularity == "hour" else timedelta(days=1)
     return [start + i * step for i in range(int((end - start) / step))], end, step
 
 
@@ -253,12 +264,14 @@ def usage_report(
     end_user: str | None = None,
     now: datetime | None = None,
 ) -> UsageReport:
-    """Usage in ``date_range`` (the last ``MAX_HOURLY_DAYS`` of it per hour) for one tenant or
-    all, grouped by ``model``, ``key`` or ``tenant``.
+    """Usage in ``date_range`` (per hour: of ``MAX_HOURLY_DAYS`` at most, see ``range_shown``)
+    for one tenant or all, grouped by ``model``, ``key`` or ``tenant``.
 
     With ``end_user`` (the API requests' ``user``), only that end user's requests: the
     roll-ups and the refusal counts do not carry it, so the whole range is read from the raw
     records, and refusals before admission (which have no record) are left out."""
+    if range_shown(date_range, granularity) != date_range:
+        raise ValueError(f"per hour, a range of {MAX_HOURLY_DAYS} days at most")
     now = now or timezone.now()
     starts, end, step = _periods(date_range, granularity)
     start = starts[0] if starts else end

@@ -69,12 +69,20 @@ def _context(request: HttpRequest, tenant: Tenant | None, **extra) -> dict:
     }
 
 
-def _granularity(request: HttpRequest, date_range: selectors.DateRange) -> str:
-    """``?period=hour|day``; by default per hour for a range of up to two days."""
-    asked = request.GET.get("period")
-    if asked in usage.GRANULARITIES:
-        return asked
-    return "hour" if len(date_range.days) <= 2 else "day"
+def _shown(
+    request: HttpRequest, date_range: selectors.DateRange
+) -> tuple[selectors.DateRange, str]:
+    """The range the page shows and per what (``?period=hour|day``): per hour, the last
+    ``MAX_HOURLY_DAYS`` days of a longer range, and the page says so."""
+    granularity = usage.granularity_of(date_range, request.GET.get("period"))
+    shown = usage.range_shown(date_range, granularity)
+    if shown != date_range:
+        messages.info(
+            request,
+            f"Per hour shows {usage.MAX_HOURLY_DAYS} days at most: "
+            f"{shown.start.isoformat()} to {shown.end.isoformat()}.",
+        )
+    return shown, granularity
 
 
 def _usage_charts(report: usage.UsageReport) -> dict[str, str]:
@@ -93,11 +101,11 @@ def _usage_charts(report: usage.UsageReport) -> dict[str, str]:
 def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     range_form, end_user_form = _range_form(request), forms.EndUserForm(request.GET)
     status = _refuse(request, range_form, end_user_form)
-    date_range, end_user = range_form.date_range(), end_user_form.end_user_or_none()
+    end_user = end_user_form.end_user_or_none()
+    date_range, granularity = _shown(request, range_form.date_range())
     group_by = request.GET.get("group", "model")
     if group_by not in ("model", "key", "source"):
         group_by = "model"
-    granularity = _granularity(request, date_range)
     report = usage.usage_report(
         date_range=date_range,
         tenant=tenant,
@@ -222,8 +230,7 @@ def _change_members(request: HttpRequest, tenant: Tenant) -> None:
 def platform(request: HttpRequest) -> HttpResponse:
     range_form = _range_form(request)
     status = _refuse(request, range_form)
-    date_range = range_form.date_range()
-    granularity = _granularity(request, date_range)
+    date_range, granularity = _shown(request, range_form.date_range())
     report = usage.usage_report(date_range=date_range, group_by="tenant", granularity=granularity)
     by_model = usage.usage_report(date_range=date_range, group_by="model", granularity="day")
     tenant_rows = selectors.tenant_rows()

@@ -73,9 +73,38 @@ def test_hours_and_days_and_their_labels(key, tenant):
     assert hourly.labels[15] == "15:00" and hourly.requests_by == {
         "demo-chat": [0.0] * 15 + [1.0] + [0.0] * 8
     }
-    week = DateRange(NOW.date() - timedelta(days=20), NOW.date())
+    week = DateRange(NOW.date() - timedelta(days=usage.MAX_HOURLY_DAYS - 1), NOW.date())
     assert len(usage.usage_report(date_range=week, granularity="hour").starts) == 7 * 24
-    assert len(usage.usage_report(date_range=week, granularity="day").starts) == 21
+    three_weeks = DateRange(NOW.date() - timedelta(days=20), NOW.date())
+    assert len(usage.usage_report(date_range=three_weeks, granularity="day").starts) == 21
+    with pytest.raises(ValueError):  # 504 bars: a page shows the last week of it
+        usage.usage_report(date_range=three_weeks, granularity="hour")
+    assert usage.range_shown(three_weeks, "hour") == week
+    assert usage.range_shown(three_weeks, "day") == three_weeks
+
+
+def test_a_range_shown_per_hour_is_its_last_week_on_every_figure(client, key, tenant, user):
+    """Per hour, the page showed the range asked for (two weeks) and counted only its last
+    week in the totals."""
+    now = datetime.now(UTC)
+    services.membership_set(tenant=tenant, user=user, role="admin", actor=None)
+    for n, days_ago in enumerate((10, 0)):
+        _record(key, now - timedelta(days=days_ago, minutes=1), n)
+    client.force_login(user)
+    url = reverse("console:dashboard", args=[tenant.slug])
+    first = (now - timedelta(days=13)).date()
+
+    by_day = client.get(url, {"start": first.isoformat(), "period": "day"})
+    by_hour = client.get(url, {"start": first.isoformat(), "period": "hour"})
+
+    assert by_day.context["summary"].total.requests == 2
+    assert by_day.context["date_range"].start == first
+    week = by_hour.context["date_range"]
+    assert (week.start, week.end) == ((now - timedelta(days=6)).date(), now.date())
+    assert by_hour.context["summary"].total.requests == 1
+    page = by_hour.content.decode()
+    assert f'value="{week.start.isoformat()}"' in page
+    assert f"Per hour shows 7 days at most: {week.start.isoformat()}" in page
 
 
 def test_errors_and_refusals_are_rates_of_every_request_sent(key, tenant):
