@@ -365,7 +365,11 @@ def membership_add(
     """``membership_set`` for the user called ``username``; ``ValidationError`` when nobody
     is."""
     user_model = get_user_model()
-    user = user_model.objects.filter(**{user_model.USERNAME_FIELD: username}).first()
+    user = (  # nobody's name holds a NUL, and the database refuses to look one up
+        None
+        if "\x00" in username
+        else user_model.objects.filter(**{user_model.USERNAME_FIELD: username}).first()
+    )
     if user is None:
         raise ValidationError(f"No user named {username!r}.")
     return membership_set(tenant=tenant, user=user, role=role, actor=actor)

@@ -11,6 +11,7 @@ from django.utils import timezone
 from django.utils.crypto import constant_time_compare
 
 from chat.models import ChatPreference, Conversation, Message
+from config.json_text import NUL
 from inference_engine.protocol import Message as EngineMessage
 from serving.selectors import deployments_for_tenant
 from tenants.models import Tenant
@@ -28,8 +29,9 @@ def conversation_list(
     conversations = Conversation.objects.filter(user=user, tenant=tenant).filter(
         Q(Exists(Message.objects.filter(conversation=OuterRef("pk")))) | Q(pk=keep_id)
     )
-    if query.strip():
-        conversations = conversations.filter(title__icontains=query.strip())
+    query = query.replace(NUL, "").strip()  # as titles are kept (and the database refuses it)
+    if query:
+        conversations = conversations.filter(title__icontains=query)
     return conversations.order_by("-updated_at", "-id")
 
 

@@ -1,5 +1,7 @@
 """Model deployments: a served model name and the engine endpoints that serve it."""
 
+import re
+
 from django.core.exceptions import ValidationError
 from django.core.validators import RegexValidator
 from django.db import models
@@ -8,16 +10,19 @@ from django.utils import timezone
 from tenants.models import Plan
 
 served_name_validator = RegexValidator(
-    r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
+    r"\A[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}\Z",
     "Use letters, digits and . _ : / - (OpenAI-style model ids).",
 )
+
+# a ZeroMQ endpoint: no spaces or control characters (NUL included: the database refuses it)
+_ENDPOINT = re.compile(r"\A(tcp|ipc)://[^\s\x00-\x1f\x7f]+\Z")
 
 
 def validate_endpoints(value: object) -> None:
     if not isinstance(value, list) or not value:
         raise ValidationError("Give at least one engine endpoint.")
     for endpoint in value:
-        if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
+        if not isinstance(endpoint, str) or not _ENDPOINT.match(endpoint):
             raise ValidationError(f"{endpoint!r} is not a tcp:// or ipc:// ZeroMQ endpoint.")
     if len(set(value)) != len(value):
         raise ValidationError("Endpoints must be distinct.")

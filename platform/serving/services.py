@@ -1,12 +1,15 @@
 """Writes to the deployment registry, and requests to load or unload a replica's model."""
 
+import re
+
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
-from serving.models import ModelDeployment
+from serving.models import ModelDeployment, served_name_validator, validate_endpoints
 from serving.tasks import control_engine
 
 CONTROL_ACTIONS = ("load", "unload")
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @transaction.atomic
@@ -21,6 +24,8 @@ def deployment_register(
     """Create or update the deployment called ``name``. Its health is unknown until the next
     poll: what was polled before (say, before ``make run`` restarted its engine) no longer
     says anything about these endpoints."""
+    served_name_validator(name)  # before the look-up: the database refuses a NUL in it
+    validate_endpoints(endpoints)
     deployment = ModelDeployment.objects.filter(name=name).first() or ModelDeployment(name=name)
     deployment.endpoints = endpoints
     deployment.health = ModelDeployment.Health.UNKNOWN
@@ -61,5 +66,7 @@ def deployment_control_request(
     model = (model or "").strip() or None
     if action == "load" and model is None:
         raise ValidationError("Give the model directory to load.")
+    if model is not None and _CONTROL_CHARACTER.search(model):
+        raise ValidationError("A model directory's path holds no control characters.")
     control_engine.delay(deployment.pk, endpoint, action, model)
     return deployment

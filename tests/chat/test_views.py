@@ -262,3 +262,15 @@ def test_deleting_a_conversation_tells_the_holder_of_its_reply(
     with pytest.raises(services.ConversationDeleted):
         services.reply_finish(message=reply, content="late", status=Message.Status.COMPLETE)
     assert not Message.objects.filter(pk=reply.pk).exists()
+
+
+def test_nul_characters_in_a_model_title_or_search_are_refused_or_taken_out(alice, acme):
+    client = login(alice)
+    response = client.post("/chat/new/", {"model": "big-chat\x00"}, HTTP_ACCEPT="application/json")
+    assert response.status_code == 400
+    conversation = services.conversation_create(user=alice, tenant=acme, model="big-chat")
+    response = client.post(
+        f"/chat/{conversation.pk}/rename/", {"title": "a\x00b"}, HTTP_ACCEPT="application/json"
+    )
+    assert response.json()["title"] == "ab"  # control characters are taken out of a title
+    assert client.get("/chat/", {"q": "a\x00"}).status_code == 200

@@ -2,10 +2,12 @@ import re
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.core.exceptions import ValidationError
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
+from serving import services as serving_services
 from serving.models import ModelDeployment
 from tenants import rollups, services
 from tenants.models import ApiKey, Membership, UsageRecord
@@ -359,3 +361,35 @@ def test_the_platform_page_shows_a_tenant_and_a_model_named_like_a_dict_method(c
     page = response.content.decode()
     assert f'<a href="{reverse("console:dashboard", args=["items"])}">items</a>' in page
     assert "<td>items</td><td>1</td><td>3</td><td>4</td>" in page
+
+
+def test_nul_characters_in_console_forms_are_refused_with_a_message(client, people, tenant):
+    """Fields read from the POST without a form (which refuses NUL) reached the database,
+    and PostgreSQL's text refuses NUL: the pages were 500s."""
+    deployment = ModelDeployment.objects.create(name="demo-chat", endpoints=["tcp://h:1"])
+    action = reverse("console:deployment-action")
+    members = reverse("console:members", args=[tenant.slug])
+    posts = [
+        ("owner_a", members, {"action": "add", "username": "owner_a\x00", "role": "member"}),
+        ("staff", action, {"action": "register", "name": "m\x00", "endpoints": "tcp://x:1"}),
+        ("staff", action, {"action": "register", "name": "m", "endpoints": "tcp://x:1\x00"}),
+        (
+            "staff",
+            action,
+            {
+                "action": "load",
+                "deployment_id": deployment.pk,
+                "endpoint": "tcp://h:1",
+                "model": "/models/x\x00",
+            },
+        ),
+    ]
+    for who, url, data in posts:
+        client.force_login(people[who])
+        response = client.post(url, data, follow=True)
+        assert response.status_code == 200, (url, data)
+        assert [m.level_tag for m in response.context["messages"]] == ["error"], (url, data)
+    assert not ModelDeployment.objects.filter(name__startswith="m").exists()
+    assert Membership.objects.filter(tenant=tenant).count() == 3
+    with pytest.raises(ValidationError):  # a line break after it, too
+        serving_services.deployment_register(name="m\n", endpoints=["tcp://x:1"])
