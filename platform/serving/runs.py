@@ -303,7 +303,7 @@ class Run:
     async def _send(self) -> None:
         self._streams = [self._client.generate(request) for request in self.spec.requests]
         try:
-            self._first = list(await asyncio.gather(*(anext(s) for s in self._streams)))
+            self._first = await self._first_deltas()
         except EngineUnavailable as exc:
             raise self._lost(exc) from exc
         except EngineOverloaded as exc:  # the engine is up: its queue is full, as it says
@@ -315,11 +315,30 @@ class Run:
         except StopAsyncIteration as exc:
             self.meter.fail("engine_error")
             raise RunError("engine_error", "The engine closed the stream.") from exc
-        for choice, delta in zip(self.choices, self._first, strict=True):
-            self._count(choice, delta)
         for delta in self._first:
             if delta.error is not None:
                 raise self._engine_error(delta)
+
+    async def _first_deltas(self) -> list[GenerateDelta]:
+        """Each choice's first delta, counted as it arrives: when the wait ends early (the
+        client left, one choice failed), a choice that had its delta (perhaps its last) is
+        metered, and no read of a stream is left running to be closed under it."""
+
+        async def first(choice: Choice, stream: AsyncIterator[GenerateDelta]) -> GenerateDelta:
+            delta = await anext(stream)
+            self._count(choice, delta)
+            return delta
+
+        reads = [
+            asyncio.ensure_future(first(choice, stream))
+            for choice, stream in zip(self.choices, self._streams, strict=True)
+        ]
+        try:
+            return list(await asyncio.gather(*reads))
+        finally:
+            for read in reads:
+                read.cancel()
+            await asyncio.gather(*reads, return_exceptions=True)
 
     # --- stream --------------------------------------------------------------------------
 
@@ -338,11 +357,10 @@ class Run:
             ]
             if len(open_streams) == 1:
                 choice, stream = open_streams[0]
-                merged = ((choice, delta) async for delta in stream)
+                merged = _counted(choice, stream, self._count)
             else:
-                merged = _merge(open_streams)
+                merged = _merge(open_streams, self._count)
             async for choice, delta in merged:
-                self._count(choice, delta)
                 if delta.error is not None:
                     raise self._engine_error(delta)
                 yield choice, delta
@@ -457,16 +475,31 @@ def _count_refusal(caller: Caller, code: str) -> None:
         logger.warning("could not count a refusal (%s)", code, exc_info=True)
 
 
+async def _counted(
+    choice: Choice,
+    stream: AsyncIterator[GenerateDelta],
+    count: Callable[[Choice, GenerateDelta], None],
+) -> AsyncIterator[tuple[Choice, GenerateDelta]]:
+    """One choice's stream, each delta counted as it is taken from the engine's."""
+    async for delta in stream:
+        count(choice, delta)
+        yield choice, delta
+
+
 async def _merge(
     streams: list[tuple[Choice, AsyncIterator[GenerateDelta]]],
+    count: Callable[[Choice, GenerateDelta], None],
 ) -> AsyncIterator[tuple[Choice, GenerateDelta]]:
-    """Interleave several choices' streams in arrival order."""
+    """Interleave several choices' streams in arrival order, each delta counted as it is
+    taken from its engine stream (not as it is read from here: what a consumer that stops
+    leaves queued was received, and is metered)."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
     async def pump(choice: Choice, stream: AsyncIterator[GenerateDelta]) -> None:
         try:
             async for delta in stream:
+                count(choice, delta)
                 await queue.put((choice, delta))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             await queue.put((choice, exc))

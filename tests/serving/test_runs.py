@@ -342,3 +342,82 @@ async def test_a_fanned_out_run_counts_each_sequence_against_concurrency(run_wor
 
     await four.aclose()
     await assert_released(run_world)
+
+
+async def _answer_aborts(run_world, identity: bytes, completion_tokens: dict[str, int]) -> None:  # noqa: F811
+    """The engine's answer to each abort: the request's last delta, with what it computed."""
+    answered: set[str] = set()
+    while True:
+        for request_id in run_world.fake.aborted():
+            if request_id not in answered:
+                answered.add(request_id)
+                usage = Usage(prompt_tokens=3, completion_tokens=completion_tokens[request_id])
+                final = GenerateDelta(
+                    request_id, "", [], finish_reason=FinishReason.ABORT, usage=usage
+                )
+                await run_world.fake.send(identity, ResponseType.OUTPUTS, [final])
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=2)
+async def test_a_run_cut_while_waiting_for_its_choices_meters_a_choice_already_finished(
+    run_world,  # noqa: F811
+):
+    """n=2: choice 0 ends on its first token (max_tokens=1), choice 1 waits in the engine's
+    queue, and the client leaves before the response starts. Choice 0's token and the prompt
+    were taken from the engine and thrown away, unmetered."""
+    run = Run(spec(n=2, max_tokens=1), run_world.caller())
+    starting = asyncio.create_task(run.start())
+    (identity, first), _ = [await run_world.fake.generates.get() for _ in range(2)]
+    only = GenerateDelta(
+        first.request_id,
+        "x",
+        [5],
+        finish_reason=FinishReason.LENGTH,
+        usage=Usage(prompt_tokens=3, completion_tokens=1),
+    )
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [only])
+    await asyncio.sleep(0.1)
+    answering = asyncio.create_task(_answer_aborts(run_world, identity, {"run-1-1": 0}))
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    answering.cancel()
+
+    record = await record_of(run_world)
+    assert (record.status, record.prompt_tokens, record.completion_tokens) == ("cancelled", 3, 1)
+    assert run_world.fake.aborted() == ["run-1-1"]
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=2)
+async def test_a_stream_of_choices_cut_meters_the_deltas_it_received_and_did_not_read(
+    run_world,  # noqa: F811
+):
+    """n=2: the engine's frame with choice 1's next token and choice 0's last arrives as the
+    client leaves. Choice 0's last delta was received and waiting to be read, its stream
+    done: its token was never metered."""
+    run = Run(spec(n=2), run_world.caller())
+    starting = asyncio.create_task(run.start())
+    (identity, _), _ = [await run_world.fake.generates.get() for _ in range(2)]
+    firsts = [GenerateDelta(f"run-1-{i}", "a", [1], usage=Usage(prompt_tokens=3)) for i in range(2)]
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, firsts)
+    await starting
+    deltas = run.deltas()
+    assert [(await anext(deltas))[1].token_ids for _ in range(2)] == [[1], [1]]
+    reading = asyncio.create_task(anext(deltas))
+    await asyncio.sleep(0.05)
+    last = GenerateDelta("run-1-0", "c", [2], finish_reason=FinishReason.LENGTH)
+    await run_world.fake.send(
+        identity, ResponseType.OUTPUTS, [GenerateDelta("run-1-1", "b", [2]), last]
+    )
+    choice, delta = await reading  # choice 1's token; choice 0's last waits behind it
+    assert (choice.index, delta.token_ids) == (1, [2])
+    await asyncio.sleep(0.05)
+    answering = asyncio.create_task(_answer_aborts(run_world, identity, {"run-1-1": 2}))
+    await deltas.aclose()
+    await run.aclose(asyncio.CancelledError())
+    answering.cancel()
+
+    record = await record_of(run_world)
+    assert (record.status, record.prompt_tokens, record.completion_tokens) == ("cancelled", 3, 4)
+    assert run_world.fake.aborted() == ["run-1-1"]
