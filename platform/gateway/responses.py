@@ -6,6 +6,7 @@ first delta of every choice is awaited before a response starts); errors after i
 stream with a ``data: {"error": …}`` event.
 """
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -13,12 +14,19 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gateway import schemas
-from gateway.errors import from_run_error
+from gateway.errors import ApiError, from_run_error
 from gateway.tool_calls import CallDelta, ToolCallReader
 from gateway.validation import GenerationPlan
 from inference_engine.protocol import FinishReason, TokenLogprobs
 from serving.pool import get_pool
 from serving.runs import Choice, Run, RunError
+
+logger = logging.getLogger(__name__)
+
+# as OpenAI words a failure of its own
+STREAM_FAILED = ApiError(
+    500, "The server had an error while processing your request.", code="internal_error"
+)
 
 
 @dataclass
@@ -223,6 +231,12 @@ class Responder:
             yield b"".join(events)
         except RunError as exc:
             yield b"".join([*events, _event(from_run_error(exc).body())])
+        except Exception:
+            # the response has started: a 500 can no longer be sent, and raised from here
+            # the response would never end, so the stream ends with the error as its event
+            logger.exception("the stream of %s failed", self.run.spec.request_id)
+            self.run.meter.fail("internal_error")
+            yield b"".join([*events, _event(STREAM_FAILED.body())])
 
     def _text_event(
         self,

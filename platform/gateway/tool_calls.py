@@ -94,7 +94,7 @@ class ToolCallReader:
         text, self._buffer = self._buffer, ""
         try:
             items = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth: not a call
             items = None
         if not isinstance(items, list) or not all(_is_call(item) for item in items):
             return [self._say(text)]  # cut short (max_tokens): the text as it is
@@ -156,7 +156,7 @@ def _is_call(item: object) -> bool:
 def _parse_call(block: str) -> dict | None:
     try:
         call = json.loads(block)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: not a call
         return None
     if isinstance(call, dict) and "parameters" in call and "arguments" not in call:
         call["arguments"] = call.pop("parameters")  # a common variant

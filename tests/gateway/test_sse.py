@@ -118,6 +118,38 @@ async def test_a_stream_whose_settlement_fails_still_ends(run_world, monkeypatch
     assert _events(writes[-1])[-1] == b"[DONE]"
 
 
+async def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event(
+    run_world,  # noqa: F811
+    monkeypatch,
+):
+    """An exception other than the run's own raised out of the events after the response
+    had started: the server could no longer answer 500, and the response never ended."""
+    from gateway.handling import GenerationStreamResponse
+
+    fake = run_world.fake
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    responder = _responder("chat", plan_chat(json.dumps(body).encode()), run_world, "chatcmpl-8")
+    request_id = responder.run.spec.requests[0].request_id
+    starting = asyncio.create_task(responder.run.start())
+    identity, _ = await fake.generates.get()
+    first = GenerateDelta(request_id, "hi", [1], usage=Usage(prompt_tokens=3))
+    await fake.send(identity, ResponseType.OUTPUTS, [first])
+    await starting
+
+    def broken(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(responder, "_text_event", broken)
+    monkeypatch.setattr(runs, "FINAL_USAGE_TIMEOUT_SECONDS", 0.2)  # the fake answers no abort
+    writes = [write async for write in GenerationStreamResponse(responder)._events()]
+
+    error = _events(writes[-1])[-1]
+    assert error["error"]["type"] == "server_error"
+    assert "recursion" not in json.dumps(error)  # what failed is the log's, not the client's
+    [record] = await run_world.records()
+    assert (record.status, record.error_code) == ("error", "internal_error")
+
+
 # quotes, escapes, control characters, non-ASCII, the templates' own placeholder character
 AWKWARD_TEXTS = ['say "hi"', "back\\slash", "line\nbreak\t", "\x00\x1f", "héllo 世界 🙂", "\ue000"]
 

@@ -77,6 +77,17 @@ def test_a_block_that_is_not_a_known_call_stays_content(block):
     assert content == "x " + block and calls == []
 
 
+def test_a_block_nested_past_the_json_parsers_depth_stays_content():
+    """``json.loads`` raises RecursionError, not ValueError, on deep nesting: it escaped the
+    reader, and a streamed answer was left hanging."""
+    deep = "[" * 5000 + "]" * 5000
+    block = f"<tool_call>{deep}</tool_call>"
+    reader = ToolCallReader(AUTO, "hermes")
+    assert summary(read_all(reader, [block])) == (block, [])
+    required = ToolCallReader(ToolPlan("required", ["search"]), "")
+    assert summary(read_all(required, [deep])) == (deep, [])
+
+
 def test_the_parameters_variant_and_string_arguments_are_read():
     reader = ToolCallReader(AUTO, "hermes")
     text = (
