@@ -402,15 +402,20 @@ class Run:
                 delta.error,
                 delta.error_message,
             )
-            return RunError(code, ENGINE_FAILED, retry_after=retry_after)
-        return RunError(code, delta.error_message or code, retry_after=retry_after)
+            return self._admitted(RunError(code, ENGINE_FAILED, retry_after=retry_after))
+        return self._admitted(RunError(code, delta.error_message or code, retry_after=retry_after))
 
     def _lost(self, exc: EngineUnavailable) -> RunError:
         logger.warning("request %s lost its engine: %s", self.meter.request_id, exc)
         self.meter.fail("engine_unavailable")
-        return RunError(
-            "engine_unavailable", ENGINE_LOST, retry_after=NO_REPLICA_RETRY_AFTER_SECONDS
+        return self._admitted(
+            RunError("engine_unavailable", ENGINE_LOST, retry_after=NO_REPLICA_RETRY_AFTER_SECONDS)
         )
+
+    def _admitted(self, error: RunError) -> RunError:
+        """``error`` of this admitted run: its answer names the usage record it is under."""
+        error.request_id = self.spec.request_id
+        return error
 
     # --- settle --------------------------------------------------------------------------
 

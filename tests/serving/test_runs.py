@@ -258,6 +258,7 @@ async def test_a_full_queue_to_the_engine_is_overloaded_not_unavailable(
     assert (raised.value.code, raised.value.retry_after) == ("engine_overloaded", 1)
     # the engine's internal address is the platform's, not the tenant's to know
     assert run_world.deployment.endpoints[0] not in raised.value.message
+    assert raised.value.request_id == "run-1"
     record = await record_of(run_world)
     assert (record.status, record.error_code) == ("rejected", "overloaded")
     monkeypatch.undo()
@@ -285,6 +286,7 @@ async def test_an_engine_error_mid_stream(run_world):  # noqa: F811
 
     assert texts == ["a"] and raised.value.code == "engine_error"
     assert raised.value.message == ENGINE_FAILED  # the engine's text goes to the log
+    assert raised.value.request_id == "run-1"  # the answer names the record it is under
     record = await record_of(run_world)
     assert (record.status, record.completion_tokens) == ("error", 1)
     await assert_released(run_world)
@@ -304,6 +306,7 @@ async def test_the_engine_lost_mid_stream(run_world, monkeypatch):  # noqa: F811
 
     assert (raised.value.code, raised.value.retry_after) == ("engine_unavailable", 5)
     assert run_world.deployment.endpoints[0] not in raised.value.message
+    assert raised.value.request_id == "run-1"
     record = await record_of(run_world)
     assert (record.status, record.error_code, record.completion_tokens) == (
         "error",
