@@ -135,7 +135,9 @@ class BatchRequest(models.Model):
     # the usage record's (and the response's id), kept when a line is run again after a
     # worker died: a record the dead run already wrote is not written twice
     request_id = models.CharField(max_length=64, blank=True)
-    response = models.JSONField(null=True, blank=True)  # {"status_code", "request_id", "body"}
+    # {"status_code", "request_id", "body"} as JSON text: jsonb refuses a NUL (which a model
+    # may emit, and JSON spells \u0000) and would sort the answer's keys
+    response = models.TextField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)  # {"code", "message"}
     finished_at = models.DateTimeField(null=True, blank=True)
 

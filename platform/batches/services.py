@@ -381,7 +381,7 @@ def batch_request_finish(*, request: BatchRequest, response: dict) -> None:
         pk=request.pk, status=BatchRequest.Status.RUNNING
     ).update(
         status=BatchRequest.Status.COMPLETED if is_ok else BatchRequest.Status.FAILED,
-        response=response,
+        response=msgspec.json.encode(response).decode(),
         finished_at=timezone.now(),
     )
     if is_written:
@@ -430,7 +430,7 @@ def _results_write(batch: Batch, *, is_expired: bool) -> None:
         line = {
             "id": f"batch_req_{request.pk}",
             "custom_id": request.custom_id,
-            "response": request.response,
+            "response": None if request.response is None else msgspec.Raw(request.response),
             "error": request.error,
         }
         if request.status == BatchRequest.Status.COMPLETED:

@@ -193,3 +193,34 @@ def test_batches_are_paged_newest_first_after_a_cursor(tenant, file_storage_dir)
 
     assert [b.id for b in first] == newest_first[:2] and has_more
     assert [b.id for b in rest] == newest_first[2:] and not has_more_after
+
+
+def test_an_answer_holding_a_nul_character_is_kept_and_written_as_the_api_sent_it(
+    tenant, file_storage_dir
+):
+    """A model may emit a NUL: the online API answers it (JSON spells it \\u0000), and jsonb
+    refused it, so the line could never finish and the batch was run again and again."""
+    from batches.storage import file_storage
+
+    batch = services.batch_validate(
+        batch=_batch(tenant, _upload(tenant, [request_line("a"), request_line("b")]))
+    )
+    first, second = batch.requests.order_by("line_number")
+    body = {"id": "chatcmpl-1", "object": "chat.completion", "text": "a\x00b"}
+    for request in (first, second):
+        services.batch_request_claim(request=request, request_id=f"id-{request.pk}")
+        services.batch_request_finish(
+            request=request,
+            response={"status_code": 200, "request_id": f"id-{request.pk}", "body": body},
+        )
+    assert services.batch_claim(batch_id=batch.id, runner="r", lease_seconds=60)
+    batch = services.batch_finish(batch=batch, runner="r")
+
+    assert batch.status == Batch.Status.COMPLETED and batch.num_completed == 2
+    with file_storage().open(batch.output_file.storage_name, "rb") as stream:
+        lines = stream.read().splitlines()
+    assert b'"text":"a\\u0000b"' in lines[0]
+    assert [json.loads(line)["response"]["body"] for line in lines] == [body, body]
+    # the answer's keys in the order it gave them, as the online API's
+    assert lines[0].index(b'"status_code"') < lines[0].index(b'"request_id"')
+    assert lines[0].index(b'"id"') < lines[0].index(b'"object"') < lines[0].index(b'"text"')
