@@ -4,6 +4,7 @@ stopped and never runs a line twice.
 
 Models stay thin: writes live in ``batches.services``, reads in ``batches.selectors``."""
 
+import json
 import secrets
 
 from django.db import models
@@ -153,3 +154,7 @@ class BatchRequest(models.Model):
     def body_bytes(self) -> bytes:
         """The request's body, as the API's parsers take it."""
         return self.body.encode()
+
+    def response_object(self) -> dict | None:
+        """The line's response, parsed; None before it has one."""
+        return None if self.response is None else json.loads(self.response)

@@ -8,7 +8,8 @@ limits.
 pending lines with at most ``BATCH_MAX_IN_FLIGHT`` in flight, writes each line's result as it
 ends, and finishes the batch (``batches.services.batch_finish``). A killed worker loses no
 finished line: once its lease runs out, the sweep starts another runner, which skips what is
-done and runs again what was left running, under the same request ids.
+done and runs again what was left running, under the same request ids where the first run
+was not metered or was metered whole (``batches.services.batch_request_next_id``).
 
 A cancelled batch takes no new line; lines in flight run to their end. A line refused for a
 while (a rate limit, no ready replica) waits and tries again within the batch's window.
@@ -126,7 +127,7 @@ class BatchRun:
                     _raise_failures(done)
                 if self.is_stopping:
                     break
-                request_id = request.request_id or new_response_id(self.kind)
+                request_id = await _next_id(request, new_response_id(self.kind))
                 if not await _claim(request, request_id):
                     break  # cancelled or expired meanwhile
                 request.request_id = request_id
@@ -170,6 +171,9 @@ class BatchRun:
                 if self.is_stopping:
                     await _unclaim(request)
                     return
+                if exc.request_id is not None:  # admitted and metered: the next try is new
+                    request.request_id = new_response_id(self.kind)
+                    await _rename(request, request.request_id)
         await _finish(request, response)
 
     async def _answer(self, request: BatchRequest) -> dict:
@@ -264,6 +268,16 @@ def _pending_page(batch: Batch, after_line: int) -> list[BatchRequest]:
 @database_worker
 def _claim(request: BatchRequest, request_id: str) -> bool:
     return services.batch_request_claim(request=request, request_id=request_id)
+
+
+@database_worker
+def _next_id(request: BatchRequest, fresh_id: str) -> str:
+    return services.batch_request_next_id(request=request, fresh_id=fresh_id)
+
+
+@database_worker
+def _rename(request: BatchRequest, request_id: str) -> None:
+    services.batch_request_rename(request=request, request_id=request_id)
 
 
 @database_worker

@@ -19,7 +19,7 @@ from batches.jsonl import ENDPOINTS, InputLineError, encode_lines, parse_lines
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage, max_file_bytes
 from config.json_text import NUL
-from tenants.models import ApiKey, Tenant
+from tenants.models import ApiKey, Tenant, UsageRecord
 from tenants.selectors import tenant_queued_batch_tokens_limit
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
@@ -345,10 +345,36 @@ def batch_release(*, batch: Batch, runner: str) -> None:
 
 
 def batch_requests_resume(*, batch: Batch) -> int:
-    """Lines a dead runner left running are pending again, keeping their request ids (a usage
-    record the dead run wrote is then not written twice). Call it holding the lease."""
+    """Lines a dead runner left running are pending again, keeping their request ids (see
+    ``batch_request_next_id``). Call it holding the lease."""
     return BatchRequest.objects.filter(batch=batch, status=BatchRequest.Status.RUNNING).update(
         status=BatchRequest.Status.PENDING
+    )
+
+
+def batch_request_next_id(*, request: BatchRequest, fresh_id: str) -> str:
+    """The request id a line runs under next: the one it ran under before while that run
+    left no usage record (its runner died mid-run: nothing was metered) or a whole one (its
+    runner died after the record, before the result: the answer is not charged twice), else
+    ``fresh_id``. A run that was refused, failed or cancelled after its admission has a
+    record of what it used, and the next is a request of its own, metered on its own."""
+    if not request.request_id:
+        return fresh_id
+    status = (
+        UsageRecord.objects.filter(tenant_id=request.tenant_id, request_id=request.request_id)
+        .values_list("status", flat=True)
+        .first()
+    )
+    if status is None or status == UsageRecord.Status.OK:
+        return request.request_id
+    return fresh_id
+
+
+def batch_request_rename(*, request: BatchRequest, request_id: str) -> None:
+    """A running line tries again under ``request_id`` (its last try was admitted and
+    metered: see ``batch_request_next_id``)."""
+    BatchRequest.objects.filter(pk=request.pk, status=BatchRequest.Status.RUNNING).update(
+        request_id=request_id
     )
 
 

@@ -47,13 +47,15 @@ def _batch(tenant, key, num_lines: int = 3) -> Batch:
 
 def _lines(batch: Batch) -> list[tuple[str, int | None, str | None]]:
     """Each line's status, HTTP status and error code, in line order."""
+    lines = BatchRequest.objects.filter(batch=batch).order_by("line_number")
+    responses = [(line.status, line.response_object() or {}) for line in lines]
     return [
         (
-            line.status,
-            (line.response or {}).get("status_code"),
-            ((line.response or {}).get("body") or {}).get("error", {}).get("code"),
+            status,
+            response.get("status_code"),
+            (response.get("body") or {}).get("error", {}).get("code"),
         )
-        for line in BatchRequest.objects.filter(batch=batch).order_by("line_number")
+        for status, response in responses
     ]
 
 

@@ -15,6 +15,8 @@ from batches.models import Batch, BatchRequest
 from batches.runner import ENDPOINT_PLANS
 from batches.tasks import run_batch, sweep_batches
 from config import celery_app
+from inference_engine.client import EngineUnavailable
+from serving import runs
 from tenants.models import UsageRecord
 from tests.batches.conftest import jsonl, request_line
 from tests.usage_records import usage_record_add
@@ -218,25 +220,31 @@ def test_a_batch_whose_worker_died_is_resumed_and_runs_every_line_once(
             run_batch(created.id)
     # As a worker killed mid-line leaves it: its lease not given back, lines still running,
     # one of them with its usage record written but not its result.
+    # Another was cancelled as its pass failed: its record stands for what it had used, and
+    # its next run is an attempt of its own, metered under an id of its own.
     left_running = list(
-        BatchRequest.objects.filter(status=BatchRequest.Status.PENDING).order_by("line_number")[:3]
+        BatchRequest.objects.filter(status=BatchRequest.Status.PENDING).order_by("line_number")[:4]
     )
     for n, request in enumerate(left_running):
         request.status, request.request_id = BatchRequest.Status.RUNNING, f"chatcmpl-dead{n}"
         request.save(update_fields=["status", "request_id"])
     now = timezone.now()
-    usage_record_add(
-        request_id="chatcmpl-dead0",
-        tenant=platform.tenant,
-        api_key=Batch.objects.get(pk=created.id).api_key,
-        model="tiny-llama",
-        source=UsageRecord.Source.BATCH,
-        status=UsageRecord.Status.OK,
-        started_at=now,
-        finished_at=now,
-        prompt_tokens=10,
-        completion_tokens=4,
-    )
+    for request_id, status, completion_tokens in (
+        ("chatcmpl-dead0", UsageRecord.Status.OK, 4),
+        ("chatcmpl-dead3", UsageRecord.Status.CANCELLED, 2),
+    ):
+        usage_record_add(
+            request_id=request_id,
+            tenant=platform.tenant,
+            api_key=Batch.objects.get(pk=created.id).api_key,
+            model="tiny-llama",
+            source=UsageRecord.Source.BATCH,
+            status=status,
+            started_at=now,
+            finished_at=now,
+            prompt_tokens=10,
+            completion_tokens=completion_tokens,
+        )
     Batch.objects.filter(pk=created.id).update(runner="dead", lease_until=now)
     assert client.batches.retrieve(created.id).request_counts.completed == 10
 
@@ -248,8 +256,44 @@ def test_a_batch_whose_worker_died_is_resumed_and_runs_every_line_once(
     assert sorted(line["custom_id"] for line in output) == sorted(f"req-{n}" for n in range(50))
     request_ids = [line["response"]["request_id"] for line in output]
     assert {f"chatcmpl-dead{n}" for n in range(3)} <= set(request_ids)
-    assert sorted(r.request_id for r in _batch_records(platform)) == sorted(request_ids)
+    assert "chatcmpl-dead3" not in request_ids
+    assert sorted(r.request_id for r in _batch_records(platform)) == sorted(
+        [*request_ids, "chatcmpl-dead3"]
+    )
     assert sweep_batches() == []
+
+
+def test_a_line_tried_again_after_its_admitted_run_failed_is_metered_for_each_try(
+    platform, shared_files, monkeypatch, settings, eager
+):
+    """The engine was lost under the line's first run (admitted, metered as an error): its
+    second try ran under the same request id, and its record (the answer's) was dropped as
+    a second record of that id."""
+    settings.BATCH_MAX_IN_FLIGHT = 1
+    monkeypatch.setattr(runs, "NO_REPLICA_RETRY_AFTER_SECONDS", 0)
+    first_deltas, failed = runs.Run._first_deltas, []
+
+    async def lost_once(self):
+        if not failed:
+            failed.append(self.spec.request_id)
+            raise EngineUnavailable("the engine went away")
+        return await first_deltas(self)
+
+    monkeypatch.setattr(runs.Run, "_first_deltas", lost_once)
+    client = platform.client()
+    created = _create(client, [request_line("a"), request_line("b")])
+
+    run_batch(created.id)
+
+    batch = client.batches.retrieve(created.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2
+    answered = {line["response"]["request_id"] for line in _lines_of(client, batch.output_file_id)}
+    records = {r.request_id: (r.status, r.error_code) for r in _batch_records(platform)}
+    assert records == {
+        failed[0]: ("error", "engine_unavailable"),
+        **{request_id: ("ok", "") for request_id in answered},
+    }
+    assert failed[0] not in answered
 
 
 def test_a_batch_past_its_window_expires_with_what_finished(
