@@ -31,7 +31,8 @@ Server → client frames:
   "completion_tokens", "cached_tokens"}}``: the reply ended and is saved.
 - ``{"type": "error", "code": str, "message": str, "retry_after"?: int, "message_id"?: int}``:
   a frame was refused (``invalid_frame``, ``unknown_type``, ``invalid_request`` (also for
-  text with a lone surrogate, ``"\\ud800"``, in any field), ``busy``;
+  text with a lone surrogate, ``"\\ud800"``, in any field), ``busy``, ``unavailable`` with
+  ``retry_after`` when the database or the cache failed it;
   ``unauthenticated`` when the user was signed out since connecting (logged out, deactivated,
   password changed), and the socket closes with 4401; ``forbidden`` when access to the
   conversation was lost, and it closes with 4403; a reply being generated then stops), or
@@ -54,7 +55,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -71,6 +72,9 @@ from chat.selectors import SESSION_TENANT_KEY
 from config.json_text import describe_lone_surrogate, lone_surrogate_path
 
 logger = logging.getLogger(__name__)
+
+UNAVAILABLE = "The service is briefly unavailable. Please try again in a few seconds."
+UNAVAILABLE_RETRY_AFTER = 5
 
 MAX_FRAME_CHARS = 64 * 1024
 CLOSE_UNAUTHENTICATED = 4401
@@ -165,6 +169,17 @@ class ChatConsumer(AsyncWebsocketConsumer):
             # at once: the checks below wait their turn on the database thread, and a reply
             # streaming meanwhile could end before the stop that the user sent
             self.run.cancel()
+        try:
+            await self._handle(frame, handler)
+        except ValidationError as exc:
+            await self._error("invalid_request", " ".join(exc.messages))
+        except Exception:  # the database or the cache failed: the socket is not lost for it
+            logger.exception(
+                "conversation %s: a %s frame failed", self.conversation.pk, frame["type"]
+            )
+            await self._error("unavailable", UNAVAILABLE, retry_after=UNAVAILABLE_RETRY_AFTER)
+
+    async def _handle(self, frame: dict, handler: Callable[[dict], Awaitable[None]]) -> None:
         # Every frame, a stop too: the session may have ended since the socket opened.
         if not await self._is_signed_in():
             await self._lose_access(
@@ -176,10 +191,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 CLOSE_FORBIDDEN, "forbidden", "You no longer have access to this conversation."
             )
             return
-        try:
-            await handler(frame)
-        except ValidationError as exc:
-            await self._error("invalid_request", " ".join(exc.messages))
+        await handler(frame)
 
     async def _lose_access(self, close_code: int, error_code: str, message: str) -> None:
         """Tell the client why, stop the reply being generated, and close."""

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.core.cache import cache
+from django.core.cache import cache, caches
 
 from chat import claims, services
 from chat.models import Message
@@ -675,3 +675,38 @@ async def test_a_settings_frame_clears_max_tokens_with_null(chat_world, async_db
     await chat.close()
 
     assert frame["type"] == "settings" and frame["settings"]["max_tokens"] is None
+
+
+@pytest.mark.parametrize("failing", ["cache", "database"])
+async def test_a_frame_that_meets_a_failing_cache_or_database_gets_an_error_frame(
+    chat_world, async_db, monkeypatch, failing
+):
+    """Redis unreachable as a send claims the conversation, or the database connection lost
+    as a frame is handled: the exception escaped the consumer, and the socket was dropped
+    (1011) with no word to the user. An error frame says to try again; the socket stays."""
+    connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
+
+    async def unreachable(*args, **kwargs):
+        raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    def lost(*args, **kwargs):
+        from django.db import OperationalError
+
+        raise OperationalError("terminating connection due to administrator command")
+
+    with monkeypatch.context() as patched:
+        if failing == "cache":
+            patched.setattr(type(caches["default"]), "aadd", unreachable)
+        else:
+            patched.setattr(services, "message_send", lost)
+        await chat.send(type="send", content="hello")
+        error = await chat.receive()
+    assert error["type"] == "error" and error["code"] == "unavailable", error
+    assert error["retry_after"] > 0 and "6379" not in error["message"]
+    assert "administrator" not in error["message"]
+
+    await chat.send(type="settings", system_prompt="Still here.")
+    settings = await chat.receive()
+    await chat.close()
+    assert settings["settings"]["system_prompt"] == "Still here."
+    assert not await sync_to_async(claims.is_claimed)(chat_world["conversation"])
