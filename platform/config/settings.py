@@ -155,6 +155,9 @@ else:
     if _database["ENGINE"] == "django.db.backends.postgresql":
         _pool_max = int(os.environ.get("DATABASE_POOL_MAX_SIZE", "20"))
         _database["CONN_MAX_AGE"] = 0  # Django's pool owns connection reuse.
+        # The pool checks a connection before lending it: one the database dropped (a
+        # restart, a failover, an idle timeout) is replaced, not handed to a request.
+        _database["CONN_HEALTH_CHECKS"] = True
         _database.setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": _pool_max}
     DATABASES = {"default": _database}
 

@@ -98,7 +98,12 @@ async def _serve(
         await run.aclose(exc)
         raise
     if not plan.stream:
-        await run.aclose()
+        try:
+            await run.aclose()
+        except Exception:
+            # the answer is whole: a 500 for it would lose it, and the client would send it
+            # again (the record's failure is the log's to tell, as at a stream's end)
+            logger.exception("settling %s failed", response_id)
     return response
 
 

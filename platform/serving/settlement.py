@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 
 from config.workers import database_worker
 from tenants import month_locks, quotas, services
@@ -29,6 +29,8 @@ from tenants.models import UsageRecord
 logger = logging.getLogger(__name__)
 
 MAX_GROUP = 256
+# a group whose connection the database dropped is tried again on a new one this many times
+CONNECTION_RETRIES = 1
 
 
 @dataclass
@@ -118,18 +120,28 @@ def _recorded_already(group: list[Settlement]) -> set[str]:
 def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
     """Settle each; return what failed for each one (None where all went well). The records
     are written and the counters corrected in one transaction that no rebuild of those
-    tenants' month counters overlaps (``tenants.month_locks``); where it fails, the admissions
+    tenants' month counters overlaps (``tenants.month_locks``), tried again once on a new
+    connection where the database dropped the one it ran on; where it fails, the admissions
     are released all the same."""
-    outcomes: list[BaseException | None] = [None] * len(group)
     released: set[int] = set()
-    try:
-        with month_locks.records_settling({s.ticket.tenant_id for s in group}):
-            tokens = _write_records(group, outcomes)
-            _release(group, tokens, outcomes, released)
-    except Exception as exc:  # the transaction failed: none of its records stands
-        for index in range(len(group)):
-            outcomes[index] = outcomes[index] or exc
-        _release(group, [0] * len(group), outcomes, released)
+    for attempt in range(1 + CONNECTION_RETRIES):
+        outcomes: list[BaseException | None] = [None] * len(group)
+        try:
+            with month_locks.records_settling({s.ticket.tenant_id for s in group}):
+                tokens = _write_records(group, outcomes)
+                _release(group, tokens, outcomes, released)
+            return outcomes
+        except (OperationalError, InterfaceError) as exc:
+            if attempt < CONNECTION_RETRIES:
+                logger.warning("settling %d requests: %s; trying a new connection", len(group), exc)
+                connection.close()
+                continue
+            failure: Exception = exc
+        except Exception as exc:  # the transaction failed: none of its records stands
+            failure = exc
+        break
+    outcomes = [outcome or failure for outcome in outcomes]
+    _release(group, [0] * len(group), outcomes, released)
     return outcomes
 
 
@@ -152,11 +164,15 @@ def _write_records(group: list[Settlement], outcomes: list[BaseException | None]
     try:
         with transaction.atomic():
             services.usage_records_save([record for _, record in built])
+    except (OperationalError, InterfaceError):
+        raise  # the connection, not a record: the whole group is tried again
     except Exception:
         for index, record in built:  # one at a time, so that one bad record loses no other
             try:
                 with transaction.atomic():
                     services.usage_records_save([record])
+            except (OperationalError, InterfaceError):
+                raise
             except Exception as exc:
                 outcomes[index] = exc
     return tokens

@@ -20,6 +20,7 @@ print(json.dumps({
     "db_host": db.get("HOST"),
     "db_pool": db.get("OPTIONS", {}).get("pool"),
     "conn_max_age": db.get("CONN_MAX_AGE"),
+    "conn_health_checks": db.get("CONN_HEALTH_CHECKS"),
     "cache": settings.CACHES["default"]["BACKEND"],
     "cache_location": settings.CACHES["default"].get("LOCATION"),
     "channel_layer": settings.CHANNEL_LAYERS["default"]["BACKEND"],
@@ -82,6 +83,9 @@ def test_production_mode_from_the_environment(tmp_path):
     assert settings["db_engine"] == "django.db.backends.postgresql"
     assert (settings["db_host"], settings["db_name"]) == ("db.internal", "platform")
     assert settings["db_pool"]["max_size"] == 20 and settings["conn_max_age"] == 0
+    # the pool checks a connection before it lends it: one the database dropped (a restart,
+    # a failover) is replaced, not handed to a request that then fails
+    assert settings["conn_health_checks"] is True
     assert settings["cache"] == "django.core.cache.backends.redis.RedisCache"
     assert settings["cache_location"] == PRODUCTION_ENV["REDIS_URL"]
     assert settings["channel_layer"] == "channels_redis.core.RedisChannelLayer"

@@ -349,3 +349,45 @@ async def test_a_completions_top_logprobs_always_hold_the_sampled_token(
         for top in choice["logprobs"]["top_logprobs"]
     ]
     assert tops == top_logprobs
+
+
+async def test_a_whole_answer_whose_settlement_fails_is_still_given(run_world, monkeypatch):  # noqa: F811
+    """The usage record could not be written after the engine had answered in full: the
+    client got a 500 for an answer that was there (the stream's path gives it)."""
+    from asgiref.sync import sync_to_async
+
+    from tenants import services as tenant_services
+    from tests.asgi_client import asgi_request
+
+    _, raw_key = await sync_to_async(tenant_services.api_key_create)(
+        tenant=run_world.tenant, name="http"
+    )
+
+    async def refused(group):
+        raise RuntimeError("the database refused the record")
+
+    monkeypatch.setattr(settlement, "_settle_group", refused)
+
+    async def answer() -> None:
+        identity, request = await run_world.fake.generates.get()
+        last = GenerateDelta(
+            request.request_id,
+            "hi",
+            [1],
+            finish_reason=FinishReason.STOP,
+            usage=Usage(prompt_tokens=3, completion_tokens=1),
+        )
+        await run_world.fake.send(identity, ResponseType.OUTPUTS, [last])
+
+    answering = asyncio.create_task(answer())
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    status, headers, content = await asgi_request(
+        "POST",
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {raw_key}", "content-type": "application/json"},
+        body=json.dumps(body).encode(),
+    )
+    await answering
+
+    assert status == 200, content
+    assert json.loads(content)["choices"][0]["message"]["content"] == "hi"

@@ -321,3 +321,32 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
 
     assert UsageRecord.objects.get(request_id="in-flight").completion_tokens == 7
     assert _month_tokens(api_key.tenant) == 7
+
+
+async def test_a_group_whose_connection_died_mid_transaction_is_written_on_a_new_one(
+    keys, groups, monkeypatch
+):
+    """The database dropped the settling thread's connection (a restart, a failover, an idle
+    timeout): the records were lost and the requests answered 500."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("terminates a PostgreSQL connection")
+    api_key, _ = keys
+    save, dropped = services.usage_records_save, []
+
+    def save_on_a_dropped_connection(records) -> None:
+        if not dropped:
+            dropped.append(True)
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        save(records)
+
+    monkeypatch.setattr(services, "usage_records_save", save_on_a_dropped_connection)
+    await asyncio.gather(*(_run(api_key, f"req-{n}", tokens=n) for n in range(5)))
+
+    records = await sync_to_async(list)(UsageRecord.objects.order_by("completion_tokens"))
+    assert [(r.request_id, r.completion_tokens) for r in records] == [
+        (f"req-{n}", n) for n in range(5)
+    ]
+    assert dropped and await sync_to_async(_concurrent)(api_key) == 0
