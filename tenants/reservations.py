@@ -10,7 +10,9 @@ renewed with the process's concurrency slots by ``tenants.slots.renewer``. Whoev
 to the counter or reads it first takes the expired reservations off it; the counter is thus
 the settled tokens plus the live reservations. Settling removes the lease and corrects the
 counter by the tokens used less the tokens reserved, or, if the reservation had already
-expired and come off, adds the tokens used.
+expired and come off, adds the tokens used. A settle the store did not take (Redis down) is
+tried again by the renewer each round, its lease kept meanwhile, until the store answers; a
+settle tried again after its first try went through (its answer lost) changes nothing.
 
 Two stores, as for the slots: Redis (a Lua script per step, so each is atomic, with leases on
 the server's clock) and in-process (the embedded mode's local memory, under the slots' lock).
@@ -28,6 +30,7 @@ are off it).
 
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from django.core.cache import BaseCache, caches
@@ -35,6 +38,9 @@ from django.core.cache.backends.redis import RedisCache
 from redis.commands.core import Script
 
 from tenants import slots
+
+# how long a settled reservation's id is remembered, so that settling it again changes nothing
+SETTLED_MEMORY_MS = 15 * 60 * 1000
 
 # KEYS: the counter, its leases (a sorted set: id -> expiry in ms), its reservations (a hash:
 # id -> tokens). Takes the expired reservations off the counter.
@@ -86,10 +92,21 @@ return 1
 """,
 )
 
-# ARGV: the reservation's id, the tokens used.
+# KEYS: the counter, its leases, its reservations, the reservations settled in the last
+# SETTLED_MEMORY_MS (a sorted set: id -> when). ARGV: the reservation's id, the tokens used,
+# SETTLED_MEMORY_MS. Settling one again (a try again whose first try went through, its answer
+# lost) changes nothing.
 _SETTLE = Script(
     None,
     b"""
+if redis.call('ZSCORE', KEYS[4], ARGV[1]) then
+  return 0
+end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[3]))
+redis.call('ZADD', KEYS[4], now, ARGV[1])
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
 local reserved = redis.call('HGET', KEYS[3], ARGV[1])
 local correction = tonumber(ARGV[2])
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 and reserved then
@@ -157,8 +174,9 @@ class _RedisStore(slots._StoreIdentity):
         return int(_ADD(keys=self._keys(reservation.key), args=args, client=self._client()))
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> None:
-        args = [reservation.reservation_id, actual_tokens]
-        _SETTLE(keys=self._keys(reservation.key), args=args, client=self._client())
+        keys = [*self._keys(reservation.key), f"{reservation.key}:settled"]
+        args = [reservation.reservation_id, actual_tokens, SETTLED_MEMORY_MS]
+        _SETTLE(keys=keys, args=args, client=self._client())
 
     def value(self, key: str) -> int | None:
         value = _VALUE(keys=self._keys(key), client=self._client())
@@ -194,8 +212,18 @@ class _LocalStore(slots._StoreIdentity):
             self._backend.set(f"{reservation.key}:leases", leases, timeout=ttl)
             return value
 
+    # (counter, reservation id) -> when it was settled (monotonic), oldest first: the local
+    # cache pickles what it holds, so the memory of settled ids stays in the process
+    _settled: "OrderedDict[tuple[str, str], float]" = OrderedDict()
+
     def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         with slots._LocalStore._lock:
+            now, settled = time.monotonic(), self._settled
+            while settled and next(iter(settled.values())) < now - SETTLED_MEMORY_MS / 1000:
+                settled.popitem(last=False)
+            if (reservation.key, reservation.reservation_id) in settled:
+                return
+            settled[reservation.key, reservation.reservation_id] = now
             leases = self._backend.get(f"{reservation.key}:leases") or {}
             correction = actual_tokens
             held = leases.pop(reservation.reservation_id, None)
@@ -276,9 +304,15 @@ def reservation_add(*, name: str, tokens: int, ttl: int) -> tuple[Reservation, i
 
 def reservation_settle(reservation: Reservation, *, actual_tokens: int) -> None:
     """Replace the reservation with ``actual_tokens`` on its counter (see the module
-    docstring). Call it once; if the store fails, the lease, no longer renewed, runs out."""
+    docstring). Call it once. If the store fails, the error propagates, and the process's
+    renewer keeps the lease and settles it again each round until the store answers (a lease
+    left to run out would take the reservation off and never put what was used on)."""
     slots.renewer.discard(reservation)
-    reservation.store.settle(reservation, actual_tokens)
+    try:
+        reservation.store.settle(reservation, actual_tokens)
+    except Exception:
+        slots.renewer.settle_later(reservation, actual_tokens)
+        raise
 
 
 def counter_value(*, name: str) -> int | None:

@@ -278,6 +278,8 @@ class SlotRenewer:
     def _reset(self) -> None:
         self._changed = threading.Condition()
         self._held: set[Slot] = set()
+        # month reservations whose settle failed (the store was down) -> the tokens used
+        self._unsettled: dict = {}
         self._thread: threading.Thread | None = None
         self._generation = 0
         self._next_renewal = 0.0  # time.monotonic() of the thread's next round
@@ -297,6 +299,13 @@ class SlotRenewer:
         with self._changed:
             self._held.discard(slot)
 
+    def settle_later(self, reservation, actual_tokens: int) -> None:
+        """Keep renewing ``reservation`` (a ``tenants.reservations.Reservation`` whose settle
+        failed) and settle it each round until its store answers."""
+        with self._changed:
+            self._unsettled[reservation] = actual_tokens
+        self.add(reservation)
+
     @property
     def num_held(self) -> int:
         return len(self._held)
@@ -306,6 +315,7 @@ class SlotRenewer:
         leases run out. The next ``add`` starts a new thread."""
         with self._changed:
             self._held.clear()
+            self._unsettled.clear()
             self._generation += 1
             thread, self._thread = self._thread, None
             self._changed.notify_all()
@@ -336,6 +346,20 @@ class SlotRenewer:
                 self._held.difference_update(lost)
             if lost:
                 logger.warning("%d concurrency slots had expired before renewal", len(lost))
+        self._settle_unsettled()
+
+    def _settle_unsettled(self) -> None:
+        with self._changed:
+            unsettled = list(self._unsettled.items())
+        for reservation, actual_tokens in unsettled:
+            try:
+                reservation.store.settle(reservation, actual_tokens)
+            except Exception:  # still down: again next round, the lease renewed meanwhile
+                logger.warning("could not settle a month reservation yet; trying again")
+                continue
+            with self._changed:
+                self._unsettled.pop(reservation, None)
+                self._held.discard(reservation)
 
     def _interval(self) -> float:
         leases = [slot.lease_seconds for slot in self._held]

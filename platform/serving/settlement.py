@@ -129,7 +129,7 @@ def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
         try:
             with month_locks.records_settling({s.ticket.tenant_id for s in group}):
                 tokens = _write_records(group, outcomes)
-                _release(group, tokens, outcomes, released)
+                _release(group, tokens, released)
             return outcomes
         except (OperationalError, InterfaceError) as exc:
             if attempt < CONNECTION_RETRIES:
@@ -141,7 +141,7 @@ def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
             failure = exc
         break
     outcomes = [outcome or failure for outcome in outcomes]
-    _release(group, [0] * len(group), outcomes, released)
+    _release(group, [0] * len(group), released)
     return outcomes
 
 
@@ -178,19 +178,18 @@ def _write_records(group: list[Settlement], outcomes: list[BaseException | None]
     return tokens
 
 
-def _release(
-    group: list[Settlement],
-    tokens: list[int],
-    outcomes: list[BaseException | None],
-    released: set[int],
-) -> None:
+def _release(group: list[Settlement], tokens: list[int], released: set[int]) -> None:
     """Release each admission not released yet (its record failed or not: what it used is
-    off the budgets' reservations either way)."""
+    off the budgets' reservations either way). A cache that fails to take it is the log's to
+    tell, not the request's: its slots' leases run out, and its month reservation is settled
+    again until the cache answers (``tenants.reservations``)."""
     for index, settlement in enumerate(group):
         if index in released:
             continue
         released.add(index)
         try:
             quotas.admission_release(ticket=settlement.ticket, actual_tokens=tokens[index])
-        except Exception as exc:
-            outcomes[index] = outcomes[index] or exc
+        except Exception:
+            logger.exception(
+                "releasing the admission of %s failed", settlement.record.get("request_id")
+            )

@@ -180,6 +180,25 @@ async def test_when_the_database_fails_each_request_hears_it_and_frees_its_slot(
     assert sum(groups) == 5
 
 
+async def test_a_request_whose_counters_could_not_be_corrected_still_ends_well(
+    keys, groups, monkeypatch
+):
+    """The cache was unreachable as the request settled: its record was written, yet the
+    error was the request's, and a whole answer was a 500 (a chat reply saved as failed).
+    The counters heal on their own (leases run out, month reservations are settled again),
+    and the log tells."""
+    api_key, _ = keys
+
+    def unreachable(**kwargs) -> None:
+        raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(quotas, "admission_release", unreachable)
+    await _run(api_key, "settled", tokens=3)
+
+    record = await UsageRecord.objects.aget(request_id="settled")
+    assert record.completion_tokens == 3
+
+
 async def _eventually(check, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not await sync_to_async(check)():

@@ -127,3 +127,47 @@ def test_seeding_a_counter_keeps_the_reservations_added_after_it_was_created(sto
     assert _eventually(lambda: counter_value(name=fresh) == 500, LEASE * 20)
     reservation_settle(leftover, actual_tokens=3)  # its lease was dropped at the seed
     assert counter_value(name=fresh) == 503
+
+
+def test_a_reservation_settled_while_its_store_is_down_is_settled_when_it_is_back(
+    store,  # noqa: F811
+    monkeypatch,
+):
+    """Redis was unreachable as a request settled (and came back with its data): the lease,
+    no longer renewed, ran out and took the reservation off, and what the request had used
+    never went on. The month counter was short of the records for the rest of the month."""
+    tenant = _tenant(monthly_token_budget=100_000)
+    _recorded(tenant, 500)
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=RESERVED)
+    [reservation] = ticket.reservations
+    store_class = type(reservation.store)
+    settle, is_down = store_class.settle, [True]
+
+    def settle_unless_down(self, reservation, actual_tokens) -> None:
+        if is_down:
+            raise ConnectionError("Error 111 connecting to the store. Connection refused.")
+        settle(self, reservation, actual_tokens)
+
+    monkeypatch.setattr(store_class, "settle", settle_unless_down)
+    with pytest.raises(ConnectionError):
+        quotas.admission_release(ticket=ticket, actual_tokens=40)
+    slots.renewer.renew()  # a round while it is still down: the lease is kept
+    assert _month(tenant) == 500 + RESERVED
+
+    is_down.clear()
+    slots.renewer.renew()  # the next round, once it answers
+
+    assert _month(tenant) == 540
+    slots.renewer.renew()
+    assert _month(tenant) == 540  # settled once
+
+
+def test_settling_a_reservation_again_changes_nothing(store):  # noqa: F811
+    """A settle whose answer was lost after the store had run it is tried again: it must not
+    count what was used twice."""
+    tenant = _tenant(monthly_token_budget=100_000)
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=RESERVED)
+    [reservation] = ticket.reservations
+    reservation_settle(reservation, actual_tokens=40)
+    reservation_settle(reservation, actual_tokens=40)
+    assert _month(tenant) == 40
