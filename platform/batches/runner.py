@@ -54,7 +54,13 @@ ENDPOINT_PLANS: dict[str, tuple[str, Callable[[bytes], GenerationPlan]]] = {
 }
 # a run's refusals that a later try may get past (within the batch's window)
 RETRIED_CODES = frozenset(
-    {"rate_limit_exceeded", "engine_unavailable", "engine_overloaded", "model_loading"}
+    {
+        "rate_limit_exceeded",
+        "engine_unavailable",
+        "engine_overloaded",
+        "model_loading",
+        "service_unavailable",
+    }
 )
 PAGE_SIZE = 500  # pending lines read at a time
 

@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import InterfaceError, OperationalError
+from redis.exceptions import RedisError
 
 from config.workers import database_worker
 from inference_engine.client import AsyncEngineClient, EngineOverloaded, EngineUnavailable
@@ -46,11 +48,21 @@ logger = logging.getLogger(__name__)
 NO_REPLICA_RETRY_AFTER_SECONDS = 5
 ENGINE_BUSY_RETRY_AFTER_SECONDS = 1
 UNKNOWN_RETRY_AFTER_SECONDS = 1  # an engine error code this web tier does not know yet
+UNAVAILABLE_RETRY_AFTER_SECONDS = 5
+# what an unreachable cache (Redis) or database raises as a request is admitted
+UNREACHABLE_STORE_ERRORS = (
+    RedisError,
+    OperationalError,
+    InterfaceError,
+    ConnectionError,
+    TimeoutError,
+)
 # What a caller is told of the engine's own failures. The engine's and its client's words (an
 # exception's text, the engine's address) go to this process's log, never to a tenant; its
 # refusals (an invalid request, a context too long) are the caller's to read, as they are.
 ENGINE_FAILED = "The model's engine failed while generating this response."
 ENGINE_LOST = "The model's engine is unavailable."
+UNAVAILABLE = "The service is briefly unavailable. Please try again in a few seconds."
 ENGINE_BUSY = "The model's engine is overloaded: too many requests are waiting for it."
 # how long a run left early waits for the engine's count of what it computed
 FINAL_USAGE_TIMEOUT_SECONDS = 2.0
@@ -71,7 +83,8 @@ class RunError(Exception):
     replica, or the engine was lost), ``engine_overloaded`` (the engine's waiting queue, or the
     queue of requests to it, is full), ``context_length_exceeded``, ``rate_limit_exceeded``
     (``windows`` and ``retry_after`` say where the limits stand), ``request_too_large`` (no
-    wait would admit it), or an engine error (``ENGINE_ERRORS``). ``param`` names the
+    wait would admit it), ``service_unavailable`` (the cache or the database could not admit
+    it), or an engine error (``ENGINE_ERRORS``). ``param`` names the
     caller's field at fault, where one is; ``request_id`` the usage record of a run that was
     admitted before it failed (None: refused unadmitted, nothing recorded)."""
 
@@ -278,6 +291,11 @@ class Run:
             return await self._stack.enter_async_context(admission)
         except QuotaExceeded as exc:
             raise self._refusal(exc) from exc
+        except UNREACHABLE_STORE_ERRORS as exc:
+            logger.warning("request %s not admitted: %s", self.spec.request_id, exc)
+            raise RunError(
+                "service_unavailable", UNAVAILABLE, retry_after=UNAVAILABLE_RETRY_AFTER_SECONDS
+            ) from exc
 
     def _refusal(self, exc: QuotaExceeded) -> RunError:
         if not exc.is_hopeless:

@@ -4,6 +4,8 @@ settles it exactly once (one usage record with the right status, the admission r
 import asyncio
 
 import pytest
+from django.db import OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from inference_engine.protocol import (
     ErrorCode,
@@ -17,6 +19,7 @@ from inference_engine.protocol import (
 from serving import runs
 from serving.budget import PromptTokens
 from serving.runs import ENGINE_FAILED, Run, RunError, RunSpec
+from tenants import quotas
 from tenants.models import UsageRecord
 from tests.serving.fake_runs import run_world  # noqa: F401  (fixture)
 
@@ -321,6 +324,34 @@ async def test_no_ready_replica_is_refused_with_nothing_recorded(run_world):  # 
     with pytest.raises(RunError) as refused:
         await run.start()
     assert (refused.value.code, refused.value.retry_after) == ("engine_unavailable", 5)
+    assert refused.value.request_id is None
+    assert await run_world.records() == []
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused."),
+        OperationalError("connection to server at 127.0.0.1, port 5432 failed"),
+    ],
+)
+async def test_an_admission_the_cache_or_database_cannot_make_is_a_503_to_retry(
+    run_world,  # noqa: F811
+    monkeypatch,
+    failure,
+):
+    """Redis (or PostgreSQL) unreachable as a request is admitted: it was a 500
+    server_error, naming nothing, with no word on when to try again."""
+
+    def unreachable(**kwargs):
+        raise failure
+
+    monkeypatch.setattr(quotas, "admission_acquire", unreachable)
+    run = Run(spec(), run_world.caller())
+    with pytest.raises(RunError) as refused:
+        await run.start()
+    assert (refused.value.code, refused.value.retry_after) == ("service_unavailable", 5)
+    assert "6379" not in refused.value.message and "5432" not in refused.value.message
     assert refused.value.request_id is None
     assert await run_world.records() == []
 
