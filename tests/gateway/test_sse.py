@@ -358,6 +358,7 @@ async def test_a_whole_answer_whose_settlement_fails_is_still_given(run_world, m
 
     from tenants import services as tenant_services
     from tests.asgi_client import asgi_request
+    from tests.gateway.test_metering_status import _answering
 
     _, raw_key = await sync_to_async(tenant_services.api_key_create)(
         tenant=run_world.tenant, name="http"
@@ -368,18 +369,7 @@ async def test_a_whole_answer_whose_settlement_fails_is_still_given(run_world, m
 
     monkeypatch.setattr(settlement, "_settle_group", refused)
 
-    async def answer() -> None:
-        identity, request = await run_world.fake.generates.get()
-        last = GenerateDelta(
-            request.request_id,
-            "hi",
-            [1],
-            finish_reason=FinishReason.STOP,
-            usage=Usage(prompt_tokens=3, completion_tokens=1),
-        )
-        await run_world.fake.send(identity, ResponseType.OUTPUTS, [last])
-
-    answering = asyncio.create_task(answer())
+    answering = asyncio.create_task(_answering(run_world.fake))
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     status, headers, content = await asgi_request(
         "POST",
@@ -387,7 +377,7 @@ async def test_a_whole_answer_whose_settlement_fails_is_still_given(run_world, m
         headers={"authorization": f"Bearer {raw_key}", "content-type": "application/json"},
         body=json.dumps(body).encode(),
     )
-    await answering
+    answering.cancel()
 
     assert status == 200, content
-    assert json.loads(content)["choices"][0]["message"]["content"] == "hi"
+    assert json.loads(content)["choices"][0]["message"]["content"] == "a"

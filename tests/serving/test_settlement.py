@@ -265,6 +265,12 @@ def _thread(target, *args) -> threading.Thread:
     return thread
 
 
+def _rebuilding(tenant) -> threading.Thread:
+    """The next admission of the tenant, which finds its month counter gone and rebuilds it
+    from the usage records (it holds nothing: 0 tokens)."""
+    return _thread(lambda: quotas.admission_acquire(tenant=tenant, estimated_tokens=0))
+
+
 @pytest.fixture
 def budgeted_key(async_db):
     cache.clear()
@@ -293,10 +299,7 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
         return used
 
     monkeypatch.setattr(quotas, "month_tokens_used", slow_read)
-    tickets = []
-    rebuilding = _thread(
-        lambda: tickets.append(quotas.admission_acquire(tenant=api_key.tenant, estimated_tokens=0))
-    )
+    rebuilding = _rebuilding(api_key.tenant)
     assert read.wait(10)
     settling = _thread(_settle_now, running)
     settling.join(1)  # give it the chance to settle within the window, as it could
@@ -328,10 +331,7 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
     monkeypatch.setattr(quotas, "admission_release", slow_release)
     settling = _thread(_settle_now, running)
     assert releasing.wait(10)
-    tickets = []
-    rebuilding = _thread(
-        lambda: tickets.append(quotas.admission_acquire(tenant=api_key.tenant, estimated_tokens=0))
-    )
+    rebuilding = _rebuilding(api_key.tenant)
     rebuilding.join(1)
     go_on.set()
     settling.join(10)
