@@ -62,7 +62,8 @@ async def _models_of(tenant) -> list[Model]:
             object="model",
             created=int(d.created_at.timestamp()),
             owned_by=d.owned_by,
-            max_model_len=d.max_context or engine_len,
+            # what requests get: the deployment's own limit where it is lower (serving.pool)
+            max_model_len=min(d.max_context or engine_len, engine_len),
         )
         for d, engine_len in zip(deployments, lengths, strict=True)
         if engine_len is not None

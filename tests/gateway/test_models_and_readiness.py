@@ -46,12 +46,18 @@ async def test_models_lists_what_can_serve_with_the_engines_context_length(two_m
     assert status == 404
 
 
-async def test_a_deployments_own_context_limit_wins(two_models, engine):
+async def test_a_deployments_own_context_limit_wins_where_it_is_lower(two_models, engine):
     await sync_to_async(deployment_register)(
         name=MODEL_NAME, endpoints=[engine.endpoint], max_context=100
     )
     _, body = await _get("/v1/models", two_models)
     assert [m["max_model_len"] for m in body["data"]] == [100]
+    # above the engine's: requests get the engine's, and so does the list
+    await sync_to_async(deployment_register)(
+        name=MODEL_NAME, endpoints=[engine.endpoint], max_context=MAX_MODEL_LEN * 4
+    )
+    _, body = await _get("/v1/models", two_models)
+    assert [m["max_model_len"] for m in body["data"]] == [MAX_MODEL_LEN]
 
 
 async def test_one_dead_model_leaves_the_platform_ready_and_is_named_to_the_operator(
