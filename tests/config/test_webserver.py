@@ -36,6 +36,20 @@ def test_a_chunked_body_is_dropped_once_it_grows_past_the_limit():
     assert request.is_too_large and request.content.tell() == 0
 
 
+def test_a_body_past_the_limit_is_answered_413_with_a_request_id():
+    request = _request(limit=1000)
+    request.gotLength(10**9)
+    request.handleContentChunk(b"x" * 65536)
+    replies = []
+    request.handle_reply = replies.append
+    request.process()
+    start, body = replies
+    assert start["status"] == 413
+    headers = dict(start["headers"])
+    assert headers[b"x-request-id"].startswith(b"req_")
+    assert json.loads(body["body"])["error"]["code"] == "request_too_large"
+
+
 def test_a_body_within_the_limit_is_kept_whole():
     request = _request(limit=1000)
     request.gotLength(1000)
@@ -60,7 +74,10 @@ def _channel_fed(*pieces: bytes) -> tuple[HeadLimitedChannel, _HalfClosingTransp
 
 def _answer(transport: StringTransport) -> tuple[bytes, dict]:
     head, _, body = transport.value().partition(b"\r\n\r\n")
-    return head.split(b"\r\n")[0], json.loads(body)["error"]
+    status, *headers = head.split(b"\r\n")
+    # an answer of the API's, as every other: it names itself for the operator's log
+    assert any(h.lower().startswith(b"x-request-id: req_") for h in headers), headers
+    return status, json.loads(body)["error"]
 
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
