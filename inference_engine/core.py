@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from inference_engine.config import EngineConfig
 from inference_engine.guided import GrammarCompiler, InvalidGrammar
@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 
 # constraints whose output is JSON: steered to close near their token limit
 JSON_KINDS = ("json", "json_object")
+
+
+class Refusal(NamedTuple):
+    """Why a request is refused before it runs, and the field of it at fault where one is."""
+
+    code: ErrorCode
+    message: str
+    param: str | None = None
 
 
 class EngineCore:
@@ -114,45 +122,55 @@ class EngineCore:
             try:
                 self.scheduler.add_request(request)
             except RequestRejected as exc:
-                error = (ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
+                error = Refusal(ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
             except ValueError as exc:
-                error = (ErrorCode.INVALID_REQUEST, str(exc))
+                error = Refusal(ErrorCode.INVALID_REQUEST, str(exc))
         if error is not None:
             request.timings.finished = time.time()
             self._pending.append(self._output(request, FinishReason.ERROR, *error))
 
-    def validate_params(self, params: SamplingParams) -> tuple[ErrorCode, str] | None:
+    def validate_params(self, params: SamplingParams) -> Refusal | None:
         """The bounds that depend on the model: ``top_k`` and stop token ids within its
         vocabulary."""
         if params.top_k > self.vocab_size:
-            return ErrorCode.INVALID_REQUEST, (
-                f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}"
+            return Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}",
+                "top_k",
             )
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
-            return ErrorCode.INVALID_REQUEST, f"stop_token_ids must be in [0, {self.vocab_size})"
+            return Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"stop_token_ids must be in [0, {self.vocab_size})",
+                "stop_token_ids",
+            )
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            return ErrorCode.INVALID_REQUEST, (
-                f"logit_bias keys must be token ids in [0, {self.vocab_size})"
+            return Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"logit_bias keys must be token ids in [0, {self.vocab_size})",
+                "logit_bias",
             )
         return None
 
-    def check_structured_outputs(self, params: SamplingParams) -> tuple[ErrorCode, str] | None:
+    def check_structured_outputs(self, params: SamplingParams) -> Refusal | None:
         """Whether ``params``' constraint compiles (and compile it into the cache, so the
         busy loop finds it there): the server calls this on its I/O thread."""
         if params.structured_outputs is None:
             return None
         if self.grammars is None:
-            return ErrorCode.INVALID_REQUEST, "structured outputs need the model's tokenizer"
+            return Refusal(
+                ErrorCode.INVALID_REQUEST, "structured outputs need the model's tokenizer"
+            )
         try:
             self.grammars.compile(params.structured_outputs)
         except InvalidGrammar as exc:
-            return ErrorCode.INVALID_REQUEST, str(exc)
+            return Refusal(ErrorCode.INVALID_REQUEST, str(exc))
         if params.structured_outputs.kind() in JSON_KINDS:
             # decoded with the tokenizer the I/O thread owns; the busy loop finds it cached
             self.grammars.closing_tokens()
         return None
 
-    def _attach_grammar(self, request: Request) -> tuple[ErrorCode, str] | None:
+    def _attach_grammar(self, request: Request) -> Refusal | None:
         error = self.check_structured_outputs(request.sampling_params)
         if error is None:
             spec = request.sampling_params.structured_outputs
@@ -165,35 +183,42 @@ class EngineCore:
 
     def context_refusal(
         self, num_prompt_tokens: int, params: SamplingParams, max_model_len: int | None = None
-    ) -> tuple[ErrorCode, str] | None:
+    ) -> Refusal | None:
         """A served request's prompt and ``max_tokens`` must fit the context together (the
         caller's ``max_model_len``, where lower than the engine's), as vLLM's server refuses
         them, rather than be cut short; ``LLM`` stops such a request at the context instead."""
         limit = min(self.max_model_len, max_model_len or self.max_model_len)
         head = f"This model's maximum context length is {limit} tokens. However, "
         if num_prompt_tokens > limit:
-            return ErrorCode.CONTEXT_LENGTH_EXCEEDED, (
+            return Refusal(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"{head}your messages resulted in {num_prompt_tokens} tokens. Please reduce the "
-                "length of the messages."
+                "length of the messages.",
             )
         if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
-            return ErrorCode.CONTEXT_LENGTH_EXCEEDED, (
+            return Refusal(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"{head}you requested {num_prompt_tokens + params.max_tokens} tokens "
                 f"({num_prompt_tokens} in the messages, {params.max_tokens} in the completion). "
-                "Please reduce the length of the messages or completion."
+                "Please reduce the length of the messages or completion.",
             )
         return None
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> tuple[ErrorCode, str] | None:
+    def validate_prompt(self, prompt_token_ids: list[int]) -> Refusal | None:
         if not prompt_token_ids:
-            return ErrorCode.INVALID_REQUEST, "the prompt is empty"
+            return Refusal(ErrorCode.INVALID_REQUEST, "the prompt is empty", "prompt")
         if len(prompt_token_ids) > self.max_model_len:
-            return ErrorCode.CONTEXT_LENGTH_EXCEEDED, (
+            return Refusal(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt has {len(prompt_token_ids)} tokens, more than "
-                f"max_model_len={self.max_model_len}"
+                f"max_model_len={self.max_model_len}",
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            return ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
+            return Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt token ids must be in [0, {self.vocab_size})",
+                "prompt",
+            )
         return None
 
     def abort_requests(self, req_ids: list[str]) -> None:
@@ -355,6 +380,7 @@ class EngineCore:
         finish_reason: FinishReason | None,
         error_code: ErrorCode | None = None,
         error_message: str | None = None,
+        error_param: str | None = None,
     ) -> EngineOutput:
         # an aborted request's usage is what the engine computed for it (metered exactly)
         is_abort = finish_reason == FinishReason.ABORT
@@ -368,4 +394,5 @@ class EngineCore:
             timings=request.timings if finish_reason is not None else None,
             error_code=error_code,
             error_message=error_message,
+            error_param=error_param,
         )

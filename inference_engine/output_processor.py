@@ -196,6 +196,7 @@ class OutputProcessor:
             last = self._last_delta(output, state, reason)
             delta.finish_reason = last.finish_reason
             delta.error, delta.error_message = last.error, last.error_message
+            delta.error_param = last.error_param
             delta.usage, delta.timings = last.usage, last.timings
             return self._finish(output.req_id, state, delta)
         return delta
@@ -219,6 +220,7 @@ class OutputProcessor:
             finish_reason=FinishReason.ERROR if output.error_code is not None else reason,
             error=output.error_code,
             error_message=output.error_message,
+            error_param=output.error_param,
             usage=Usage(
                 prompt_tokens=output.num_prompt_tokens,
                 completion_tokens=state.num_tokens,

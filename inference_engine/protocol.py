@@ -474,6 +474,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     timings: RequestTimings | None = None
     error_code: ErrorCode | None = None
     error_message: str | None = None
+    error_param: str | None = None  # the request's field at fault, where one is
 
     @property
     def is_finished(self) -> bool:
@@ -505,6 +506,8 @@ class GenerateDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     timings: RequestTimings | None = None
     # one entry per token in token_ids when logprobs were requested
     logprobs: list[TokenLogprobs] | None = None
+    # the request's field an INVALID_REQUEST error is about (``top_k``, ``prompt``, ...)
+    error_param: str | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -553,10 +553,20 @@ class EngineServer:
         return list(self.input_tokenizer(request.prompt)["input_ids"])
 
     def _reply_error(
-        self, router: zmq.Socket, identity: bytes, request_id: str, code: ErrorCode, message: str
+        self,
+        router: zmq.Socket,
+        identity: bytes,
+        request_id: str,
+        code: ErrorCode,
+        message: str,
+        param: str | None = None,
     ) -> None:
         delta = GenerateDelta(
-            request_id, finish_reason=FinishReason.ERROR, error=code, error_message=message
+            request_id,
+            finish_reason=FinishReason.ERROR,
+            error=code,
+            error_message=message,
+            error_param=param,
         )
         router.send_multipart([identity, ResponseType.OUTPUTS.value, self._encoder.encode([delta])])
 

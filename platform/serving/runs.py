@@ -421,7 +421,14 @@ class Run:
                 delta.error_message,
             )
             return self._admitted(RunError(code, ENGINE_FAILED, retry_after=retry_after))
-        return self._admitted(RunError(code, delta.error_message or code, retry_after=retry_after))
+        return self._admitted(
+            RunError(
+                code,
+                delta.error_message or code,
+                retry_after=retry_after,
+                param=delta.error_param,
+            )
+        )
 
     def _lost(self, exc: EngineUnavailable) -> RunError:
         logger.warning("request %s lost its engine: %s", self.meter.request_id, exc)

@@ -82,16 +82,18 @@ def test_integers_and_numbers_past_their_bounds_are_400s(platform, path, fields,
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("fields", "param"),
     [
-        {"prompt": [100_000]},  # past the tiny model's vocabulary
-        {"prompt": [[1, 2], [3, 100_000]]},
-        {"prompt": "hi", "top_k": 100_000},
+        ({"prompt": [100_000]}, "prompt"),  # past the tiny model's vocabulary
+        ({"prompt": [[1, 2], [3, 100_000]]}, "prompt"),
+        ({"prompt": "hi", "top_k": 100_000}, "top_k"),
+        ({"prompt": "hi", "logit_bias": {"100000": 5}}, "logit_bias"),
     ],
 )
-def test_bounds_that_depend_on_the_model_are_400s(platform, fields):
+def test_bounds_that_depend_on_the_model_are_400s_naming_the_field(platform, fields, param):
     response = _post(platform, COMPLETIONS, {"model": MODEL_NAME, "max_tokens": 2, **fields})
-    assert _error(response, 400)["code"] == "invalid_request"
+    error = _error(response, 400)
+    assert (error["code"], error["param"]) == ("invalid_request", param)
     _serves(platform)
 
 

@@ -354,6 +354,14 @@ async def test_context_length_exceeded_and_invalid_requests(client):
         [delta] = await collect(client, request)
         assert delta.error == ErrorCode.INVALID_REQUEST, request
         assert delta.error_message
+    # a bound that depends on the model names the field it is about
+    for request, param in (
+        (GenerateRequest(prompt_token_ids=[10_000]), "prompt"),
+        (GenerateRequest(prompt="x", params=SamplingParams(top_k=10**6)), "top_k"),
+        (GenerateRequest(prompt="x", params=SamplingParams(logit_bias={10**6: 1.0})), "logit_bias"),
+    ):
+        [delta] = await collect(client, request)
+        assert (delta.error, delta.error_param) == (ErrorCode.INVALID_REQUEST, param), request
 
     # the engine still serves
     deltas = await collect(client, GenerateRequest(prompt="hello", params=GREEDY))
