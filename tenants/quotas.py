@@ -27,8 +27,9 @@ minute's counter needs none: it is gone in two minutes.)
 
 Public API: ``admission_acquire`` -> ``AdmissionTicket`` or ``QuotaExceeded``, each with the
 ``windows`` where the per-minute limits stand (the API reports them as ``x-ratelimit-*``
-headers); ``admission_release`` (idempotent, call it in ``finally``); ``quota_usage`` for
-dashboards.
+headers); ``admission_release`` (idempotent, call it in ``finally``; or its two halves,
+``admission_free`` as soon as the answer is out and ``admission_settle_month`` with the
+record); ``quota_usage`` for dashboards.
 """
 
 import contextlib
@@ -136,7 +137,12 @@ class AdmissionTicket:
     # what a counter holds when it is not ``reserved_tokens`` (a per-minute limit's share)
     counter_reservations: dict[str, int] = field(default_factory=dict)
     slots: list[Slot] = field(default_factory=list)
-    is_released: bool = False
+    is_freed: bool = False  # the slots and the per-minute counters (``admission_free``)
+    is_month_settled: bool = False  # the month's reservations (``admission_settle_month``)
+
+    @property
+    def is_released(self) -> bool:
+        return self.is_freed and self.is_month_settled
 
     @property
     def concurrency_counters(self) -> list[str]:
@@ -366,30 +372,62 @@ def _cancel_reservation(reservation: Reservation) -> None:
 
 
 def admission_release(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
-    """Free the request's concurrency slots and replace its token reservation with what it
-    really used. Safe to call more than once; only the first call counts. Every step is
-    tried; the first error is raised after the rest (a slot not given back stops being
-    renewed and expires within its lease)."""
-    if ticket.is_released:
+    """``admission_free`` and ``admission_settle_month``: free the request's concurrency
+    slots and replace its token reservations with what it really used. Safe to call more
+    than once; only the first call of each counts. Every step is tried; the first error is
+    raised after the rest."""
+    _all_tried(
+        lambda: admission_free(ticket=ticket, actual_tokens=actual_tokens),
+        lambda: admission_settle_month(ticket=ticket, actual_tokens=actual_tokens),
+    )
+
+
+def admission_free(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
+    """Free the concurrency slots and correct the per-minute token counters, as soon as the
+    answer is out (a client may send its next request the moment it has read the end). Only
+    the first call counts; a slot not given back stops being renewed and expires within its
+    lease, a per-minute counter within two minutes."""
+    if ticket.is_freed:
         return
-    ticket.is_released = True
+    ticket.is_freed = True
+    corrections = [
+        (key, actual_tokens - ticket.counter_reservations.get(key, ticket.reserved_tokens))
+        for key in ticket.token_counters
+    ]
+    _all_tried(
+        *(lambda slot=slot: slot_release(slot) for slot in ticket.slots),
+        *(
+            lambda key=key, correction=correction: _subtract(key, -correction)
+            for key, correction in corrections
+            if correction
+        ),
+    )
+
+
+def admission_settle_month(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
+    """Replace the month's reservations with what the request used. The settlement calls it
+    in the transaction that writes the request's record (``tenants.month_locks``). Only the
+    first call counts; a reservation the cache does not take is settled again later
+    (``tenants.reservations``)."""
+    if ticket.is_month_settled:
+        return
+    ticket.is_month_settled = True
+    _all_tried(
+        *(
+            lambda reservation=reservation: reservation_settle(
+                reservation, actual_tokens=actual_tokens
+            )
+            for reservation in ticket.reservations
+        )
+    )
+
+
+def _all_tried(*steps: Callable[[], None]) -> None:
+    """Run every step; raise the first error after the rest."""
     errors = []
-    for slot in ticket.slots:
+    for step in steps:
         try:
-            slot_release(slot)
-        except Exception as exc:
-            errors.append(exc)
-    for reservation in ticket.reservations:
-        try:
-            reservation_settle(reservation, actual_tokens=actual_tokens)
-        except Exception as exc:
-            errors.append(exc)
-    for key in ticket.token_counters:
-        correction = actual_tokens - ticket.counter_reservations.get(key, ticket.reserved_tokens)
-        if not correction:
-            continue
-        try:
-            _subtract(key, -correction)
+            step()
         except Exception as exc:
             errors.append(exc)
     if errors:

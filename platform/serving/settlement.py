@@ -17,6 +17,7 @@ of its group).
 import asyncio
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,18 +119,22 @@ def _recorded_already(group: list[Settlement]) -> set[str]:
 
 @database_worker
 def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
-    """Settle each; return what failed for each one (None where all went well). The records
-    are written and the counters corrected in one transaction that no rebuild of those
+    """Settle each; return what failed for each one (None where all went well).
+
+    The slots and the per-minute counters are freed first, at once: a client may send its
+    next request the moment it has read the end of the last. Then the records are written
+    and the month's reservations settled in one transaction that no rebuild of those
     tenants' month counters overlaps (``tenants.month_locks``), tried again once on a new
-    connection where the database dropped the one it ran on; where it fails, the admissions
-    are released all the same."""
-    released: set[int] = set()
+    connection where the database dropped the one it ran on; where it fails, the month's
+    reservations are settled all the same (to nothing: no record counts them)."""
+    _release(group, _counted_tokens(group, set()), quotas.admission_free)
     for attempt in range(1 + CONNECTION_RETRIES):
         outcomes: list[BaseException | None] = [None] * len(group)
         try:
             with month_locks.records_settling({s.ticket.tenant_id for s in group}):
-                tokens = _write_records(group, outcomes)
-                _release(group, tokens, released)
+                tokens = _counted_tokens(group, _recorded_already(group))
+                _write_records(group, outcomes)
+                _release(group, tokens, quotas.admission_settle_month)
             return outcomes
         except (OperationalError, InterfaceError) as exc:
             if attempt < CONNECTION_RETRIES:
@@ -141,22 +146,26 @@ def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
             failure = exc
         break
     outcomes = [outcome or failure for outcome in outcomes]
-    _release(group, [0] * len(group), released)
+    _release(group, [0] * len(group), quotas.admission_settle_month)
     return outcomes
 
 
-def _write_records(group: list[Settlement], outcomes: list[BaseException | None]) -> list[int]:
-    """Write each settlement's record; return the tokens each one counts (a request id's first
-    record stands and is what the counters count: a second settles its reservation to
-    nothing)."""
-    tokens = [0] * len(group)
-    built: list[tuple[int, UsageRecord]] = []
-    recorded = _recorded_already(group)
-    for index, settlement in enumerate(group):
+def _counted_tokens(group: list[Settlement], recorded: set[str]) -> list[int]:
+    """The tokens each settlement counts against the budgets: a request id's first record
+    stands and is what the counters count, so one recorded already (``recorded``), or
+    earlier in the group, counts nothing."""
+    seen, tokens = set(recorded), []
+    for settlement in group:
         request_id = settlement.record.get("request_id")
-        if request_id not in recorded:
-            tokens[index] = settlement.actual_tokens
-        recorded.add(request_id)
+        tokens.append(0 if request_id in seen else settlement.actual_tokens)
+        seen.add(request_id)
+    return tokens
+
+
+def _write_records(group: list[Settlement], outcomes: list[BaseException | None]) -> None:
+    """Write each settlement's record (a request id's second is skipped: the first stands)."""
+    built: list[tuple[int, UsageRecord]] = []
+    for index, settlement in enumerate(group):
         try:
             built.append((index, services.usage_record_build(**settlement.record)))
         except Exception as exc:
@@ -175,20 +184,16 @@ def _write_records(group: list[Settlement], outcomes: list[BaseException | None]
                 raise
             except Exception as exc:
                 outcomes[index] = exc
-    return tokens
 
 
-def _release(group: list[Settlement], tokens: list[int], released: set[int]) -> None:
-    """Release each admission not released yet (its record failed or not: what it used is
-    off the budgets' reservations either way). A cache that fails to take it is the log's to
-    tell, not the request's: its slots' leases run out, and its month reservation is settled
-    again until the cache answers (``tenants.reservations``)."""
-    for index, settlement in enumerate(group):
-        if index in released:
-            continue
-        released.add(index)
+def _release(group: list[Settlement], tokens: list[int], step: Callable[..., None]) -> None:
+    """``step`` (``quotas.admission_free`` or ``admission_settle_month``) for each admission,
+    with what it counts; each acts once however often it is called. A cache that fails to
+    take it is the log's to tell, not the request's: its slots' leases run out, and its month
+    reservation is settled again until the cache answers (``tenants.reservations``)."""
+    for settlement, used in zip(group, tokens, strict=True):
         try:
-            quotas.admission_release(ticket=settlement.ticket, actual_tokens=tokens[index])
+            step(ticket=settlement.ticket, actual_tokens=used)
         except Exception:
             logger.exception(
                 "releasing the admission of %s failed", settlement.record.get("request_id")

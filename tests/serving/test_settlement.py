@@ -192,7 +192,8 @@ async def test_a_request_whose_counters_could_not_be_corrected_still_ends_well(
     def unreachable(**kwargs) -> None:
         raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
 
-    monkeypatch.setattr(quotas, "admission_release", unreachable)
+    monkeypatch.setattr(quotas, "admission_free", unreachable)
+    monkeypatch.setattr(quotas, "admission_settle_month", unreachable)
     await _run(api_key, "settled", tokens=3)
 
     record = await UsageRecord.objects.aget(request_id="settled")
@@ -321,14 +322,14 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
     running = _settlement(api_key, "in-flight", tokens=7)
     cache.clear()
     releasing, go_on = threading.Event(), threading.Event()
-    release = quotas.admission_release
+    release = quotas.admission_settle_month
 
     def slow_release(**kwargs) -> None:
         releasing.set()
         go_on.wait(10)
         release(**kwargs)
 
-    monkeypatch.setattr(quotas, "admission_release", slow_release)
+    monkeypatch.setattr(quotas, "admission_settle_month", slow_release)
     settling = _thread(_settle_now, running)
     assert releasing.wait(10)
     rebuilding = _rebuilding(api_key.tenant)
@@ -336,7 +337,7 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
     go_on.set()
     settling.join(10)
     rebuilding.join(10)
-    monkeypatch.setattr(quotas, "admission_release", release)
+    monkeypatch.setattr(quotas, "admission_settle_month", release)
 
     assert UsageRecord.objects.get(request_id="in-flight").completion_tokens == 7
     assert _month_tokens(api_key.tenant) == 7
