@@ -29,6 +29,9 @@ in all. Past either it drops the connection without a word (a line too long) or 
 400 and closes while the client is still sending, so the client reads a reset instead.
 ``HeadLimitedChannel`` answers both as HTTP servers do, 414 for a request line and 431 for
 headers, in OpenAI's error format, and half-closes: the client reads the answer to its end.
+A malformed head (a header without a name or with a NUL, an unreadable ``Content-Length``)
+is a 400 in the same format, where Twisted wrote a bare one. Each of these answers carries
+an ``x-request-id``, as every other answer of the API does.
 """
 
 from __future__ import annotations
@@ -145,6 +148,11 @@ def _error_body(message: str, code: str) -> bytes:
 
 # how long a connection refused for its head may take to read the answer and close
 REFUSED_HEAD_LINGER_SECONDS = 5
+HEAD_REFUSAL_CODES = {
+    400: "invalid_request",
+    414: "request_uri_too_long",
+    431: "request_header_fields_too_large",
+}
 
 
 class HeadLimitedChannel(http.HTTPChannel):
@@ -164,8 +172,13 @@ class HeadLimitedChannel(http.HTTPChannel):
             return
         super().lineReceived(line)
 
+    def _respondToBadRequestAndDisconnect(self) -> None:  # noqa: N802 - Twisted's name
+        # a malformed head (a header without a name or with a NUL, an unreadable
+        # Content-Length or chunk): Twisted's own answer is a bare 400 with no body
+        self._refuse_head(400, "Bad Request", "The request's head or framing is malformed.")
+
     def _refuse_head(self, status: int, reason: str, message: str) -> None:
-        code = "request_header_fields_too_large" if status == 431 else "request_uri_too_long"
+        code = HEAD_REFUSAL_CODES[status]
         body = _error_body(message, code)
         head = (
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"

@@ -4,6 +4,7 @@ is answered 414 or 431 (Twisted's own channel dropped the connection)."""
 import json
 from types import SimpleNamespace
 
+import pytest
 from twisted.internet.testing import StringTransport
 from twisted.web.test.requesthelper import DummyChannel
 
@@ -107,6 +108,19 @@ def test_a_request_line_past_the_limit_is_a_414():
     _, transport = _channel_fed(b"GET /v1/models/" + b"m" * 20_000 + b" HTTP/1.1\r\n")
     status, error = _answer(transport)
     assert status == b"HTTP/1.1 414 URI Too Long" and error["code"] == "request_uri_too_long"
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"Content-Length: Q", b"Bad Name{}: x", b"X-Nul: a\x00b", b"no colon at all"],
+)
+def test_a_malformed_head_is_a_400_with_the_apis_error_object(header):
+    """Twisted answered a bare "400 Bad Request" with no body: no client could tell why."""
+    _, transport = _channel_fed(HEAD + header + b"\r\n\r\n{}")
+    status, error = _answer(transport)
+    assert status == b"HTTP/1.1 400 Bad Request"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_request")
+    assert transport.value().count(b"HTTP/1.1") == 1
 
 
 def test_the_web_server_builds_head_limited_channels():
