@@ -1,5 +1,8 @@
 """Where files' bytes live: the ``files`` storage when ``STORAGES`` names one (any Django
-storage backend in production), else ``var/files/``, owner-only."""
+storage backend, set in a settings module of your own), else the directory ``FILES_DIR``
+(``VAR_DIR/files`` by default), owner-only. Every web process and worker must reach the same
+files: the web tier stores an upload, the worker that runs its batch reads it and writes the
+results, and the web tier serves those."""
 
 from django.conf import settings
 from django.core.files.storage import FileSystemStorage, Storage, storages
@@ -11,7 +14,7 @@ def file_storage() -> Storage:
     if STORAGE_ALIAS in settings.STORAGES:
         return storages[STORAGE_ALIAS]
     return FileSystemStorage(
-        location=settings.VAR_DIR / "files",
+        location=settings.FILES_DIR or settings.VAR_DIR / "files",
         file_permissions_mode=0o600,
         directory_permissions_mode=0o700,
     )

@@ -275,6 +275,9 @@ ENGINE_CPUS = os.environ.get("ENGINE_CPUS", "auto")
 GATEWAY_MAX_BODY_BYTES = int(os.environ.get("GATEWAY_MAX_BODY_BYTES", str(8 * 1024 * 1024)))
 # the largest file POST /v1/files takes (the Batch API's input); only that path gets the room
 FILES_MAX_BYTES = int(os.environ.get("FILES_MAX_BYTES", str(100 * 1024 * 1024)))
+# where files' bytes live (batches.storage): every web process and worker must see the same
+# directory (a shared volume, NFS); unset: VAR_DIR/files
+FILES_DIR = os.environ.get("FILES_DIR") or None
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 # How long a web process trusts what it read about an API key and its model (see
 # gateway.authorization); 0 reads the database on every request.

@@ -8,7 +8,7 @@ import msgspec
 
 from config.json_text import NUL
 from gateway import structured
-from gateway.errors import invalid
+from gateway.errors import ApiError, invalid
 from gateway.schemas import (
     COMPLETION_MAX_TOKENS,
     MAX_CHOICES,
@@ -25,6 +25,7 @@ MAX_MESSAGES = 1024
 MAX_USER_CHARS = 256
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN_FIELD = "Object contains unknown field"
 _FIELD = re.compile(r"field `([^`]+)`")
 # where the API calls a sampling parameter otherwise
 _API_PARAM = {
@@ -86,13 +87,27 @@ def decode(body: bytes, request_type: type) -> msgspec.Struct:
     try:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
-        raise invalid(str(exc), param=_param_of(str(exc))) from exc
+        message = str(exc)
+        if message.startswith(_UNKNOWN_FIELD) and not _PATH.search(message):
+            raise _unrecognized(body, request_type) from exc
+        raise invalid(message, param=_param_of(message)) from exc
     except msgspec.DecodeError as exc:
         raise invalid(f"The request body is not valid JSON: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise invalid(
             f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}."
         ) from exc
+
+
+def _unrecognized(body: bytes, request_type: type) -> ApiError:
+    """Every unknown field of the request, as OpenAI names them (msgspec stops at the
+    first)."""
+    known = {field.encode_name for field in msgspec.structs.fields(request_type)}
+    unknown = sorted(key for key in msgspec.json.decode(body) if key not in known)
+    plural = "s" if len(unknown) > 1 else ""
+    return invalid(
+        f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}", param=unknown[0]
+    )
 
 
 def _param_of(message: str) -> str | None:

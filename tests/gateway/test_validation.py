@@ -84,6 +84,15 @@ def test_malformed_bodies_are_refused(body):
     assert error.message
 
 
+def test_every_unknown_field_is_named_as_openai_names_them():
+    error = _error(plan_chat, _chat(functions=[], foo=1, bar=2))
+    assert error.message == "Unrecognized request arguments supplied: bar, foo, functions"
+    assert error.param == "bar"
+    assert _error(plan_chat, _chat(foo=1)).message == (
+        "Unrecognized request argument supplied: foo"
+    )
+
+
 def test_invalid_utf8_inside_a_string_is_a_400():
     body = b'{"model": "m", "messages": [{"role": "user", "content": "a\xffb"}]}'
     assert "UTF-8" in _error(plan_chat, body).message
