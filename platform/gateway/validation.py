@@ -89,7 +89,9 @@ def decode(body: bytes, request_type: type) -> msgspec.Struct:
     except msgspec.ValidationError as exc:
         message = str(exc)
         if message.startswith(_UNKNOWN_FIELD) and not _PATH.search(message):
-            raise _unrecognized(body, request_type) from exc
+            unrecognized = _unrecognized(body, request_type)
+            if unrecognized is not None:
+                raise unrecognized from exc
         raise invalid(message, param=_param_of(message)) from exc
     except msgspec.DecodeError as exc:
         raise invalid(f"The request body is not valid JSON: {exc}") from exc
@@ -99,11 +101,15 @@ def decode(body: bytes, request_type: type) -> msgspec.Struct:
         ) from exc
 
 
-def _unrecognized(body: bytes, request_type: type) -> ApiError:
+def _unrecognized(body: bytes, request_type: type) -> ApiError | None:
     """Every unknown field of the request, as OpenAI names them (msgspec stops at the
-    first)."""
+    first); None where the body cannot be read whole (nested past the parser's depth)."""
     known = {field.encode_name for field in msgspec.structs.fields(request_type)}
-    unknown = sorted(key for key in msgspec.json.decode(body) if key not in known)
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    unknown = sorted(key for key in fields if key not in known)
     plural = "s" if len(unknown) > 1 else ""
     return invalid(
         f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}", param=unknown[0]

@@ -91,6 +91,8 @@ def test_every_unknown_field_is_named_as_openai_names_them():
     assert _error(plan_chat, _chat(foo=1)).message == (
         "Unrecognized request argument supplied: foo"
     )
+    deep = _chat()[:-1] + b', "x": ' + b'{"x": ' * 100_000 + b"1" + b"}" * 100_000 + b"}"
+    assert _error(plan_chat, deep).param == "x"  # nested past any parser's depth
 
 
 def test_invalid_utf8_inside_a_string_is_a_400():
