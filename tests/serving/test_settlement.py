@@ -281,6 +281,28 @@ def budgeted_key(async_db):
     cache.clear()
 
 
+def _pausing(monkeypatch, name: str, *, after: bool) -> tuple[threading.Event, threading.Event]:
+    """``quotas.<name>`` made to stop before (or after) its work until told to go on; the
+    events (reached, go on)."""
+    original = getattr(quotas, name)
+    reached, go_on = threading.Event(), threading.Event()
+
+    def pause() -> None:
+        reached.set()
+        go_on.wait(10)
+
+    def paused(**kwargs):
+        if not after:
+            pause()
+        result = original(**kwargs)
+        if after:
+            pause()
+        return result
+
+    monkeypatch.setattr(quotas, name, paused)
+    return reached, go_on
+
+
 def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_read_before(
     budgeted_key, monkeypatch
 ):
@@ -290,16 +312,7 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
     api_key = budgeted_key
     running = _settlement(api_key, "in-flight", tokens=7)
     cache.clear()
-    read, go_on = threading.Event(), threading.Event()
-    records_total = quotas.month_tokens_used
-
-    def slow_read(**kwargs) -> int:
-        used = records_total(**kwargs)
-        read.set()
-        go_on.wait(10)
-        return used
-
-    monkeypatch.setattr(quotas, "month_tokens_used", slow_read)
+    read, go_on = _pausing(monkeypatch, "month_tokens_used", after=True)
     rebuilding = _rebuilding(api_key.tenant)
     assert read.wait(10)
     settling = _thread(_settle_now, running)
@@ -307,7 +320,6 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
     go_on.set()
     rebuilding.join(10)
     settling.join(10)
-    monkeypatch.setattr(quotas, "month_tokens_used", records_total)
 
     assert UsageRecord.objects.get(request_id="in-flight").completion_tokens == 7
     assert _month_tokens(api_key.tenant) == 7
@@ -321,15 +333,7 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
     api_key = budgeted_key
     running = _settlement(api_key, "in-flight", tokens=7)
     cache.clear()
-    releasing, go_on = threading.Event(), threading.Event()
-    release = quotas.admission_settle_month
-
-    def slow_release(**kwargs) -> None:
-        releasing.set()
-        go_on.wait(10)
-        release(**kwargs)
-
-    monkeypatch.setattr(quotas, "admission_settle_month", slow_release)
+    releasing, go_on = _pausing(monkeypatch, "admission_settle_month", after=False)
     settling = _thread(_settle_now, running)
     assert releasing.wait(10)
     rebuilding = _rebuilding(api_key.tenant)
@@ -337,7 +341,6 @@ def test_a_request_settling_while_its_month_counter_is_rebuilt_counts_once_if_re
     go_on.set()
     settling.join(10)
     rebuilding.join(10)
-    monkeypatch.setattr(quotas, "admission_settle_month", release)
 
     assert UsageRecord.objects.get(request_id="in-flight").completion_tokens == 7
     assert _month_tokens(api_key.tenant) == 7
