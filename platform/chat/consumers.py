@@ -70,11 +70,9 @@ from chat.payloads import message_payload, settings_payload
 from chat.replies import ChatError, ReplyOutcome, generate_reply
 from chat.selectors import SESSION_TENANT_KEY
 from config.json_text import describe_lone_surrogate, lone_surrogate_path
+from serving import runs
 
 logger = logging.getLogger(__name__)
-
-UNAVAILABLE = "The service is briefly unavailable. Please try again in a few seconds."
-UNAVAILABLE_RETRY_AFTER = 5
 
 MAX_FRAME_CHARS = 64 * 1024
 CLOSE_UNAUTHENTICATED = 4401
@@ -177,7 +175,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
             logger.exception(
                 "conversation %s: a %s frame failed", self.conversation.pk, frame["type"]
             )
-            await self._error("unavailable", UNAVAILABLE, retry_after=UNAVAILABLE_RETRY_AFTER)
+            await self._error(
+                "unavailable", runs.UNAVAILABLE, retry_after=runs.UNAVAILABLE_RETRY_AFTER_SECONDS
+            )
 
     async def _handle(self, frame: dict, handler: Callable[[dict], Awaitable[None]]) -> None:
         # Every frame, a stop too: the session may have ended since the socket opened.

@@ -26,7 +26,7 @@ from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404, HttpRequest, HttpResponse
 
-from gateway.errors import ApiError
+from gateway.errors import SERVER_ERROR, ApiError
 
 logger = logging.getLogger("django.request")
 
@@ -67,9 +67,7 @@ class ApiASGIHandler(ASGIHandler):
             ).response()
         except Exception:
             logger.exception("Internal Server Error: %s", request.path)
-            response = ApiError(
-                500, "The server had an error while processing your request.", code="server_error"
-            ).response()
+            response = ApiError(500, SERVER_ERROR, code="server_error").response()
         if request.path.startswith(V1_PATH_PREFIX) and "x-request-id" not in response.headers:
             # every answer has one, as OpenAI's; an admitted request's is its usage record's
             response.headers["x-request-id"] = f"req_{uuid.uuid4().hex}"

@@ -35,6 +35,10 @@ RUN_ERROR_STATUS = {
 }
 
 
+# as OpenAI words a failure of the server's own
+SERVER_ERROR = "The server had an error while processing your request."
+
+
 class ApiError(Exception):
     """An error the API reports to the client as OpenAI does."""
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gateway import schemas
-from gateway.errors import ApiError, from_run_error
+from gateway.errors import SERVER_ERROR, ApiError, from_run_error
 from gateway.tool_calls import CallDelta, ToolCallReader
 from gateway.validation import GenerationPlan
 from inference_engine.protocol import FinishReason, TokenLogprobs
@@ -23,10 +23,7 @@ from serving.runs import Choice, Run, RunError
 
 logger = logging.getLogger(__name__)
 
-# as OpenAI words a failure of its own
-STREAM_FAILED = ApiError(
-    500, "The server had an error while processing your request.", code="internal_error"
-)
+STREAM_FAILED = ApiError(500, SERVER_ERROR, code="internal_error")
 
 
 @dataclass

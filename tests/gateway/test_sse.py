@@ -35,6 +35,20 @@ def _responder(kind: str, plan, world, response_id: str) -> Responder:
     return Responder(kind=kind, plan=plan, run=Run(spec, world.caller()), model="m")
 
 
+async def _started_chat(world, response_id: str, **delta) -> Responder:
+    """A streamed chat's responder, its run started on a first delta of "hi" (with the
+    fields ``delta`` adds to it)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    responder = _responder("chat", plan_chat(json.dumps(body).encode()), world, response_id)
+    request_id = responder.run.spec.requests[0].request_id
+    starting = asyncio.create_task(responder.run.start())
+    identity, _ = await world.fake.generates.get()
+    first = GenerateDelta(request_id, "hi", [1], usage=Usage(prompt_tokens=3), **delta)
+    await world.fake.send(identity, ResponseType.OUTPUTS, [first])
+    await starting
+    return responder
+
+
 def _events(write: bytes) -> list:
     assert write.endswith(b"\n\n")
     return [
@@ -98,17 +112,7 @@ async def test_a_stream_whose_settlement_fails_still_ends(run_world, monkeypatch
     The failure goes to the log; the stream ends."""
     from gateway.handling import GenerationStreamResponse
 
-    fake = run_world.fake
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    responder = _responder("chat", plan_chat(json.dumps(body).encode()), run_world, "chatcmpl-9")
-    request_id = responder.run.spec.requests[0].request_id
-    starting = asyncio.create_task(responder.run.start())
-    identity, _ = await fake.generates.get()
-    last = GenerateDelta(
-        request_id, "hi", [1], finish_reason=FinishReason.STOP, usage=Usage(prompt_tokens=3)
-    )
-    await fake.send(identity, ResponseType.OUTPUTS, [last])
-    await starting
+    responder = await _started_chat(run_world, "chatcmpl-9", finish_reason=FinishReason.STOP)
 
     async def refused(group):
         raise RuntimeError("the database refused the record")
@@ -126,15 +130,7 @@ async def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event(
     had started: the server could no longer answer 500, and the response never ended."""
     from gateway.handling import GenerationStreamResponse
 
-    fake = run_world.fake
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    responder = _responder("chat", plan_chat(json.dumps(body).encode()), run_world, "chatcmpl-8")
-    request_id = responder.run.spec.requests[0].request_id
-    starting = asyncio.create_task(responder.run.start())
-    identity, _ = await fake.generates.get()
-    first = GenerateDelta(request_id, "hi", [1], usage=Usage(prompt_tokens=3))
-    await fake.send(identity, ResponseType.OUTPUTS, [first])
-    await starting
+    responder = await _started_chat(run_world, "chatcmpl-8")
 
     def broken(*args, **kwargs):
         raise RecursionError("maximum recursion depth exceeded")
