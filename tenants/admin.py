@@ -8,7 +8,8 @@ from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest
 
 from tenants import services
-from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
+from tenants.audit_admin import AuditedAdmin
+from tenants.models import ApiKey, AuditEvent, Membership, Plan, Tenant, UsageRecord
 from tenants.services import MembershipChange
 
 LIMIT_FIELDSET = (
@@ -26,7 +27,8 @@ LIMIT_FIELDSET = (
 
 
 @admin.register(Plan)
-class PlanAdmin(admin.ModelAdmin):
+class PlanAdmin(AuditedAdmin):
+    audit_prefix = "plan"
     list_display = (
         "name",
         "slug",
@@ -90,13 +92,17 @@ class MembershipInline(admin.TabularInline):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(AuditedAdmin):
+    audit_prefix = "tenant"
     list_display = ("slug", "name", "plan", "is_active", "created_at")
     list_filter = ("is_active", "plan")
     search_fields = ("slug", "name")
     prepopulated_fields = {"slug": ("name",)}
     fieldsets = ((None, {"fields": ("name", "slug", "plan", "is_active")}), LIMIT_FIELDSET)
     inlines = (MembershipInline,)
+
+    def audit_tenant(self, obj: Tenant) -> Tenant:
+        return obj
 
     def save_formset(self, request: HttpRequest, form, formset, change: bool) -> None:
         if not isinstance(formset, MembershipFormSet):
@@ -188,7 +194,9 @@ class ApiKeyCreationForm(forms.ModelForm):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(AuditedAdmin):
+    audit_prefix = "api_key"
+    audit_verbs = ("updated", "deleted")  # api_key_create records a creation
     list_display = (
         "name",
         "display_prefix",
@@ -205,6 +213,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
     readonly_fields = ("display_prefix", "created_by", "created_at", "last_used_at", "revoked_at")
     autocomplete_fields = ("tenant",)
     actions = ("revoke_selected",)
+
+    def audit_tenant(self, obj: ApiKey) -> Tenant:
+        return obj.tenant
 
     def get_form(self, request, obj=None, change=False, **kwargs):
         if obj is None:
@@ -239,6 +250,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
             name=data["name"],
             created_by=request.user,
             expires_at=data["expires_at"],
+            actor=request.user,
             **{name: data[name] for name in ApiKeyCreationForm.Meta.fields[3:]},
         )
         obj.pk, obj.prefix, obj.key_hash = api_key.pk, api_key.prefix, api_key.key_hash
@@ -247,7 +259,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
     @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke_selected(self, request: HttpRequest, queryset) -> None:
         for api_key in queryset:
-            services.api_key_revoke(api_key=api_key)
+            services.api_key_revoke(api_key=api_key, actor=request.user)
         messages.success(request, f"Revoked {queryset.count()} key(s).")
 
 
@@ -291,10 +303,12 @@ if admin.site.is_registered(User):
 
 
 @admin.register(User)
-class UserAdmin(auth_admin.UserAdmin):
+class UserAdmin(AuditedAdmin, auth_admin.UserAdmin):
     """Django's user admin, except that a tenant's last owner is neither deactivated nor
-    deleted."""
+    deleted, and that its changes (a staff or superuser flag given, permissions) are in the
+    audit log."""
 
+    audit_prefix = "user"
     form = OwnerKeepingUserChangeForm
 
     def get_deleted_objects(self, objs, request: HttpRequest):
@@ -304,3 +318,28 @@ class UserAdmin(auth_admin.UserAdmin):
         except ValidationError as exc:
             protected = [*protected, " ".join(exc.messages)]
         return deleted, counts, perms_needed, protected
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(admin.ModelAdmin):
+    """The audit log, to read: nobody adds, changes or deletes an event here."""
+
+    list_display = (
+        "created_at", "action", "tenant_slug", "actor_name", "target_name", "ip_address"
+    )  # fmt: skip
+    list_filter = ("action",)
+    date_hierarchy = "created_at"
+    search_fields = ("tenant_slug", "actor_name", "target_name", "ip_address")
+    readonly_fields = (
+        "created_at", "action", "tenant", "tenant_slug", "actor", "actor_name", "ip_address",
+        "target_id", "target_name", "changes",
+    )  # fmt: skip
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False

@@ -269,3 +269,66 @@ class RollupCursor(models.Model):
 
     name = models.CharField(max_length=32, primary_key=True)
     position = models.DateTimeField()
+
+
+class AuditEvent(models.Model):
+    """One change to what a tenant or the platform is set up to do: who did what to which
+    object, from where, and what changed. Written in the change's own transaction (a change
+    that rolls back leaves no event) and never edited.
+
+    ``changes`` maps each field to ``[before, after]``: ``before`` is null for what was created
+    or asked for, ``after`` for what was deleted. The names (tenant, actor, target) are copies,
+    so an event still reads right after its tenant, user or key is gone."""
+
+    class Action(models.TextChoices):
+        TENANT_CREATED = "tenant.created", "Tenant created"
+        TENANT_UPDATED = "tenant.updated", "Tenant changed"
+        TENANT_DELETED = "tenant.deleted", "Tenant deleted"
+        MEMBER_ADDED = "member.added", "Member added"
+        MEMBER_ROLE_CHANGED = "member.role_changed", "Member's role changed"
+        MEMBER_REMOVED = "member.removed", "Member removed"
+        API_KEY_CREATED = "api_key.created", "API key created"
+        API_KEY_UPDATED = "api_key.updated", "API key changed"
+        API_KEY_REVOKED = "api_key.revoked", "API key revoked"
+        API_KEY_DELETED = "api_key.deleted", "API key deleted"
+        PLAN_CREATED = "plan.created", "Plan created"
+        PLAN_UPDATED = "plan.updated", "Plan changed"
+        PLAN_DELETED = "plan.deleted", "Plan deleted"
+        DEPLOYMENT_CREATED = "deployment.created", "Deployment registered"
+        DEPLOYMENT_UPDATED = "deployment.updated", "Deployment changed"
+        DEPLOYMENT_DELETED = "deployment.deleted", "Deployment deleted"
+        REPLICA_LOAD = "deployment.load_requested", "Model load requested"
+        REPLICA_UNLOAD = "deployment.unload_requested", "Model unload requested"
+        USER_CREATED = "user.created", "User created"
+        USER_UPDATED = "user.updated", "User changed"
+        USER_DELETED = "user.deleted", "User deleted"
+
+    created_at = models.DateTimeField(default=timezone.now)
+    action = models.CharField(max_length=48, choices=Action.choices)
+    # null: a platform-wide change (a plan, a deployment, a user), which only staff see
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.SET_NULL, null=True, blank=True, related_name="audit_events"
+    )
+    tenant_slug = models.CharField(max_length=64, blank=True)
+    # null with an empty name: the platform itself (a management command, start-up)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="audit_events",
+    )
+    actor_name = models.CharField(max_length=150, blank=True)
+    ip_address = models.GenericIPAddressField(null=True, blank=True)
+    target_id = models.CharField(max_length=64, blank=True)
+    target_name = models.CharField(max_length=300, blank=True)
+    changes = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "created_at"], name="audit_tenant_time"),
+            models.Index(fields=["created_at"], name="audit_time"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.get_action_display()}: {self.target_name}"

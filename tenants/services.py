@@ -1,8 +1,10 @@
 """Writes: tenants, memberships, API keys and usage records.
 
 Functions take keyword-only arguments (``usage_records_save`` takes its list), validate
-before writing and write in one transaction. They are synchronous: async callers (the
-gateway, the chat consumer) run them on a database thread of their own.
+before writing and write in one transaction. A change to a tenant's set-up (its creation,
+members and keys) writes its audit event in that transaction, naming ``actor`` (None: the
+platform itself). They are synchronous: async callers (the gateway, the chat consumer) run
+them on a database thread of their own.
 """
 
 from dataclasses import dataclass
@@ -15,7 +17,8 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from tenants import api_keys
-from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
+from tenants.audit import audit_record, field_changes, model_values
+from tenants.models import ApiKey, AuditEvent, Membership, Plan, Tenant, UsageRecord
 from tenants.selectors import DEFAULT_PLAN_SLUG, LIMIT_FIELDS, plan_default, tenants_owned_alone
 
 # Writing last_used_at on every request would put a database write on the hot path;
@@ -65,6 +68,7 @@ def tenant_create(
     name: str = "",
     plan: Plan | None = None,
     owner: AbstractBaseUser | None = None,
+    actor: AbstractBaseUser | None = None,
     **limits: int | None,
 ) -> Tenant:
     """Create a tenant on ``plan`` (the default plan when omitted), with optional overrides
@@ -74,9 +78,25 @@ def tenant_create(
     tenant = Tenant(slug=slug, name=name or slug, plan=plan, **limits)
     tenant.full_clean()
     tenant.save()
+    audit_record(
+        action=AuditEvent.Action.TENANT_CREATED,
+        actor=actor,
+        target=tenant,
+        tenant=tenant,
+        changes=field_changes({}, model_values(tenant, TENANT_AUDITED_FIELDS)),
+    )
     if owner is not None:
-        membership_set(tenant=tenant, user=owner, role=Membership.Role.OWNER, actor=None)
+        # the actor's rights were not asked for: whoever may create a tenant names its owner
+        membership_set(
+            tenant=tenant, user=owner, role=Membership.Role.OWNER, actor=None, audit_actor=actor
+        )
     return tenant
+
+
+TENANT_AUDITED_FIELDS = (
+    "name", "slug", "plan", "is_active", *LIMIT_FIELDS, "max_queued_batch_tokens"
+)  # fmt: skip
+API_KEY_AUDITED_FIELDS = ("name", "expires_at", *LIMIT_FIELDS)
 
 
 # Ten years: a longer life is as good as "never" (leave it empty), and a day count without a
@@ -101,9 +121,12 @@ def api_key_create(
     name: str,
     created_by: AbstractBaseUser | None = None,
     expires_at: datetime | None = None,
+    actor: AbstractBaseUser | None = None,
     **limits: int | None,
 ) -> tuple[ApiKey, str]:
-    """Create a key and return it with its plaintext, which is never stored or shown again."""
+    """Create a key and return it with its plaintext, which is never stored or shown again.
+    ``created_by`` is who the console shows made it; ``actor`` who did, for the audit log (a
+    command that makes a tenant's first key for its owner is the platform's doing)."""
     _check_limits(limits)
     for _ in range(5):
         raw_key = api_keys.generate_key()
@@ -120,6 +143,13 @@ def api_key_create(
         try:
             with transaction.atomic():
                 api_key.save()
+                audit_record(
+                    action=AuditEvent.Action.API_KEY_CREATED,
+                    actor=actor,
+                    target=api_key,
+                    tenant=tenant,
+                    changes=field_changes({}, model_values(api_key, API_KEY_AUDITED_FIELDS)),
+                )
         except IntegrityError:
             continue  # a prefix collision: astronomically rare, but never fatal
         return api_key, raw_key
@@ -145,20 +175,33 @@ def api_key_issue(
         name=name.strip() or UNNAMED_KEY_NAME,
         created_by=created_by,
         expires_at=api_key_expires_at(days=expires_in_days),
+        actor=created_by,
     )
 
 
-def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
-    if api_key.revoked_at is None:
-        api_key.revoked_at = timezone.now()
-        api_key.save(update_fields=["revoked_at"])
+@transaction.atomic
+def api_key_revoke(*, api_key: ApiKey, actor: AbstractBaseUser | None = None) -> ApiKey:
+    """Revoke the key, once: a key revoked already (here or by a revocation at the same
+    time) keeps its time, and its revocation is in the audit log once."""
+    now = timezone.now()
+    if ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now):
+        audit_record(
+            action=AuditEvent.Action.API_KEY_REVOKED,
+            actor=actor,
+            target=api_key,
+            tenant=api_key.tenant,
+        )
+    api_key.revoked_at = ApiKey.objects.values_list("revoked_at", flat=True).get(pk=api_key.pk)
     return api_key
 
 
-def api_key_revoke_by_id(*, tenant: Tenant, api_key_id: int | None) -> ApiKey:
+def api_key_revoke_by_id(
+    *, tenant: Tenant, api_key_id: int | None, actor: AbstractBaseUser | None = None
+) -> ApiKey:
     """Revoke the tenant's key ``api_key_id``. Raises ``ApiKey.DoesNotExist`` when the tenant
     has no such key: another tenant's key is never touched."""
-    return api_key_revoke(api_key=ApiKey.objects.get(tenant=tenant, pk=api_key_id))
+    api_key = ApiKey.objects.select_related("tenant").get(tenant=tenant, pk=api_key_id)
+    return api_key_revoke(api_key=api_key, actor=actor)
 
 
 def api_key_authenticate(*, raw_key: str) -> ApiKey:
@@ -322,28 +365,65 @@ def _check_actor(
 
 @transaction.atomic
 def memberships_apply(
-    *, tenant: Tenant, changes: list[MembershipChange], actor: AbstractBaseUser | None
+    *,
+    tenant: Tenant,
+    changes: list[MembershipChange],
+    actor: AbstractBaseUser | None,
+    audit_actor: AbstractBaseUser | None = None,
 ) -> None:
     """Make ``changes`` together (the admin's tenant page saves several rows at once), after
-    ``memberships_check``."""
+    ``memberships_check`` of ``actor``'s rights (None: none asked for), each in the audit log
+    as ``actor``'s (or ``audit_actor``'s, where the rights were not asked for)."""
     # One membership change per tenant at a time: two admins each removing one of two owners
     # would otherwise both see an owner left.
     Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
     memberships_check(tenant=tenant, changes=changes, actor=actor)
     for change in changes:
+        previous = (
+            Membership.objects.filter(tenant=tenant, user=change.user)
+            .values_list("role", flat=True)
+            .first()
+        )
+        if previous == change.role:
+            continue
         if change.role is None:
             Membership.objects.filter(tenant=tenant, user=change.user).delete()
         else:
             Membership.objects.update_or_create(
                 tenant=tenant, user=change.user, defaults={"role": change.role}
             )
+        audit_record(
+            action=_MEMBERSHIP_ACTIONS[previous is None, change.role is None],
+            actor=actor or audit_actor,
+            target=change.user,
+            tenant=tenant,
+            changes={"role": [previous, change.role]},
+        )
+
+
+# (was not a member, is not one now) -> what the change was
+_MEMBERSHIP_ACTIONS = {
+    (True, False): AuditEvent.Action.MEMBER_ADDED,
+    (False, False): AuditEvent.Action.MEMBER_ROLE_CHANGED,
+    (False, True): AuditEvent.Action.MEMBER_REMOVED,
+}
 
 
 def membership_set(
-    *, tenant: Tenant, user: AbstractBaseUser, role: str, actor: AbstractBaseUser | None
+    *,
+    tenant: Tenant,
+    user: AbstractBaseUser,
+    role: str,
+    actor: AbstractBaseUser | None,
+    audit_actor: AbstractBaseUser | None = None,
 ) -> Membership:
     """Give ``user`` the ``role`` in ``tenant``, creating the membership if needed."""
-    memberships_apply(tenant=tenant, changes=[MembershipChange(user, role)], actor=actor)
+    memberships_apply(
+        tenant=tenant,
+        changes=[MembershipChange(user, role)],
+        actor=actor,
+        audit_actor=audit_actor,
+    )
     return Membership.objects.get(tenant=tenant, user=user)
 
 
@@ -410,10 +490,18 @@ def users_removal_check(*, users: list[AbstractBaseUser]) -> None:
 
 
 @transaction.atomic
-def user_deactivate(*, user: AbstractBaseUser) -> None:
+def user_deactivate(*, user: AbstractBaseUser, actor: AbstractBaseUser | None = None) -> None:
     """Deactivate a user, unless that leaves a tenant without an owner."""
     tenant_ids = Membership.objects.filter(user=user, role=Membership.Role.OWNER).values("tenant")
     list(Tenant.objects.select_for_update().filter(pk__in=tenant_ids))
     users_removal_check(users=[user])
+    if not user.is_active:
+        return
     user.is_active = False
     user.save(update_fields=["is_active"])
+    audit_record(
+        action=AuditEvent.Action.USER_UPDATED,
+        actor=actor,
+        target=user,
+        changes={"is_active": [True, False]},
+    )

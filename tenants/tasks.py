@@ -1,4 +1,5 @@
-"""Background work on usage: roll-ups for the dashboards and retention of old rows."""
+"""Background work on usage: roll-ups for the dashboards and retention of old rows (usage
+and the audit log)."""
 
 from datetime import timedelta
 
@@ -6,7 +7,7 @@ from celery import shared_task
 from django.conf import settings
 from django.utils import timezone
 
-from tenants.models import RefusalCount, UsageRecord, UsageRollup
+from tenants.models import AuditEvent, RefusalCount, UsageRecord, UsageRollup
 from tenants.rollups import rollup_pending
 
 
@@ -32,3 +33,16 @@ def purge_old_usage() -> dict[str, int]:
         hour__lt=now - timedelta(days=settings.ROLLUP_RETENTION_DAYS)
     ).delete()
     return {"usage_records": records, "usage_rollups": rollups, "refusal_counts": refusals}
+
+
+@shared_task(name="tenants.purge_old_audit_events")
+def purge_old_audit_events() -> int:
+    """Delete audit events older than AUDIT_RETENTION_DAYS (0 keeps them forever); the number
+    deleted."""
+    days = settings.AUDIT_RETENTION_DAYS
+    if not days:
+        return 0
+    deleted, _ = AuditEvent.objects.filter(
+        created_at__lt=timezone.now() - timedelta(days=days)
+    ).delete()
+    return deleted

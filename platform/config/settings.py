@@ -11,6 +11,7 @@ Two modes share this file:
 Every variable is listed in the README's configuration table.
 """
 
+import ipaddress
 import os
 import secrets
 from pathlib import Path
@@ -98,7 +99,16 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "tenants.audit.AuditMiddleware",
 ]
+# Proxies (addresses or networks) whose X-Forwarded-For names the client, for the audit log's
+# addresses; behind a TLS proxy on another host, name it here.
+FORWARDED_ALLOW_IPS = env_list("FORWARDED_ALLOW_IPS", ["127.0.0.1", "::1"])
+for _proxy in FORWARDED_ALLOW_IPS:  # a typo stops start-up, not every request
+    try:
+        ipaddress.ip_network(_proxy, strict=False)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"FORWARDED_ALLOW_IPS: {exc}") from None
 
 # Flash messages live in the session (on the server), not in a cookie: the admin's message
 # carries a new API key to the next page, and a cookie is signed but not encrypted.
@@ -210,6 +220,7 @@ BATCH_SWEEP_SECONDS = float(os.environ.get("BATCH_SWEEP_SECONDS", "60"))
 CELERY_BEAT_SCHEDULE = {
     "rollup-usage": {"task": "tenants.rollup_usage", "schedule": 300.0},
     "purge-old-usage": {"task": "tenants.purge_old_usage", "schedule": 24 * 3600.0},
+    "purge-old-audit-events": {"task": "tenants.purge_old_audit_events", "schedule": 24 * 3600.0},
     "poll-engine-health": {"task": "serving.poll_engine_health", "schedule": 15.0},
     "purge-old-conversations": {"task": "chat.purge_old_conversations", "schedule": 24 * 3600.0},
     "purge-empty-conversations": {"task": "chat.purge_empty_conversations", "schedule": 3600.0},
@@ -228,6 +239,7 @@ CELERY_WORKER_ARGS = os.environ.get("CELERY_WORKER_ARGS", "--concurrency 2")
 USAGE_RETENTION_DAYS = int(os.environ.get("USAGE_RETENTION_DAYS", "400"))
 ROLLUP_RETENTION_DAYS = int(os.environ.get("ROLLUP_RETENTION_DAYS", "1100"))
 CHAT_RETENTION_DAYS = int(os.environ.get("CHAT_RETENTION_DAYS", "0"))  # 0: keep forever
+AUDIT_RETENTION_DAYS = int(os.environ.get("AUDIT_RETENTION_DAYS", "1100"))  # 0: keep forever
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 

@@ -28,11 +28,7 @@ class DateRangeForm(forms.Form):
 
     def clean(self) -> dict:
         cleaned = super().clean()
-        latest = self.today + timedelta(days=MAX_RANGE_DAYS)
-        for name in ("start", "end"):
-            value = cleaned.get(name)
-            if value is not None and not EARLIEST_DATE <= value <= latest:
-                self.add_error(name, f"Pick a date from {EARLIEST_DATE} to {latest}.")
+        _check_dates(self, cleaned)
         return cleaned
 
     def date_range(self) -> DateRange:
@@ -68,6 +64,39 @@ class EndUserForm(forms.Form):
         return _labelled_errors(self)
 
 
+class AuditFilterForm(forms.Form):
+    """What an audit log page shows: an action, a user's name, a first and a last day; each
+    optional (none shows every event, newest first)."""
+
+    action = forms.ChoiceField(required=False)
+    actor = forms.CharField(required=False, max_length=150, label="User")
+    start = forms.DateField(required=False, input_formats=["%Y-%m-%d"], label="From")
+    end = forms.DateField(required=False, input_formats=["%Y-%m-%d"], label="To")
+
+    def __init__(self, data: object, *, actions: list[tuple[str, str]], today: date) -> None:
+        super().__init__(data)
+        self.fields["action"].choices = [("", "Any action"), *actions]
+        self.today = today
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        _check_dates(self, cleaned)
+        return cleaned
+
+    def filters(self) -> dict:
+        """The valid filters (an invalid one is left unset, a backwards range swapped), as
+        ``audit_selectors.audit_filter`` takes them."""
+        self.is_valid()
+        filters = dict(self.cleaned_data)
+        start, end = filters.get("start"), filters.get("end")
+        if start is not None and end is not None and start > end:
+            filters["start"], filters["end"] = end, start
+        return filters
+
+    def error_messages(self) -> list[str]:
+        return _labelled_errors(self)
+
+
 class ApiKeyCreateForm(forms.Form):
     name = forms.CharField(max_length=200, required=False)
     expires_in_days = forms.IntegerField(
@@ -76,6 +105,15 @@ class ApiKeyCreateForm(forms.Form):
 
     def error_messages(self) -> list[str]:
         return _labelled_errors(self)
+
+
+def _check_dates(form: DateRangeForm | AuditFilterForm, cleaned: dict) -> None:
+    """Refuse a ``start`` or ``end`` too far from the form's ``today`` for date arithmetic."""
+    latest = form.today + timedelta(days=MAX_RANGE_DAYS)
+    for name in ("start", "end"):
+        value = cleaned.get(name)
+        if value is not None and not EARLIEST_DATE <= value <= latest:
+            form.add_error(name, f"Pick a date from {EARLIEST_DATE} to {latest}.")
 
 
 def _labelled_errors(form: forms.Form) -> list[str]:

@@ -1,6 +1,6 @@
 from django.urls import include, path
 
-from console import batches, views
+from console import audit, batches, views
 
 app_name = "console"
 
@@ -13,4 +13,5 @@ urlpatterns = [
     path("t/<slug:slug>/keys/", views.keys, name="keys"),
     path("t/<slug:slug>/members/", views.members, name="members"),
     path("t/<slug:slug>/batches/", include(batches.urlpatterns)),
+    *audit.urlpatterns,
 ]

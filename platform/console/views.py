@@ -31,7 +31,10 @@ def _range_form(request: HttpRequest) -> forms.DateRangeForm:
     return forms.DateRangeForm(request.GET, today=timezone.now().date())
 
 
-def _refuse(request: HttpRequest, *filter_forms: forms.DateRangeForm | forms.EndUserForm) -> int:
+def _refuse(
+    request: HttpRequest,
+    *filter_forms: forms.DateRangeForm | forms.EndUserForm | forms.AuditFilterForm,
+) -> int:
     """Show why a filter was refused (the page shows it unset: the default range, every end
     user); the status."""
     errors = [message for form in filter_forms for message in form.error_messages()]
@@ -170,7 +173,9 @@ def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     elif action == "revoke":
         key_id = forms.object_id(request.POST.get("key_id"))
         try:
-            api_key = services.api_key_revoke_by_id(tenant=tenant, api_key_id=key_id)
+            api_key = services.api_key_revoke_by_id(
+                tenant=tenant, api_key_id=key_id, actor=request.user
+            )
         except ApiKey.DoesNotExist:
             raise Http404("No such key") from None
         messages.success(request, f"Revoked {api_key.display_prefix}.")
@@ -272,7 +277,7 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
         if action == "register":
             endpoints = request.POST.get("endpoints", "").split()
             deployment = serving_services.deployment_register(
-                name=request.POST.get("name", "").strip(), endpoints=endpoints
+                name=request.POST.get("name", "").strip(), endpoints=endpoints, actor=request.user
             )
             messages.success(request, f"Registered {deployment.name}: checking its replicas…")
         elif action in ("load", "unload"):
@@ -282,11 +287,12 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
                 endpoint=endpoint,
                 action=action,
                 model=request.POST.get("model"),
+                actor=request.user,
             )
             messages.success(request, f"{action.title()} requested on {endpoint}.")
         elif action in ("enable", "disable"):
             deployment = serving_services.deployment_set_enabled(
-                deployment_id=deployment_id, is_enabled=action == "enable"
+                deployment_id=deployment_id, is_enabled=action == "enable", actor=request.user
             )
             messages.success(request, f"{deployment.name} is {action}d.")
     except ValidationError as exc:

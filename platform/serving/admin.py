@@ -1,10 +1,12 @@
 from django.contrib import admin
 
 from serving.models import ModelDeployment
+from tenants.audit_admin import AuditedAdmin
 
 
 @admin.register(ModelDeployment)
-class ModelDeploymentAdmin(admin.ModelAdmin):
+class ModelDeploymentAdmin(AuditedAdmin):
+    audit_prefix = "deployment"
     list_display = (
         "name",
         "is_enabled",

@@ -1,14 +1,24 @@
-"""Writes to the deployment registry, and requests to load or unload a replica's model."""
+"""Writes to the deployment registry, and requests to load or unload a replica's model.
+
+Each change, and each request, goes to the audit log as ``actor``'s (None: the platform
+itself, as ``make run`` registering its engine)."""
 
 import re
 
+from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from serving.models import ModelDeployment, served_name_validator, validate_endpoints
 from serving.tasks import control_engine
+from tenants.audit import audit_record, field_changes, model_values
+from tenants.models import AuditEvent
 
-CONTROL_ACTIONS = ("load", "unload")
+CONTROL_ACTIONS = {
+    "load": AuditEvent.Action.REPLICA_LOAD,
+    "unload": AuditEvent.Action.REPLICA_UNLOAD,
+}
+DEPLOYMENT_AUDITED_FIELDS = ("name", "endpoints", "description", "max_context", "is_enabled")
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -20,13 +30,20 @@ def deployment_register(
     description: str = "",
     max_context: int | None = None,
     is_enabled: bool = True,
+    actor: AbstractBaseUser | None = None,
 ) -> ModelDeployment:
     """Create or update the deployment called ``name``. Its health is unknown until the next
     poll: what was polled before (say, before ``make run`` restarted its engine) no longer
-    says anything about these endpoints."""
+    says anything about these endpoints. A registration that changes nothing (``make run``
+    starting again) is not in the audit log."""
     served_name_validator(name)  # before the look-up: the database refuses a NUL in it
     validate_endpoints(endpoints)
-    deployment = ModelDeployment.objects.filter(name=name).first() or ModelDeployment(name=name)
+    existing = ModelDeployment.objects.select_for_update().filter(name=name).first()
+    deployment = existing or ModelDeployment(name=name)
+    before = {} if deployment.pk is None else model_values(deployment, DEPLOYMENT_AUDITED_FIELDS)
+    action = (
+        AuditEvent.Action.DEPLOYMENT_UPDATED if before else AuditEvent.Action.DEPLOYMENT_CREATED
+    )
     deployment.endpoints = endpoints
     deployment.health = ModelDeployment.Health.UNKNOWN
     deployment.replicas = {}
@@ -36,20 +53,39 @@ def deployment_register(
     deployment.is_enabled = is_enabled
     deployment.full_clean()
     deployment.save()
+    changes = field_changes(before, model_values(deployment, DEPLOYMENT_AUDITED_FIELDS))
+    if changes:
+        audit_record(action=action, actor=actor, target=deployment, changes=changes)
     return deployment
 
 
-def deployment_set_enabled(*, deployment_id: int | None, is_enabled: bool) -> ModelDeployment:
+@transaction.atomic
+def deployment_set_enabled(
+    *, deployment_id: int | None, is_enabled: bool, actor: AbstractBaseUser | None = None
+) -> ModelDeployment:
     """Open the deployment to requests or close it; raises ``ModelDeployment.DoesNotExist``
     for no such deployment."""
-    deployment = ModelDeployment.objects.get(pk=deployment_id)
-    deployment.is_enabled = is_enabled
-    deployment.save(update_fields=["is_enabled"])
+    deployment = ModelDeployment.objects.select_for_update().get(pk=deployment_id)
+    if deployment.is_enabled != is_enabled:
+        deployment.is_enabled = is_enabled
+        deployment.save(update_fields=["is_enabled"])
+        audit_record(
+            action=AuditEvent.Action.DEPLOYMENT_UPDATED,
+            actor=actor,
+            target=deployment,
+            changes={"is_enabled": [not is_enabled, is_enabled]},
+        )
     return deployment
 
 
+@transaction.atomic
 def deployment_control_request(
-    *, deployment_id: int | None, endpoint: str, action: str, model: str | None = None
+    *,
+    deployment_id: int | None,
+    endpoint: str,
+    action: str,
+    model: str | None = None,
+    actor: AbstractBaseUser | None = None,
 ) -> ModelDeployment:
     """Queue ``action`` ("load" the model directory ``model``, or "unload") for the replica at
     ``endpoint``; the ``serving.control_engine`` task sends it and records how it goes.
@@ -68,5 +104,12 @@ def deployment_control_request(
         raise ValidationError("Give the model directory to load.")
     if model is not None and _CONTROL_CHARACTER.search(model):
         raise ValidationError("A model directory's path holds no control characters.")
+    audit_record(
+        action=CONTROL_ACTIONS[action],
+        actor=actor,
+        target=deployment,
+        changes=field_changes({}, {"endpoint": endpoint, "model": model}),
+    )
+    # a request the broker did not take leaves no event
     control_engine.delay(deployment.pk, endpoint, action, model)
     return deployment
