@@ -182,16 +182,19 @@ def api_key_issue(
 @transaction.atomic
 def api_key_revoke(*, api_key: ApiKey, actor: AbstractBaseUser | None = None) -> ApiKey:
     """Revoke the key, once: a key revoked already (here or by a revocation at the same
-    time) keeps its time, and its revocation is in the audit log once."""
-    now = timezone.now()
-    if ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now):
+    time) keeps its time, and its revocation is in the audit log once. Saved, not updated,
+    so that the API's caches hear of it (``gateway.authorization``)."""
+    stored = ApiKey.objects.select_for_update().get(pk=api_key.pk)
+    if stored.revoked_at is None:
+        stored.revoked_at = timezone.now()
+        stored.save(update_fields=["revoked_at"])
         audit_record(
             action=AuditEvent.Action.API_KEY_REVOKED,
             actor=actor,
-            target=api_key,
+            target=stored,
             tenant=api_key.tenant,
         )
-    api_key.revoked_at = ApiKey.objects.values_list("revoked_at", flat=True).get(pk=api_key.pk)
+    api_key.revoked_at = stored.revoked_at
     return api_key
 
 

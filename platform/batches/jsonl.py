@@ -1,7 +1,8 @@
 """A batch input file, checked line by line as OpenAI checks it on upload."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import msgspec
 
@@ -77,6 +78,25 @@ def _holds_nul(value: object) -> bool:
         elif isinstance(value, list):
             pending.extend(value)
     return False
+
+
+READ_CHUNK_BYTES = 1 << 16
+
+
+def split_lines(stream: BinaryIO) -> Iterator[bytes]:
+    """The stream's lines, split at line feeds only, as JSON Lines separates documents: a
+    carriage return is JSON whitespace (a CRLF file's lines keep theirs, which parsing
+    ignores), where Python's file iteration would split at it too."""
+    start: list[bytes] = []  # the line read so far, in chunks (one line may span many)
+    while chunk := stream.read(READ_CHUNK_BYTES):
+        *lines, rest = chunk.split(b"\n")
+        if lines:
+            lines[0] = b"".join([*start, lines[0]])
+            yield from lines
+            start = []
+        start.append(rest)
+    if tail := b"".join(start):
+        yield tail
 
 
 def parse_lines(raw_lines: Iterable[bytes]) -> list[InputLine]:

@@ -11,8 +11,12 @@ finished line: once its lease runs out, the sweep starts another runner, which s
 done and runs again what was left running, under the same request ids where the first run
 was not metered or was metered whole (``batches.services.batch_request_next_id``).
 
-A cancelled batch takes no new line; lines in flight run to their end. A line refused for a
-while (a rate limit, no ready replica) waits and tries again within the batch's window.
+A cancelled batch takes no new line; lines in flight run to their end, under the runner's
+lease, which it renews until its last line ends. So do the lines a dead runner had metered
+whole but not written (``batches.services.batch_request_is_owed``): the tenant has paid for
+their answers, and the next runner runs them again first, cancelled or expired batch or not.
+A line refused for a while (a rate limit, no ready replica) waits and tries again within the
+batch's window.
 
 Each line is authorized as the online API would authorize it then: once the key that created
 the batch is revoked, expires or is deleted, or its tenant is deactivated, the lines not yet
@@ -76,7 +80,7 @@ def batch_run(*, batch_id: str) -> str:
     try:
         batch = services.batch_validate(batch=batch)
         services.batch_requests_resume(batch=batch)
-        if batch.status == Batch.Status.IN_PROGRESS:
+        if batch.status in (Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING):
             asyncio.run(BatchRun(batch, _credentials_of(batch), runner).run())
         return services.batch_finish(batch=batch, runner=runner).status
     finally:
@@ -119,22 +123,25 @@ class BatchRun:
         self.max_in_flight = settings.BATCH_MAX_IN_FLIGHT
         self.lease_seconds = settings.BATCH_LEASE_SECONDS
         self.is_stopping = False  # cancelled, or the lease lost: take no new line
+        self.has_lease = True  # False: another runner has the batch, take no line at all
         self._callers: dict[str, Caller | None] = {}  # model -> its caller (None: no access)
 
     async def run(self) -> None:
         heartbeat = asyncio.create_task(self._keep_lease())
         in_flight: set[asyncio.Task] = set()
         try:
-            async for request in self._pending():
+            async for request, is_owed in self._pending():
                 while len(in_flight) >= self.max_in_flight:
                     done, in_flight = await asyncio.wait(
                         in_flight, return_when=asyncio.FIRST_COMPLETED
                     )
                     _raise_failures(done)
-                if self.is_stopping:
+                if not self.has_lease or (self.is_stopping and not is_owed):
                     break
                 request_id = await _next_id(request, new_response_id(self.kind))
                 if not await _claim(request, request_id):
+                    if is_owed:
+                        continue
                     break  # cancelled or expired meanwhile
                 request.request_id = request_id
                 in_flight.add(asyncio.create_task(self._run_line(request)))
@@ -146,21 +153,30 @@ class BatchRun:
             await asyncio.gather(heartbeat, *in_flight, return_exceptions=True)
             get_pool().close()
 
-    async def _pending(self) -> AsyncIterator[BatchRequest]:
+    async def _pending(self) -> AsyncIterator[tuple[BatchRequest, bool]]:
+        """The lines to run, each with whether it is owed its answer: the owed first, then
+        the pending by line number."""
+        for request in await _owed(self.batch):
+            yield request, True
         after_line = 0
         while page := await _pending_page(self.batch, after_line):
             for request in page:
-                yield request
+                yield request, False
             after_line = page[-1].line_number
 
     async def _keep_lease(self) -> None:
-        """Renew the lease while the run lasts; stop taking lines once the batch is no longer
-        in progress (cancelled) or the lease could not be renewed."""
+        """Renew the lease until the run ends, its lines in flight included (the pass cancels
+        this once they have): stop taking new lines once the batch is no longer in progress
+        (cancelled), and any line once the lease is lost."""
         try:
-            while not self.is_stopping:
+            while True:
                 await asyncio.sleep(self.lease_seconds / 3)
                 status = await _renew(self.batch, self.runner, self.lease_seconds)
-                self.is_stopping = status != Batch.Status.IN_PROGRESS
+                if status != Batch.Status.IN_PROGRESS:
+                    self.is_stopping = True
+                if status is None:
+                    self.has_lease = False
+                    return
         finally:
             self.is_stopping = True
 
@@ -269,6 +285,11 @@ def _caller_of(tenant: Tenant, api_key: ApiKey, model: str) -> Caller | None:
 @database_worker
 def _pending_page(batch: Batch, after_line: int) -> list[BatchRequest]:
     return selectors.batch_requests_pending(batch=batch, after_line=after_line, limit=PAGE_SIZE)
+
+
+@database_worker
+def _owed(batch: Batch) -> list[BatchRequest]:
+    return selectors.batch_requests_owed(batch=batch)
 
 
 @database_worker

@@ -1,6 +1,7 @@
 """Reads. Every selector of a tenant's objects takes the tenant and filters by it: another
 tenant's id is ``DoesNotExist``, exactly like an id that never existed. The runner's reads
-(``batches_unattended``, ``batch_requests_pending``) are the platform's own, across tenants."""
+(``batches_unattended``, ``batch_requests_pending``, ``batch_requests_owed``) are the
+platform's own, across tenants."""
 
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,7 @@ from django.utils import timezone
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage
 from config.json_text import NUL
+from tenants.models import UsageRecord
 
 READ_CHUNK_BYTES = 256 * 1024
 
@@ -84,6 +86,20 @@ def batches_unattended() -> list[str]:
         .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
         .order_by("created_at")
         .values_list("id", flat=True)
+    )
+
+
+def batch_requests_owed(*, batch: Batch) -> list[BatchRequest]:
+    """The batch's pending lines whose last run was metered whole (``batch_request_is_owed``),
+    by line number."""
+    metered = UsageRecord.objects.filter(
+        tenant_id=batch.tenant_id, status=UsageRecord.Status.OK
+    ).values("request_id")
+    return list(
+        BatchRequest.objects.filter(batch=batch, status=BatchRequest.Status.PENDING)
+        .exclude(request_id="")
+        .filter(request_id__in=metered)
+        .order_by("line_number")
     )
 
 

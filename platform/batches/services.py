@@ -15,7 +15,14 @@ from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from batches.estimate import line_input_tokens
-from batches.jsonl import ENDPOINTS, InputLineError, encode_lines, parse_lines
+from batches.jsonl import (
+    ENDPOINTS,
+    InputLine,
+    InputLineError,
+    encode_lines,
+    parse_lines,
+    split_lines,
+)
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage, max_file_bytes
 from config.json_text import NUL
@@ -71,7 +78,7 @@ def file_create(*, tenant: Tenant, upload: DjangoFile, purpose: str) -> File:
         )
     upload.seek(0)
     try:
-        lines = parse_lines(upload)
+        lines = parse_lines(split_lines(upload))
     except InputLineError as exc:
         raise InvalidRequest(
             f"Invalid batch input file: {exc}", param="file", code="invalid_file"
@@ -191,9 +198,9 @@ def batch_create(
     ``QueueFull`` for now, ``InvalidRequest`` when the batch alone is over it."""
     if api_key is not None and api_key.tenant_id != tenant.pk:
         raise ValueError("The API key belongs to another tenant.")
-    if endpoint not in ENDPOINTS:
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
         raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
-    if completion_window not in COMPLETION_WINDOWS:
+    if not isinstance(completion_window, str) or completion_window not in COMPLETION_WINDOWS:
         raise InvalidRequest("'completion_window' must be '24h'.", param="completion_window")
     checked_metadata = _check_metadata(metadata)
     if not isinstance(input_file_id, str):
@@ -244,11 +251,40 @@ def _fail(batch: Batch, errors: list[dict]) -> Batch:
     return batch
 
 
+def _mismatch(batch: Batch, lines: list[InputLine]) -> dict | None:
+    """OpenAI's error for the first line that calls another endpoint than the batch's, or
+    another model than the file's first line that names one (a batch runs one model)."""
+    model = None
+    for line in lines:
+        if line.url != batch.endpoint:
+            return {
+                "code": "mismatched_endpoint",
+                "message": f"The line's url {line.url} is not the batch's endpoint "
+                f"{batch.endpoint}.",
+                "param": "url",
+                "line": line.line_number,
+            }
+        line_model = line.body.get("model")
+        if not isinstance(line_model, str):
+            continue  # the line's own answer says what is wrong with it
+        if model is None:
+            model = line_model
+        elif line_model != model:
+            return {
+                "code": "mismatched_model",
+                "message": f"The line's model '{line_model}' is not the file's model '{model}': "
+                "a batch's requests all call one model.",
+                "param": "body.model",
+                "line": line.line_number,
+            }
+    return None
+
+
 @transaction.atomic
 def batch_validate(*, batch: Batch) -> Batch:
     """Turn a ``validating`` batch's input file into one pending request per line and start
-    it, or fail it with OpenAI's ``errors`` when a line calls another endpoint. Does nothing to
-    a batch past validating, so a worker may call it again after a crash."""
+    it, or fail it with OpenAI's ``errors`` when a line calls another endpoint or model. Does
+    nothing to a batch past validating, so a worker may call it again after a crash."""
     batch = Batch.objects.select_for_update().get(pk=batch.pk)
     if batch.status != Batch.Status.VALIDATING:
         return batch
@@ -266,21 +302,10 @@ def batch_validate(*, batch: Batch) -> Batch:
             ],
         )
     with file_storage().open(input_file.storage_name, "rb") as stream:
-        lines = parse_lines(stream)
-    for line in lines:
-        if line.url != batch.endpoint:
-            return _fail(
-                batch,
-                [
-                    {
-                        "code": "mismatched_endpoint",
-                        "message": f"The line's url {line.url} is not the batch's endpoint "
-                        f"{batch.endpoint}.",
-                        "param": "url",
-                        "line": line.line_number,
-                    }
-                ],
-            )
+        lines = parse_lines(split_lines(stream))
+    error = _mismatch(batch, lines)
+    if error is not None:
+        return _fail(batch, [error])
     BatchRequest.objects.bulk_create(
         [
             BatchRequest(
@@ -378,17 +403,31 @@ def batch_request_rename(*, request: BatchRequest, request_id: str) -> None:
     )
 
 
+def batch_request_is_owed(*, request: BatchRequest) -> bool:
+    """Whether the line's last run was metered whole (its runner died after the usage record,
+    before the result): the tenant paid for an answer it has not had."""
+    return bool(request.request_id) and (
+        UsageRecord.objects.filter(
+            tenant_id=request.tenant_id,
+            request_id=request.request_id,
+            status=UsageRecord.Status.OK,
+        ).exists()
+    )
+
+
 def batch_request_claim(*, request: BatchRequest, request_id: str) -> bool:
     """Mark a pending line running under ``request_id``, if its batch still takes lines (in
-    progress, not cancelled, within its window)."""
-    return bool(
-        BatchRequest.objects.filter(
-            pk=request.pk,
-            status=BatchRequest.Status.PENDING,
-            batch__status=Batch.Status.IN_PROGRESS,
-            batch__expires_at__gt=timezone.now(),
-        ).update(status=BatchRequest.Status.RUNNING, request_id=request_id)
-    )
+    progress, not cancelled, within its window), or if the line is owed its answer
+    (``batch_request_is_owed``) and runs again under the same id: a line in flight when its
+    runner died runs to its end as lines in flight at a cancel or at the window's end do."""
+    lines = BatchRequest.objects.filter(pk=request.pk, status=BatchRequest.Status.PENDING)
+    if request_id == request.request_id and batch_request_is_owed(request=request):
+        lines = lines.filter(batch__status__in=ACTIVE_STATUSES)
+    else:
+        lines = lines.filter(
+            batch__status=Batch.Status.IN_PROGRESS, batch__expires_at__gt=timezone.now()
+        )
+    return bool(lines.update(status=BatchRequest.Status.RUNNING, request_id=request_id))
 
 
 def batch_request_unclaim(*, request: BatchRequest) -> None:

@@ -58,3 +58,20 @@ def test_a_byte_order_mark_at_the_start_of_the_file_is_read_past():
     """Windows' editors write one; the first line was "not a JSON object"."""
     raw = b"\xef\xbb\xbf" + jsonl([request_line("a"), request_line("b")])
     assert [line.custom_id for line in parse_lines(raw.splitlines(keepends=True))] == ["a", "b"]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 1 << 16])
+def test_lines_split_at_line_feeds_only(monkeypatch, chunk_bytes):
+    """JSON Lines separates documents by LF; a CR is JSON whitespace. Python's file iteration
+    (which the upload and the validation used) split a valid line at a CR between tokens."""
+    import io
+
+    from batches import jsonl as jsonl_module
+
+    monkeypatch.setattr(jsonl_module, "READ_CHUNK_BYTES", chunk_bytes)
+    with_cr = jsonl([request_line("a")]).replace(b', "method"', b',\r"method"')
+    raw = with_cr + b"\r\n" + jsonl([request_line("b")]).rstrip(b"\n")  # CRLF, no last LF
+
+    lines = parse_lines(jsonl_module.split_lines(io.BytesIO(raw)))
+
+    assert [(line.custom_id, line.line_number) for line in lines] == [("a", 1), ("b", 3)]

@@ -106,6 +106,9 @@ def test_a_new_batch_waits_to_be_validated(tenant, file_storage_dir):
         ("metadata", {"k": 1}),
         ("metadata", {str(n): "v" for n in range(17)}),
         ("input_file_id", "file-missing"),
+        ("completion_window", ["24h"]),  # unhashable: it was a 500
+        ("completion_window", {"24h": 1}),
+        ("endpoint", ["/v1/chat/completions"]),
     ],
 )
 def test_a_batch_request_with_a_bad_field_names_it(tenant, file_storage_dir, field, value):
@@ -164,6 +167,22 @@ def test_a_line_for_another_endpoint_fails_the_batch(tenant, file_storage_dir):
     assert batch.status == Batch.Status.FAILED and batch.failed_at is not None
     assert batch.errors[0]["code"] == "mismatched_endpoint" and batch.errors[0]["line"] == 2
     assert not BatchRequest.objects.exists()
+
+
+def test_a_file_calling_two_models_fails_the_batch_as_openai_does(tenant, file_storage_dir):
+    """OpenAI: each input file may hold requests to one model only."""
+    other_model = request_line("c")
+    other_model["body"]["model"] = "another-model"
+    no_model = request_line("b")
+    del no_model["body"]["model"]  # its own answer names the missing field
+    file = _upload(tenant, [request_line("a"), no_model, other_model])
+
+    batch = services.batch_validate(batch=_batch(tenant, file))
+
+    assert batch.status == Batch.Status.FAILED
+    [error] = batch.errors
+    assert (error["code"], error["line"], error["param"]) == ("mismatched_model", 3, "body.model")
+    assert "another-model" in error["message"] and not BatchRequest.objects.exists()
 
 
 def test_a_running_batch_can_be_cancelled_and_a_finished_one_not(tenant, file_storage_dir):

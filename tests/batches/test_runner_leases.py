@@ -1,0 +1,179 @@
+"""The batch runner's lease, cancel and resume rules, with each line's answer made up
+(``BatchRun._answer``): no engine is needed to see which lines run, and which answers reach
+the output file."""
+
+import asyncio
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db import connections
+from django.utils import timezone
+
+from batches import runner as batch_runner
+from batches import services as batch_services
+from batches.models import Batch, BatchRequest, File
+from batches.selectors import batches_unattended
+from batches.storage import file_storage
+from tenants import services
+from tenants.models import UsageRecord
+from tests.batches.conftest import jsonl, request_line
+from tests.usage_records import usage_record_add
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def world(file_storage_dir, monkeypatch):
+    """A tenant and key, and the custom ids of the lines answered, in order."""
+    monkeypatch.setattr(batch_services, "_queue_run", lambda batch_id: None)
+    tenant = services.tenant_create(slug="acme")
+    api_key, _ = services.api_key_create(tenant=tenant, name="k")
+    answered: list[str] = []
+
+    async def made_up_answer(self, request):
+        answered.append(request.custom_id)
+        return _ok(request)
+
+    monkeypatch.setattr(batch_runner.BatchRun, "_answer", made_up_answer)
+    return tenant, api_key, answered
+
+
+def _ok(request: BatchRequest) -> dict:
+    body = {"id": request.request_id, "object": "chat.completion"}
+    return {"status_code": 200, "request_id": request.request_id, "body": body}
+
+
+def _batch(tenant, api_key, n: int = 3) -> Batch:
+    upload = SimpleUploadedFile("in.jsonl", jsonl([request_line(f"r{i}") for i in range(n)]))
+    file = batch_services.file_create(tenant=tenant, upload=upload, purpose="batch")
+    return batch_services.batch_create(
+        tenant=tenant,
+        api_key=api_key,
+        input_file_id=file.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+
+
+def _custom_ids(file_id: str | None) -> list[str]:
+    if file_id is None:
+        return []
+    with file_storage().open(File.objects.get(pk=file_id).storage_name, "rb") as stream:
+        return sorted(json.loads(line)["custom_id"] for line in stream.read().splitlines())
+
+
+def test_lines_in_flight_at_a_cancel_finish_under_a_lease_kept(world, settings, monkeypatch):
+    """The runner stopped renewing its lease at the cancel while its lines still ran: the
+    sweep gave the batch to another runner, which ended it cancelled under them, and their
+    answers (already metered) were dropped."""
+    tenant, api_key, answered = world
+    settings.BATCH_LEASE_SECONDS = 0.6  # renewed every 0.2 s
+    settings.BATCH_MAX_IN_FLIGHT = 2
+    release = threading.Event()
+
+    async def long_answer(self, request):
+        answered.append(request.custom_id)
+        while not release.is_set():
+            await asyncio.sleep(0.02)
+        return _ok(request)
+
+    monkeypatch.setattr(batch_runner.BatchRun, "_answer", long_answer)
+    batch = _batch(tenant, api_key, n=5)
+    outcome = {}
+
+    def first_runner():
+        try:
+            outcome["first"] = batch_runner.batch_run(batch_id=batch.id)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=first_runner)
+    thread.start()
+    try:
+        while len(answered) < 2:
+            time.sleep(0.02)
+        batch_services.batch_cancel(batch=batch)
+        time.sleep(2.0)  # three leases: one not renewed has run out
+        unattended = batches_unattended()
+        second = batch_runner.batch_run(batch_id=batch.id)
+    finally:
+        release.set()
+        thread.join()
+
+    batch.refresh_from_db()
+    assert batch.id not in unattended and second == "held"
+    assert outcome["first"] == "cancelled" == batch.status
+    assert _custom_ids(batch.output_file_id) == sorted(answered) == ["r0", "r1"]
+
+
+def _left_by_a_dead_runner(tenant, api_key, batch: Batch) -> Batch:
+    """r0 ran to its end (its usage record written, ok) under a runner that died before
+    writing r0's result: r0 is left running, the lease held by nobody alive."""
+    batch = batch_services.batch_validate(batch=batch)
+    BatchRequest.objects.filter(batch=batch, custom_id="r0").update(
+        status=BatchRequest.Status.RUNNING, request_id="chatcmpl-dead0"
+    )
+    now = timezone.now()
+    usage_record_add(
+        request_id="chatcmpl-dead0",
+        tenant=tenant,
+        api_key=api_key,
+        model="m",
+        source=UsageRecord.Source.BATCH,
+        status=UsageRecord.Status.OK,
+        started_at=now,
+        finished_at=now,
+        prompt_tokens=10,
+        completion_tokens=4,
+    )
+    Batch.objects.filter(pk=batch.pk).update(runner="dead", lease_until=now - timedelta(seconds=1))
+    return batch
+
+
+@pytest.mark.parametrize("ending", ["expired", "cancelled"])
+def test_a_line_a_dead_runner_metered_gets_its_answer_whatever_the_batch_became(world, ending):
+    """It was in flight: it runs to its end again, under the same request id (not charged
+    twice), though the batch takes no new line."""
+    tenant, api_key, answered = world
+    batch = _left_by_a_dead_runner(tenant, api_key, _batch(tenant, api_key))
+    if ending == "expired":
+        Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now())
+    else:
+        batch_services.batch_cancel(batch=batch)
+
+    assert batch_runner.batch_run(batch_id=batch.id) == ending
+
+    batch.refresh_from_db()
+    assert answered == ["r0"] and _custom_ids(batch.output_file_id) == ["r0"]
+    r0 = BatchRequest.objects.get(batch=batch, custom_id="r0")
+    assert r0.request_id == "chatcmpl-dead0" and r0.status == BatchRequest.Status.COMPLETED
+
+
+def test_a_line_a_dead_runner_metered_runs_first_then_the_rest(world):
+    tenant, api_key, answered = world
+    batch = _left_by_a_dead_runner(tenant, api_key, _batch(tenant, api_key, n=4))
+
+    assert batch_runner.batch_run(batch_id=batch.id) == "completed"
+
+    batch.refresh_from_db()
+    assert answered == ["r0", "r1", "r2", "r3"]
+    assert _custom_ids(batch.output_file_id) == ["r0", "r1", "r2", "r3"]
+    assert UsageRecord.objects.filter(request_id="chatcmpl-dead0").count() == 1
+
+
+def test_a_line_whose_run_left_no_record_is_not_run_after_a_cancel(world):
+    """Nothing was metered: the cancel stands for it as for every line not yet started."""
+    tenant, api_key, answered = world
+    batch = batch_services.batch_validate(batch=_batch(tenant, api_key))
+    BatchRequest.objects.filter(batch=batch, custom_id="r0").update(
+        status=BatchRequest.Status.RUNNING, request_id="chatcmpl-unmetered"
+    )
+    Batch.objects.filter(pk=batch.pk).update(runner="dead", lease_until=timezone.now())
+    batch_services.batch_cancel(batch=batch)
+
+    assert batch_runner.batch_run(batch_id=batch.id) == "cancelled"
+    assert answered == []
