@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from inference_engine.config import EngineConfig
 from inference_engine.guided import GrammarCompiler, InvalidGrammar
 from inference_engine.protocol import EngineOutput, ErrorCode, FinishReason, SamplingParams
-from inference_engine.request import NO_TOKEN, Request
+from inference_engine.request import NO_TOKEN, UNDRAWABLE, Request
 from inference_engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 
 # constraints whose output is JSON: steered to close near their token limit
 JSON_KINDS = ("json", "json_object")
+# why a request had no next token, by the sampler's stand-in for it
+STUCK = {
+    NO_TOKEN: "the output's grammar allows no token at this point",
+    UNDRAWABLE: "the sampling parameters leave no token with any probability (every token "
+    "banned until min_tokens, or a penalty past float32's range)",
+}
 
 
 class Refusal(NamedTuple):
@@ -332,7 +338,9 @@ class EngineCore:
             sampled, logprobs = launched.result()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
             return self._fail_step(scheduler_output, exc)
-        stuck = [req_id for req_id, token in sampled.items() if token == NO_TOKEN]
+        stuck = {
+            req_id: token for req_id, token in sampled.items() if token in (NO_TOKEN, UNDRAWABLE)
+        }
         for req_id in stuck:
             del sampled[req_id]
         outputs, finished = [], []
@@ -363,14 +371,14 @@ class EngineCore:
             self._output(r, FinishReason.ERROR, ErrorCode.ENGINE_ERROR, message) for r in requests
         ]
 
-    def _fail_stuck(self, req_ids: list[str], outputs: list[EngineOutput]) -> None:
-        """End the requests whose grammar allowed no next token (the tokenizer cannot spell
-        what it requires) with an error."""
-        requests = self.scheduler.abort_requests(req_ids)
-        self.runner.release(req_ids)
-        message = "the output's grammar allows no token at this point"
+    def _fail_stuck(self, stuck: dict[str, int], outputs: list[EngineOutput]) -> None:
+        """End the requests that had no next token to draw with an error: their grammar
+        allowed none (the tokenizer cannot spell what it requires), or their sampling
+        parameters left none any probability."""
+        requests = self.scheduler.abort_requests(list(stuck))
+        self.runner.release(list(stuck))
         outputs.extend(
-            self._output(r, FinishReason.ERROR, ErrorCode.INVALID_REQUEST, message)
+            self._output(r, FinishReason.ERROR, ErrorCode.INVALID_REQUEST, STUCK[stuck[r.req_id]])
             for r in requests
         )
 

@@ -77,6 +77,10 @@ class InvalidParam(ValueError):
         self.field = field
 
 
+# what a torch generator takes (a negative seed wraps around to its unsigned value)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 def _check_number(name: str, value: object, *, integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
@@ -223,6 +227,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             )
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise InvalidParam(
+                    "seed", f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"
+                )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidParam("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):

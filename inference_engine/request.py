@@ -9,6 +9,9 @@ from inference_engine.protocol import FinishReason, RequestTimings, SamplingPara
 
 # the sampled "token" of a request whose grammar allows none: the request fails instead
 NO_TOKEN = -1
+# the sampled "token" of a request whose parameters leave no token any probability (every
+# token banned until min_tokens, a penalty past float32's range): it fails instead
+UNDRAWABLE = -2
 # tokens a JSON-guided request keeps at least for closing its value (``wants_closing``)
 MIN_CLOSING_TOKENS = 32
 

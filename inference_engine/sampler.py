@@ -4,7 +4,10 @@ Order, as in vLLM: logprobs are taken from the raw logits; then min_tokens maski
 ``logit_bias``, penalties (repetition on prompt and output, presence and frequency on output),
 the grammar's token mask (structured outputs, ``inference_engine.guided``), temperature, top-k,
 top-p and min-p. A guided row's matcher is advanced by the token it drew; a row whose grammar
-allows no token at all gets ``NO_TOKEN`` instead of one. Greedy rows (temperature 0) take the
+allows no token at all gets ``NO_TOKEN`` instead of one, and a row its parameters leave with no
+token to draw (every one banned, or logits past float32's range: NaN) ``UNDRAWABLE``; on the
+device such a row holds token 0, so that a next step launched before the host looks reads no
+index past the vocabulary. Greedy rows (temperature 0) take the
 argmax. Random rows draw one uniform number each and take the token where it falls in their
 cumulative distribution; a seeded request draws from its own ``torch.Generator``, so its tokens
 do not depend on what else is in the batch.
@@ -34,7 +37,7 @@ from inference_engine.penalties import (
     penalty_factors,
 )
 from inference_engine.protocol import SamplingParams, TokenLogprobs
-from inference_engine.request import NO_TOKEN
+from inference_engine.request import NO_TOKEN, UNDRAWABLE
 
 if TYPE_CHECKING:
     import xgrammar
@@ -82,27 +85,36 @@ class SampledTokens:
     wanted: list[int]  # rows that asked for logprobs
     guided_rows: list[int]
     bitmask: torch.Tensor | None  # the guided rows' token masks
+    is_checked: bool = False  # results[1] says which rows had a token to draw
 
     def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Wait for the copy; a token id per row (``NO_TOKEN`` for a guided row whose grammar
-        allowed none or refuses the one drawn; its matcher is advanced otherwise) and its
-        logprobs where asked for."""
+        allowed none or refuses the one drawn, its matcher advanced otherwise; ``UNDRAWABLE``
+        for a row with no token to draw) and its logprobs where asked for."""
         if self.copied is not None:
             self.copied.synchronize()
         elif self.device.type != "cpu":
             torch.accelerator.synchronize(self.device)
         rows, wanted = self.rows, self.wanted
-        token_ids = self.results[0].tolist()
+        results = iter(self.results)
+        token_ids = next(results).tolist()
+        if self.is_checked:
+            for i, is_drawable in enumerate(next(results).tolist()):
+                if not is_drawable:
+                    token_ids[i] = UNDRAWABLE
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if wanted:
-            chosen, top_values, top_ids = (tensor.tolist() for tensor in self.results[1:])
+            chosen, top_values, top_ids = (tensor.tolist() for tensor in results)
             for j, i in enumerate(wanted):
                 n = rows[i].params.logprobs
                 logprobs[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_values[j][:n])
         if self.guided_rows:
             has_any = self.bitmask.ne(0).any(dim=-1).tolist()
             for j, i in enumerate(self.guided_rows):
-                if not has_any[j] or not rows[i].grammar.accept_token(token_ids[i]):
+                token_id = token_ids[i]  # an undrawable row stays so, and its matcher as it is
+                if not has_any[j] or (
+                    token_id != UNDRAWABLE and not rows[i].grammar.accept_token(token_id)
+                ):
                     token_ids[i] = NO_TOKEN
         return token_ids, logprobs
 
@@ -157,15 +169,20 @@ class Sampler:
         self._apply_penalties(logits, rows, in_flight)
         if guided_rows:
             self._apply_grammar_masks(logits, guided_rows, bitmask)
-        token_ids = logits.argmax(dim=-1)
+        top_values, token_ids = logits.max(dim=-1)  # the first maximum, as argmax
+        is_drawable = top_values > float("-inf")  # not every token banned, and no NaN
         if not all_greedy:
             greedy = self._upload(np.array([p.is_greedy for p in params]))
             temperature = np.array([1.0 if p.is_greedy else p.temperature for p in params])
             logits.div_(self._upload(temperature.astype(np.float32)).unsqueeze(1))
             logits = self._top_k_top_p_min_p(logits, params)
-            sampled = self._sample(logits.softmax(dim=-1), rows)
+            sampled, has_mass = self._sample(logits.softmax(dim=-1), rows)
             token_ids = torch.where(greedy, token_ids, sampled)
-        return self._copy_to_host(token_ids, raw_logits, rows, guided_rows, bitmask)
+            is_drawable = torch.where(greedy, is_drawable, has_mass)
+        token_ids = torch.where(is_drawable, token_ids, 0)
+        return self._copy_to_host(
+            token_ids, raw_logits, rows, guided_rows, bitmask, is_drawable=is_drawable
+        )
 
     def _fill_grammar_masks(
         self, rows: list[SamplingRow], guided_rows: list[int], vocab_size: int
@@ -217,11 +234,13 @@ class Sampler:
         rows: list[SamplingRow],
         guided_rows: list[int],
         bitmask: torch.Tensor | None,
+        is_drawable: torch.Tensor | None = None,
     ) -> SampledTokens:
-        """Queue the copy of the sampled ids and the logprobs asked for to the host, together
-        (on a GPU into pinned memory, behind an event: the step's one wait is for that)."""
+        """Queue the copy of the sampled ids, which rows had a token to draw (where that was
+        checked) and the logprobs asked for to the host, together (on a GPU into pinned
+        memory, behind an event: the step's one wait is for that)."""
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        results = [token_ids]
+        results = [token_ids] if is_drawable is None else [token_ids, is_drawable]
         if wanted:
             results.extend(self._logprobs(logits, token_ids, rows, wanted))
         copied = None
@@ -231,12 +250,23 @@ class Sampler:
                 copied = torch.cuda.Event()
                 copied.record(torch.cuda.current_stream(self.device))
         return SampledTokens(
-            token_ids, results, copied, self.device, rows, wanted, guided_rows, bitmask
+            token_ids,
+            results,
+            copied,
+            self.device,
+            rows,
+            wanted,
+            guided_rows,
+            bitmask,
+            is_checked=is_drawable is not None,
         )
 
-    def _sample(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample(
+        self, probs: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draw per row by inverse transform: a uniform number per row placed in the
-        row's cumulative distribution. (The exponential race takes a random number per
+        row's cumulative distribution; with whether the row had any mass to draw from (not
+        where its probabilities are NaN). (The exponential race takes a random number per
         vocabulary entry: 14 ms a step at 64 rows of 8,000 on one CPU core, against 1 ms.)"""
         cumulative = probs.cumsum(dim=-1)
         total = cumulative[:, -1:]
@@ -253,7 +283,8 @@ class Sampler:
         # strictly below the total, so the first entry past the draw always has mass
         below_total = torch.nextafter(total, torch.zeros_like(total))
         draws = torch.minimum(uniform * total, below_total)
-        return torch.searchsorted(cumulative, draws, right=True).squeeze(1)
+        has_mass = (total > 0).squeeze(1)
+        return torch.searchsorted(cumulative, draws, right=True).squeeze(1), has_mass
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         banned_rows: list[int] = []

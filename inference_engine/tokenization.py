@@ -95,9 +95,8 @@ class IncrementalDetokenizer:
 def find_stop_string(text: str, stop: list[str], num_new_chars: int) -> int | None:
     """Index where the earliest stop string starts in ``text``, looking only where the last
     ``num_new_chars`` characters could complete one; None when there is none."""
-    if not stop:
-        return None
-    longest = max(len(s) for s in stop)
-    search_from = max(0, len(text) - num_new_chars - longest + 1)
-    hits = [i for s in stop if (i := text.find(s, search_from)) >= 0]
+    old_end = len(text) - num_new_chars  # each stop string is searched from where it could
+    hits = [  # end past the old text: one found wholly in it was not completed now
+        i for s in stop if (i := text.find(s, max(0, old_end - len(s) + 1))) >= 0
+    ]
     return min(hits) if hits else None

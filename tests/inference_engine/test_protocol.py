@@ -37,12 +37,19 @@ def test_defaults_match_vllm():
         ("stop_token_ids", [-1]),
         ("logprobs", 21),
         ("seed", 1.5),
+        ("seed", 2**64),  # past a torch generator's range: it failed the whole batch's step
+        ("seed", -(2**63) - 1),
         ("temperature", float("nan")),
     ],
 )
 def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_seed_is_taken_across_a_torch_generators_range():
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
 def test_min_tokens_cannot_exceed_max_tokens():

@@ -93,6 +93,30 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
     assert sampler(logits, [ignored])[0] == [9]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"min_tokens": 2, "max_tokens": 4, "stop_token_ids": list(range(VOCAB))},
+        {"repetition_penalty": 1e-40},  # 0 in float32: positive logits / 0 are inf
+    ],
+)
+def test_a_row_left_no_token_to_draw_is_undrawable_and_in_range_on_the_device(params, temperature):
+    """Every token banned (greedy or not), or a softmax made NaN by an infinite logit: the
+    inverse-transform draw gave token ``VOCAB``, which the client received and whose embedding
+    the next step failed on, for every request in the batch."""
+    from inference_engine.request import UNDRAWABLE
+
+    sampler = Sampler(torch.device("cpu"))
+    logits = logits_for(LINEAR, LINEAR)
+    bad = row("bad", prompt=range(VOCAB), temperature=temperature, **params)
+    if "repetition_penalty" in params and temperature == 0:
+        pytest.skip("greedy takes the first infinite logit: a token, if an odd one")
+    launched = sampler.launch(logits, [bad, row("good", temperature=0)])
+    assert launched.device_ids.tolist() == [0, 9]  # the next step reads in-range ids
+    assert launched.result()[0] == [UNDRAWABLE, 9]
+
+
 def test_logprobs_of_the_sampled_token_and_top_n():
     sampler = Sampler(torch.device("cpu"))
     logits = logits_for(LINEAR, LINEAR)

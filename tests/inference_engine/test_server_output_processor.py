@@ -85,13 +85,16 @@ def test_stop_string_is_held_back_cut_and_aborts_in_the_core(tokenizer):
     assert last.timings.finished == 4.0
 
 
-def test_a_stop_string_within_min_tokens_does_not_stop_the_request(tokenizer):
+@pytest.mark.parametrize("stop", [["quick"], ["quick", "a longer stop string"]])
+def test_a_stop_string_within_min_tokens_does_not_stop_the_request(tokenizer, stop):
     """As vLLM: stop strings count only once more than ``min_tokens`` tokens exist (as EOS
-    and stop tokens do); a request asked for at least 8 tokens ended after 3."""
+    and stop tokens do); a request asked for at least 8 tokens ended after 3. With a longer
+    stop string beside it, the search reached back by the longer's length for every stop
+    string, and found the one in the window again after it."""
     harness = Harness(tokenizer)
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     min_tokens = len(ids("the quick brown"))
-    harness.add("r", stop=["quick"], min_tokens=min_tokens)
+    harness.add("r", stop=stop, min_tokens=min_tokens)
     sent = []
     for token in ids("the quick brown fox quick dog"):
         sent += harness.step(EngineOutput("r", [token])).get(b"c1", [])

@@ -285,6 +285,29 @@ def test_the_core_fails_a_request_its_grammar_strands(llm):
     assert sum(len(o.new_token_ids) for o in outputs if o.req_id == "free") == 3
 
 
+def test_the_core_fails_a_request_left_no_token_to_draw_and_the_batch_goes_on(llm):
+    """The out-of-vocabulary id such a request drew failed the next step's forward: every
+    request in the batch ended with an engine error."""
+    from inference_engine.protocol import ErrorCode, FinishReason
+
+    core = llm.core
+    banned_all = SamplingParams(
+        temperature=1.0, min_tokens=3, max_tokens=8, stop_token_ids=list(range(core.vocab_size))
+    )
+    core.add_request("banned", [5, 6], banned_all)
+    core.add_request("free", [5, 6], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs.extend(core.step())
+    banned = [o for o in outputs if o.req_id == "banned"]
+    assert [o.finish_reason for o in banned] == [FinishReason.ERROR]
+    assert banned[0].error_code == ErrorCode.INVALID_REQUEST and not banned[0].new_token_ids
+    assert "no token with any probability" in banned[0].error_message
+    free = [o for o in outputs if o.req_id == "free"]
+    assert sum(len(o.new_token_ids) for o in free) == 3
+    assert free[-1].finish_reason == FinishReason.LENGTH
+
+
 def test_the_bitmask_masks_exactly_the_cleared_bits():
     vocab_size = 70
     allowed = [0, 5, 31, 32, 63, 64, 69]

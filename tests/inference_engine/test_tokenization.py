@@ -60,6 +60,9 @@ def test_stop_strings_find_the_earliest_new_hit():
     assert find_stop_string("abc###", ["###"], 1) == 3  # completed by the last char
     assert find_stop_string("a STOP b END", ["END", "STOP"], 12) == 2
     assert find_stop_string("anything", [], 3) is None
+    # each stop string is looked for only where the new characters could complete it
+    assert find_stop_string("xab" + "c", ["ab", "zzzzzz"], 1) is None
+    assert find_stop_string("xa" + "b", ["ab", "zzzzzz"], 1) == 1
 
 
 def test_chat_template_renders_for_generation(tokenizer):
