@@ -21,7 +21,7 @@ test: $(TEST_STAMP) $(KERNELS_STAMP)
 
 # A Celery worker with beat, in whichever mode the environment selects.
 worker: $(RUN_STAMP)
-	exec $(BIN)/celery -A config worker --beat --loglevel INFO
+	exec $(BIN)/celery -A config worker --queues celery,batches --beat --loglevel INFO
 
 migrate: $(RUN_STAMP)
 	$(BIN)/python manage.py migrate

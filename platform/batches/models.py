@@ -83,6 +83,9 @@ class Batch(models.Model):
     # lease left to expire (a killed worker) lets the sweep start another
     runner = models.CharField(max_length=32, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
+    # when a runner was last queued for it and none has claimed it since: the sweep queues
+    # another only once that one has waited ``selectors.REQUEUE_AFTER`` (it may be lost)
+    queued_at = models.DateTimeField(null=True, blank=True)
     num_total = models.PositiveIntegerField(default=0)
     num_completed = models.PositiveIntegerField(default=0)
     num_failed = models.PositiveIntegerField(default=0)

@@ -4,6 +4,7 @@ tenant's id is ``DoesNotExist``, exactly like an id that never existed. The runn
 platform's own, across tenants."""
 
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 from asgiref.sync import sync_to_async
 from django.db.models import Model, Q, QuerySet
@@ -77,13 +78,21 @@ async def file_chunks(*, file: File) -> AsyncIterator[bytes]:
         await sync_to_async(stream.close, thread_sensitive=False)()
 
 
+# How long a queued runner may wait for a worker before the sweep takes its task for lost
+# and queues another (one that was not lost then finds the batch held, and stops).
+REQUEUE_AFTER = timedelta(minutes=10)
+
+
 def batches_unattended() -> list[str]:
-    """Batches not yet ended that no runner holds: new ones whose task was lost, and those of
-    a worker that died (its lease ran out)."""
+    """Batches not yet ended that no runner holds and none waits to: new ones whose task was
+    lost, and those of a worker that died (its lease ran out). A runner queued and not yet
+    started counts as waiting for ``REQUEUE_AFTER``: while the batch workers are busy, the
+    sweep adds no copies of it each minute."""
     now = timezone.now()
     return list(
         Batch.objects.filter(status__in=ACTIVE_STATUSES)
         .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+        .filter(Q(queued_at__isnull=True) | Q(queued_at__lt=now - REQUEUE_AFTER))
         .order_by("created_at")
         .values_list("id", flat=True)
     )

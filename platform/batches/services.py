@@ -241,6 +241,13 @@ def _queue_run(batch_id: str) -> None:
         run_batch.delay(batch_id)
     except Exception:  # the batch exists: the sweep starts it once the broker is back
         logger.exception("could not queue batch %s", batch_id)
+        return
+    batch_queued(batch_id=batch_id)
+
+
+def batch_queued(*, batch_id: str) -> None:
+    """A runner was queued for the batch: the sweep leaves it waiting for a while."""
+    Batch.objects.filter(pk=batch_id).update(queued_at=timezone.now())
 
 
 def _fail(batch: Batch, errors: list[dict]) -> Batch:
@@ -352,7 +359,7 @@ def batch_claim(*, batch_id: str, runner: str, lease_seconds: float) -> Batch | 
     is_taken = (
         Batch.objects.filter(pk=batch_id, status__in=ACTIVE_STATUSES)
         .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
-        .update(runner=runner, lease_until=now + timedelta(seconds=lease_seconds))
+        .update(runner=runner, lease_until=now + timedelta(seconds=lease_seconds), queued_at=None)
     )
     return Batch.objects.select_related("tenant__plan").get(pk=batch_id) if is_taken else None
 

@@ -1,6 +1,6 @@
 from celery import shared_task
 
-from batches import selectors
+from batches import selectors, services
 from batches.runner import batch_run
 
 
@@ -12,10 +12,11 @@ def run_batch(batch_id: str) -> str:
 
 @shared_task(name="batches.sweep_batches")
 def sweep_batches() -> list[str]:
-    """Queue a runner for every batch not yet ended that no runner holds: a batch whose task
-    was lost, one whose worker died (its lease ran out), one past its window (its runner
-    expires it)."""
+    """Queue a runner for every batch not yet ended that no runner holds and none waits to
+    (``selectors.batches_unattended``): a batch whose task was lost, one whose worker died (its
+    lease ran out), one past its window (its runner expires it)."""
     batch_ids = selectors.batches_unattended()
     for batch_id in batch_ids:
         run_batch.delay(batch_id)
+        services.batch_queued(batch_id=batch_id)
     return batch_ids

@@ -231,11 +231,17 @@ CELERY_BEAT_SCHEDULE = {
 # one sweep, every BATCH_SWEEP_SECONDS, later).
 BATCH_MAX_IN_FLIGHT = int(os.environ.get("BATCH_MAX_IN_FLIGHT", "16"))
 BATCH_LEASE_SECONDS = float(os.environ.get("BATCH_LEASE_SECONDS", "60"))
+# A batch's run holds a worker for as long as the batch lasts: runs have a queue of their own,
+# served by workers of their own (`make run` starts one, deploy/ has a unit and a service), so
+# that health polls, roll-ups, model loads and the sweep never wait behind them.
+BATCH_QUEUE = "batches"
+CELERY_TASK_ROUTES = {"batches.run_batch": {"queue": BATCH_QUEUE}}
 # Daphne processes `make run` starts on one listening socket. More than one needs REDIS_URL:
 # quotas, the chat's channel layer and the API's auth generation must be shared.
 WEB_PROCESSES = int(os.environ.get("WEB_PROCESSES", "1"))
 RUN_WORKER = env_bool("RUN_WORKER", default=True)  # `make run` starts a worker with beat
 CELERY_WORKER_ARGS = os.environ.get("CELERY_WORKER_ARGS", "--concurrency 2")
+BATCH_WORKER_ARGS = os.environ.get("BATCH_WORKER_ARGS", "--concurrency 2")  # batches at once
 USAGE_RETENTION_DAYS = int(os.environ.get("USAGE_RETENTION_DAYS", "400"))
 ROLLUP_RETENTION_DAYS = int(os.environ.get("ROLLUP_RETENTION_DAYS", "1100"))
 CHAT_RETENTION_DAYS = int(os.environ.get("CHAT_RETENTION_DAYS", "0"))  # 0: keep forever

@@ -177,3 +177,24 @@ def test_a_line_whose_run_left_no_record_is_not_run_after_a_cancel(world):
 
     assert batch_runner.batch_run(batch_id=batch.id) == "cancelled"
     assert answered == []
+
+
+def test_the_sweep_adds_no_copy_of_a_runner_still_waiting_for_a_worker(world, monkeypatch):
+    """While the batch workers were busy, every sweep (each minute) queued one more runner
+    for each batch waiting for one."""
+    from batches import tasks
+
+    tenant, api_key, _ = world
+    queued: list[str] = []
+    monkeypatch.setattr(tasks.run_batch, "delay", queued.append)
+    batch = _batch(tenant, api_key)  # its task lost: the sweep queues one
+
+    assert tasks.sweep_batches() == [batch.id]
+    assert tasks.sweep_batches() == []  # that runner waits for a worker
+    Batch.objects.filter(pk=batch.pk).update(queued_at=timezone.now() - timedelta(minutes=11))
+    assert tasks.sweep_batches() == [batch.id]  # waited too long: taken for lost
+
+    Batch.objects.filter(pk=batch.pk).update(runner="dead", lease_until=timezone.now())
+    batch_services.batch_claim(batch_id=batch.id, runner="r", lease_seconds=0)
+    assert tasks.sweep_batches() == [batch.id]  # a runner claimed it and died: at once
+    assert queued == [batch.id] * 3

@@ -76,14 +76,14 @@ def test_a_batch_completes_exactly_once_across_a_killed_worker(platform, tmp_pat
         assert batch.status in ("validating", "in_progress"), batch
         assert time.monotonic() < deadline, batch
         time.sleep(0.1)
-    worker = child_pid(process.pid, " -m celery ")
+    worker = child_pid(process.pid, " --queues batches ")  # the batch runs' worker
     group = session_members(worker)
 
     os.kill(worker, signal.SIGKILL)
 
     done_at_kill = client.batches.retrieve(batch.id).request_counts.completed
     assert done_at_kill < NUM_LINES, "the batch ended before the kill: nothing was resumed"
-    wait_restarted(tmp_path, "celery", worker, timeout=30)
+    wait_restarted(tmp_path, "celery-batches", worker, timeout=30)
     assert not any(pid in session_members(worker) for pid in group)
     deadline = time.monotonic() + 240
     while (batch := client.batches.retrieve(batch.id)).status != "completed":

@@ -155,7 +155,7 @@ def test_a_killed_celery_worker_is_restarted_and_runs_what_was_queued(platform, 
     )
     try:
         assert queuer.stdout.readline().strip() == "ready"
-        worker = child_pid(process.pid, " -m celery ")
+        worker = child_pid(process.pid, " --queues celery ")  # the worker with beat
         assert len(session_members(worker)) > 1  # its pool processes and its beat
 
         os.kill(worker, signal.SIGKILL)

@@ -72,6 +72,7 @@ def test_run_serves_the_admin_and_the_printed_credentials_log_in(platform_proces
     rest = process.stdout.read()
     assert "engine stopped" in rest  # the engine shut down cleanly too
     assert "celery@" in rest and " ready." in rest  # and the Celery worker had started
+    assert "batches@" in rest  # and the batch runs' worker
 
 
 def _run_web_only(tmp_path, **env: str | None) -> tuple[subprocess.Popen, str]:

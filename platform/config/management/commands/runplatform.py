@@ -53,24 +53,7 @@ class Command(BaseCommand):
         self.stdout.flush()
         web = self._web(options["host"], options["port"], env)
         if settings.RUN_WORKER:
-            web.append(
-                ProcessSpec(
-                    name="celery",
-                    argv=[
-                        sys.executable,
-                        "-m",
-                        "celery",
-                        "-A",
-                        "config",
-                        "worker",
-                        "--beat",
-                        "--loglevel",
-                        "INFO",
-                        *shlex.split(settings.CELERY_WORKER_ARGS),
-                    ],
-                    env=env,
-                )
-            )
+            web += self._workers(env)
         processes += [replace(spec, cpus=placement.web_cpus) for spec in web]
         status_file = Path(settings.VAR_DIR) / "supervisor.json"
         exit_code = Supervisor(processes, status_file=status_file).run()
@@ -81,6 +64,26 @@ class Command(BaseCommand):
         """Every address a person opens, and what to sign in with."""
         for line in banner_lines(base_url, credentials):
             self.stdout.write(line)
+
+    def _workers(self, env: dict[str, str]) -> list[ProcessSpec]:
+        """Celery's worker with beat, on the default queue, and the batch runs' worker, on
+        theirs: a batch that runs for hours holds its worker, and the other tasks (health
+        polls, roll-ups, model loads) must not wait behind it."""
+        celery = [sys.executable, "-m", "celery", "-A", "config", "worker", "--loglevel", "INFO"]
+        default_queue = ["--queues", "celery", "--hostname", "celery@%h", "--beat"]
+        batch_queue = ["--queues", settings.BATCH_QUEUE, "--hostname", "batches@%h"]
+        return [
+            ProcessSpec(
+                "celery",
+                [*celery, *default_queue, *shlex.split(settings.CELERY_WORKER_ARGS)],
+                env,
+            ),
+            ProcessSpec(
+                "celery-batches",
+                [*celery, *batch_queue, *shlex.split(settings.BATCH_WORKER_ARGS)],
+                env,
+            ),
+        ]
 
     def _web(self, host: str, port: int, env: dict[str, str]) -> list[ProcessSpec]:
         """One Daphne on host:port, or ``WEB_PROCESSES`` of them sharing one listening socket
