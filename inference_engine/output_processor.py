@@ -158,7 +158,10 @@ class OutputProcessor:
         is_first_token = state.num_tokens == 0 and bool(token_ids)
         state.num_tokens += len(token_ids)
         detokenizer = state.detokenizer
-        new_text = detokenizer.push(token_ids) if token_ids and detokenizer is not None else ""
+        text_ids = token_ids
+        if output.finish_reason == FinishReason.STOP and not state.include_stop:
+            text_ids = token_ids[:-1]  # the stop token (EOS, stop_token_ids) is no text, as vLLM
+        new_text = detokenizer.push(text_ids) if text_ids and detokenizer is not None else ""
         if output.is_finished and detokenizer is not None:
             new_text += detokenizer.flush()
         state.text += new_text

@@ -105,6 +105,20 @@ def test_a_stop_string_within_min_tokens_does_not_stop_the_request(tokenizer, st
     assert sum(len(d.token_ids) for d in sent) > min_tokens
 
 
+@pytest.mark.parametrize(("include_stop", "text"), [(False, "the quick"), (True, "the quick fox")])
+def test_a_stop_token_is_no_text_unless_asked_for(tokenizer, include_stop, text):
+    """As vLLM: a request the core stops on one of its ``stop_token_ids`` (an ordinary token
+    here) leaves that token's text out, unless ``include_stop_str_in_output``; its id stays."""
+    harness = Harness(tokenizer)
+    token_ids = tokenizer("the quick fox", add_special_tokens=False)["input_ids"]
+    harness.add("r", stop_token_ids=[token_ids[-1]], include_stop_str_in_output=include_stop)
+    deltas = [d for t in token_ids[:-1] for d in harness.step(EngineOutput("r", [t]))[b"c1"]]
+    deltas += harness.step(finished("r", FinishReason.STOP, len(token_ids), token_ids[-1]))[b"c1"]
+    assert "".join(d.text for d in deltas) == text
+    assert [t for d in deltas for t in d.token_ids] == token_ids
+    assert deltas[-1].finish_reason == FinishReason.STOP
+
+
 def test_stop_string_in_the_last_token_finishes_at_once(tokenizer):
     harness = Harness(tokenizer)
     harness.add("r", stop=["fox"])
