@@ -111,6 +111,7 @@ def _day(moment: datetime) -> datetime:
 def rollup_hour(start: datetime) -> int:
     """Recompute the hour starting at ``start`` from the raw records; the rows written."""
     start = _hour(start)
+    _lock_period(UsageRollup.Period.HOUR, start)
     groups: dict[tuple, dict] = defaultdict(_empty_row)
     records = UsageRecord.objects.filter(
         started_at__gte=start, started_at__lt=start + timedelta(hours=1)
@@ -134,6 +135,7 @@ def rollup_hour(start: datetime) -> int:
 def rollup_day(start: datetime) -> int:
     """Recompute the day starting at ``start`` from its hourly rows; the rows written."""
     start = _day(start)
+    _lock_period(UsageRollup.Period.DAY, start)
     groups: dict[tuple, dict] = {}
     hours = UsageRollup.objects.filter(
         period=UsageRollup.Period.HOUR,
@@ -151,7 +153,6 @@ def rollup_day(start: datetime) -> int:
 
 
 def _replace(period: str, start: datetime, groups: dict[tuple, dict]) -> int:
-    _lock_period(period, start)
     UsageRollup.objects.filter(period=period, period_start=start).delete()
     UsageRollup.objects.bulk_create(
         UsageRollup(
@@ -163,11 +164,13 @@ def _replace(period: str, start: datetime, groups: dict[tuple, dict]) -> int:
 
 
 def _lock_period(period: str, start: datetime) -> None:
-    """Hold the period until this transaction ends. Two roll-ups at once (a slow run and the
-    next, on a worker that runs two tasks) each delete the period's rows and insert their own:
-    under PostgreSQL's READ COMMITTED the second's delete does not see the rows the first has
-    not committed yet, and both sets stay. Waiting for the first's commit, it deletes them.
-    (SQLite runs one writing transaction at a time.)"""
+    """Hold the period until this transaction ends, from before its rows are read. Two
+    roll-ups at once (a slow run and the next, on a worker that runs two tasks) each delete the
+    period's rows and insert their own: under PostgreSQL's READ COMMITTED the second's delete
+    does not see the rows the first has not committed yet, and both sets stay; and one that
+    read before the other committed would write what it read, older, last. Waiting for the
+    first's commit, the second reads after it and deletes its rows. (SQLite runs one writing
+    transaction at a time.)"""
     if connection.vendor != "postgresql":
         return
     digest = hashlib.sha256(f"usage-rollup:{period}:{start.isoformat()}".encode()).digest()

@@ -194,3 +194,46 @@ def test_two_rollups_at_once_count_each_record_once(keys, monkeypatch):
     second.join(30)
     assert not first.is_alive() and not second.is_alive()
     assert _totals("hour")["requests"] == _totals("day")["requests"] == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rollup_that_read_first_does_not_write_its_older_rows_last(keys, monkeypatch):
+    """The period's lock was taken after its records were read: a run that read, then waited,
+    wrote rows older than those a run after it had read and committed meanwhile (a record
+    committed between the two reads went missing until the next roll-up)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite runs one writing transaction at a time")
+    key = keys[0]
+    for n in range(3):
+        _record(key, T0 + timedelta(minutes=n), n + 1)
+    UsageRecord.objects.update(created_at=T0)
+    rollups.rollup_pending(now=T0 + timedelta(minutes=30))
+
+    paused, go_on = threading.Event(), threading.Event()
+    replace = rollups._replace
+
+    def replace_later(period, start, groups):
+        if threading.current_thread().name == "first" and period == UsageRollup.Period.HOUR:
+            paused.set()
+            go_on.wait(10)  # its records read, its rows not written yet
+        return replace(period, start, groups)
+
+    monkeypatch.setattr(rollups, "_replace", replace_later)
+
+    def run() -> None:
+        try:
+            rollups.rollup_pending(now=T0 + timedelta(minutes=40))
+        finally:
+            connection.close()
+
+    first, second = threading.Thread(target=run, name="first"), threading.Thread(target=run)
+    first.start()
+    assert paused.wait(10)
+    _record(key, T0 + timedelta(minutes=5), 4)  # a late record of the same hour, committed
+    second.start()
+    time.sleep(1.0)  # the second waits for the first's hour, or (before) rolled it past it
+    go_on.set()
+    first.join(30)
+    second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    assert _totals("hour")["requests"] == _totals("day")["requests"] == 4
