@@ -264,6 +264,12 @@ USE_I18N = True
 USE_TZ = True
 
 LOGIN_URL = "/accounts/login/"
+# Failed sign-ins (config.sign_in): at most so many per account from one address, per account,
+# and per address, in a window that starts at the first failure; then refused until it ends.
+SIGN_IN_WINDOW_SECONDS = int(os.environ.get("SIGN_IN_WINDOW_SECONDS", "900"))
+SIGN_IN_FAILURES_PER_PAIR = int(os.environ.get("SIGN_IN_FAILURES_PER_PAIR", "5"))
+SIGN_IN_FAILURES_PER_ACCOUNT = int(os.environ.get("SIGN_IN_FAILURES_PER_ACCOUNT", "20"))
+SIGN_IN_FAILURES_PER_ADDRESS = int(os.environ.get("SIGN_IN_FAILURES_PER_ADDRESS", "50"))
 LOGIN_REDIRECT_URL = "/chat/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
 

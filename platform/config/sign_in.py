@@ -1,0 +1,121 @@
+"""Signing in, with failed attempts throttled: the chat's sign-in page and the admin's.
+
+Failed sign-ins are counted per account and address, per account, and per address, each in a
+window of ``SIGN_IN_WINDOW_SECONDS`` (fixed, from its first failure), in the cache (Redis in
+production: every web process sees the same counts). Once a count reaches its limit, signing
+in that way is refused, a right password too, until the window ends: the page says when, and
+the chat's answers 429. A success clears its account and address's count. The per-account
+limit is the wider one, so that a stranger failing on purpose from one address does not lock
+the account's owner out; guessing from many addresses still meets it.
+"""
+
+import hashlib
+import math
+import time
+
+from django.conf import settings
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.auth.forms import AuthenticationForm
+from django.contrib.auth.views import LoginView
+from django.core.cache import cache
+from django.core.exceptions import ValidationError
+from django.http import HttpRequest, HttpResponse
+
+from tenants.audit import client_ip
+
+THROTTLED = "throttled"
+
+
+class SignInThrottled(ValidationError):
+    def __init__(self, retry_after: int) -> None:
+        minutes = max(1, math.ceil(retry_after / 60))
+        super().__init__(
+            f"Too many failed sign-ins: try again in {minutes} minute{'s' * (minutes > 1)}.",
+            code=THROTTLED,
+        )
+        self.retry_after = retry_after
+
+
+def _counters(username: str, address: str | None) -> dict[str, tuple[str, int]]:
+    """The counters one attempt counts in, by kind: each one's cache key and limit."""
+    account = hashlib.sha256(username.casefold().encode()).hexdigest()[:32]
+    counters = {"account": (f"sign-in:account:{account}", settings.SIGN_IN_FAILURES_PER_ACCOUNT)}
+    if address is not None:
+        counters["pair"] = (f"sign-in:pair:{account}:{address}", settings.SIGN_IN_FAILURES_PER_PAIR)
+        counters["address"] = (f"sign-in:address:{address}", settings.SIGN_IN_FAILURES_PER_ADDRESS)
+    return counters
+
+
+def sign_in_check(*, username: str, address: str | None) -> None:
+    """Raise ``SignInThrottled`` when one of the attempt's counters is at its limit."""
+    counters = _counters(username, address).values()
+    keys = [key for key, _ in counters]
+    stored = cache.get_many([*keys, *(f"{key}:until" for key in keys)])
+    now = time.time()
+    waits = [
+        stored.get(f"{key}:until", now) - now
+        for key, limit in counters
+        if stored.get(key, 0) >= limit
+    ]
+    if waits:
+        raise SignInThrottled(max(1, math.ceil(max(waits))))
+
+
+def sign_in_failed(*, username: str, address: str | None) -> None:
+    window = settings.SIGN_IN_WINDOW_SECONDS
+    for key, _ in _counters(username, address).values():
+        if cache.add(key, 0, timeout=window):  # the window starts at its first failure
+            cache.set(f"{key}:until", time.time() + window, timeout=window)
+        try:
+            cache.incr(key)
+        except ValueError:  # the window ended between the two
+            cache.add(key, 1, timeout=window)
+
+
+def sign_in_succeeded(*, username: str, address: str | None) -> None:
+    """The right password clears its account's failures from its address (those from
+    elsewhere, and its address's with other accounts, run to their window's end)."""
+    pair = _counters(username, address).get("pair")
+    if pair is not None:
+        cache.delete_many([pair[0], f"{pair[0]}:until"])
+
+
+class ThrottledSignIn:
+    """An authentication form's ``clean``, throttled (a mix-in before Django's form)."""
+
+    request: HttpRequest | None
+
+    def clean(self) -> dict:
+        username = self.cleaned_data.get("username") or ""
+        address = client_ip(self.request.META) if self.request is not None else None
+        sign_in_check(username=username, address=address)
+        try:
+            cleaned = super().clean()
+        except ValidationError as exc:
+            if exc.code == "invalid_login":
+                sign_in_failed(username=username, address=address)
+            raise
+        sign_in_succeeded(username=username, address=address)
+        return cleaned
+
+
+class SignInForm(ThrottledSignIn, AuthenticationForm):
+    pass
+
+
+class AdminSignInForm(ThrottledSignIn, AdminAuthenticationForm):
+    pass
+
+
+class SignInView(LoginView):
+    """Django's sign-in page; a throttled attempt is a 429 with ``Retry-After``."""
+
+    authentication_form = SignInForm
+
+    def form_invalid(self, form: SignInForm) -> HttpResponse:
+        response = super().form_invalid(form)
+        throttled = [e for e in form.non_field_errors().as_data() if e.code == THROTTLED]
+        if throttled:
+            response.status_code = 429
+            response["Retry-After"] = str(throttled[0].retry_after)
+        return response

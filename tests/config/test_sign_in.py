@@ -1,0 +1,91 @@
+"""Signing in is throttled: failed passwords are counted per account and address, per account
+and per address, and past a limit the page refuses (the chat's with a 429), a right password
+too, until the window ends. Nothing limited how many passwords a stranger could try."""
+
+import time
+
+import pytest
+from django.core.cache import cache
+from django.urls import reverse
+
+pytestmark = pytest.mark.django_db
+
+PASSWORD = "correct horse battery"
+
+
+@pytest.fixture(autouse=True)
+def fresh_counts():
+    cache.clear()
+    yield
+    cache.clear()
+
+
+def _sign_in(client, password: str, address: str = "203.0.113.5", username: str = "alice"):
+    return client.post(
+        reverse("login"),
+        {"username": username, "password": password, "next": "/chat/"},
+        REMOTE_ADDR=address,
+    )
+
+
+def _is_signed_in(client) -> bool:
+    return "_auth_user_id" in client.session
+
+
+def test_five_wrong_passwords_from_one_address_lock_that_address_out(client, user):
+    for _ in range(5):
+        response = _sign_in(client, "wrong")
+        assert response.status_code == 200
+        assert "Please enter a correct username and password" in response.content.decode()
+
+    refused = _sign_in(client, PASSWORD)
+
+    assert refused.status_code == 429 and not _is_signed_in(client)
+    assert 0 < int(refused["Retry-After"]) <= 900
+    assert "Too many failed sign-ins: try again in 15 minutes." in refused.content.decode()
+    # the owner, from elsewhere, still signs in
+    assert _sign_in(client, PASSWORD, address="198.51.100.7").status_code == 302
+    assert _is_signed_in(client)
+
+
+def test_a_right_password_clears_its_addresss_failures(client, user):
+    for _ in range(4):
+        _sign_in(client, "wrong")
+    assert _sign_in(client, PASSWORD).status_code == 302
+    client.logout()
+    for _ in range(4):
+        _sign_in(client, "wrong")
+    assert _sign_in(client, PASSWORD).status_code == 302
+
+
+def test_guessing_one_account_from_many_addresses_meets_its_own_limit(client, user):
+    for n in range(20):
+        _sign_in(client, "wrong", address=f"198.51.100.{n}")
+    assert _sign_in(client, PASSWORD, address="192.0.2.1").status_code == 429
+
+
+def test_one_address_guessing_many_accounts_meets_its_limit(client, user):
+    for n in range(50):
+        _sign_in(client, "wrong", username=f"someone-{n}")
+    assert _sign_in(client, PASSWORD).status_code == 429
+    assert _sign_in(client, PASSWORD, address="198.51.100.7").status_code == 302
+
+
+def test_the_lock_ends_with_its_window(client, user, settings):
+    settings.SIGN_IN_WINDOW_SECONDS = 1
+    for _ in range(5):
+        _sign_in(client, "wrong")
+    assert _sign_in(client, PASSWORD).status_code == 429
+    time.sleep(1.2)
+    assert _sign_in(client, PASSWORD).status_code == 302
+
+
+def test_the_admins_sign_in_is_throttled_too(client, admin_user):
+    url = reverse("admin:login")
+    for _ in range(5):
+        client.post(url, {"username": "admin", "password": "wrong"}, REMOTE_ADDR="203.0.113.5")
+    response = client.post(
+        url, {"username": "admin", "password": "password"}, REMOTE_ADDR="203.0.113.5"
+    )
+    assert "Too many failed sign-ins" in response.content.decode()
+    assert not _is_signed_in(client)
