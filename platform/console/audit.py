@@ -51,7 +51,7 @@ def _audit_page(
             filters=filters,
             actions=actions,
             page=page,
-            rows=audit_selectors.audit_rows(list(page)),
+            rows=audit_selectors.audit_rows(list(page), tenant=tenant),
         ),
         status=status,
     )

@@ -6,7 +6,7 @@ from datetime import UTC, date, datetime, timedelta
 
 from django.db.models import QuerySet
 
-from tenants.models import AuditEvent, Tenant
+from tenants.models import AuditEvent, Membership, Tenant
 
 # The actions a tenant's log can hold: what is done to it, its members and its keys.
 TENANT_ACTIONS = [
@@ -21,6 +21,7 @@ EMPTY = "—"
 class AuditRow:
     event: AuditEvent
     actor: str  # the user's name, or what acted for nobody
+    address: str | None  # where from, where the page may show it
     # (field, before, after) as text; before is None for what was created or asked for
     changes: list[tuple[str, str | None, str]]
 
@@ -54,11 +55,19 @@ def audit_filter(
     return events
 
 
-def audit_rows(events: list[AuditEvent]) -> list[AuditRow]:
+def audit_rows(events: list[AuditEvent], *, tenant: Tenant | None) -> list[AuditRow]:
+    """The events as a page shows them: on a tenant's, the address of its own members' events
+    only (staff's addresses are the platform's business)."""
+    members = (
+        set(Membership.objects.filter(tenant=tenant).values_list("user_id", flat=True))
+        if tenant is not None
+        else None
+    )
     return [
         AuditRow(
             event=event,
             actor=event.actor_name or ("the platform" if event.actor_id is None else EMPTY),
+            address=event.ip_address if members is None or event.actor_id in members else None,
             changes=[
                 (
                     field.replace("_", " "),

@@ -150,3 +150,17 @@ def test_names_are_escaped(client, people, tenant):
     client.force_login(people["owner_a"])
     page = client.get(_audit(tenant.slug)).content.decode()
     assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)" in page
+
+
+def test_a_tenants_log_shows_its_members_addresses_not_staffs(client, people, tenant):
+    client.force_login(people["owner_a"])
+    keys = reverse("console:keys", args=[tenant.slug])
+    client.post(keys, {"action": "create", "name": "by-owner"}, REMOTE_ADDR="203.0.113.7")
+    client.force_login(people["staff"])
+    client.post(keys, {"action": "create", "name": "by-staff"}, REMOTE_ADDR="198.51.100.99")
+
+    client.force_login(people["owner_a"])
+    page = client.get(_audit(tenant.slug)).content.decode()
+    assert "203.0.113.7" in page and "by-staff" in page and "198.51.100.99" not in page
+    client.force_login(people["staff"])
+    assert "198.51.100.99" in client.get(_audit()).content.decode()
