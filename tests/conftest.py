@@ -31,6 +31,20 @@ def user(django_user_model):
     return django_user_model.objects.create_user("alice", password="correct horse battery")
 
 
+def staff_user(username: str, *permissions: str, password: str = "pw-staff-123"):
+    """A staff user holding ``permissions`` ("app_label.codename") and no others."""
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Permission
+
+    user = get_user_model().objects.create_user(username, password=password, is_staff=True)
+    for permission in permissions:
+        app_label, codename = permission.split(".")
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app_label, codename=codename)
+        )
+    return user
+
+
 @pytest.fixture
 def tenant(db):
     from tenants import services

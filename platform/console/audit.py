@@ -10,7 +10,7 @@ from django.shortcuts import render
 from django.urls import path
 from django.utils import timezone
 
-from console import audit_selectors, forms
+from console import audit_selectors, forms, permissions
 from console.views import _context, _refuse, tenant_page
 from tenants.models import AuditEvent, Tenant
 
@@ -19,12 +19,14 @@ PAGE_SIZE = 50
 
 @tenant_page
 def tenant_audit(request: HttpRequest, tenant: Tenant) -> HttpResponse:
+    permissions.require(user=request.user, tenant=tenant, change="read_audit_log")
     events = audit_selectors.tenant_audit_events(tenant=tenant)
     return _audit_page(request, tenant, events, audit_selectors.TENANT_ACTIONS)
 
 
 @staff_member_required
 def platform_audit(request: HttpRequest) -> HttpResponse:
+    permissions.require(user=request.user, tenant=None, change="read_audit_log")
     events = audit_selectors.platform_audit_events()
     return _audit_page(request, None, events, AuditEvent.Action.choices)
 

@@ -11,7 +11,7 @@ from django.urls import path
 from batches import selectors, services
 from batches.models import Batch, File
 from batches.storage import file_storage
-from console import batches_selectors
+from console import batches_selectors, permissions
 from console.views import _context, tenant_page
 from tenants.models import Tenant
 
@@ -43,6 +43,7 @@ def _batch(tenant: Tenant, batch_id: str) -> Batch:
 @tenant_page
 def batch_cancel(request: HttpRequest, tenant: Tenant, batch_id: str) -> HttpResponse:
     """GET asks to confirm; POST cancels: lines not yet started are not run."""
+    permissions.require(user=request.user, tenant=tenant, change="cancel_batch")
     batch = _batch(tenant, batch_id)
     if request.method != "POST":
         return render(
@@ -59,6 +60,7 @@ def batch_cancel(request: HttpRequest, tenant: Tenant, batch_id: str) -> HttpRes
 
 @tenant_page
 def batch_file(request: HttpRequest, tenant: Tenant, file_id: str) -> FileResponse:
+    permissions.require(user=request.user, tenant=tenant, change="read_batch_files")
     try:
         file = selectors.file_get(tenant_id=tenant.pk, file_id=file_id)
     except File.DoesNotExist:

@@ -1,5 +1,7 @@
 """Console pages: thin views over ``console.selectors`` (reads) and the tenants and serving
-services (writes). Tenant pages need owner/admin (or staff); the platform page needs staff.
+services (writes). Tenant pages need owner/admin, or staff who may view tenants; the platform
+page needs such staff; each change, the role or the admin's permission for it
+(``console.permissions``).
 
 A view parses the request, makes one service call per action (which holds the rules) and
 renders or redirects with a message. An id that names nothing the user may touch is a 404.
@@ -53,9 +55,23 @@ def tenant_page(view):
     return wrapper
 
 
+def platform_page(view):
+    """Staff only (others go to the admin's sign-in), and of them those who may view every
+    tenant (the others get a 403)."""
+
+    @staff_member_required
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        if not permissions.sees_every_tenant(request.user):
+            raise PermissionDenied("Your account may not view the platform's tenants.")
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
 @login_required
 def home(request: HttpRequest) -> HttpResponse:
-    if request.user.is_staff:
+    if permissions.sees_every_tenant(request.user):
         return redirect("console:platform")
     tenant = permissions.console_home_tenant(user=request.user)
     if tenant is None:
@@ -68,6 +84,10 @@ def _context(request: HttpRequest, tenant: Tenant | None, **extra) -> dict:
         "tenant": tenant,
         "tenants": permissions.console_tenants(user=request.user),
         "role": permissions.console_role(user=request.user, tenant=tenant) if tenant else "",
+        "can": permissions.allowed(user=request.user, tenant=tenant),
+        "sees_platform": permissions.sees_every_tenant(request.user),
+        "sees_platform_audit": request.user.is_staff
+        and request.user.has_perm(permissions.SEE_AUDIT_LOG),
         **extra,
     }
 
@@ -158,6 +178,7 @@ def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     new_key, form, status = None, forms.ApiKeyCreateForm(), 200
     action = request.POST.get("action") if request.method == "POST" else None
     if action == "create":
+        permissions.require(user=request.user, tenant=tenant, change="create_key")
         form = forms.ApiKeyCreateForm(request.POST)
         if form.is_valid():
             _, new_key = services.api_key_issue(
@@ -171,6 +192,7 @@ def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         else:
             status = 400
     elif action == "revoke":
+        permissions.require(user=request.user, tenant=tenant, change="revoke_key")
         key_id = forms.object_id(request.POST.get("key_id"))
         try:
             api_key = services.api_key_revoke_by_id(
@@ -191,6 +213,7 @@ def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
 @tenant_page
 def members(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     if request.method == "POST":
+        permissions.require(user=request.user, tenant=tenant, change="manage_members")
         try:
             _change_members(request, tenant)
         except ValidationError as exc:
@@ -231,7 +254,7 @@ def _change_members(request: HttpRequest, tenant: Tenant) -> None:
         messages.success(request, f"The member was removed from {tenant.name}.")
 
 
-@staff_member_required
+@platform_page
 def platform(request: HttpRequest) -> HttpResponse:
     range_form = _range_form(request)
     status = _refuse(request, range_form)
@@ -268,10 +291,12 @@ def platform(request: HttpRequest) -> HttpResponse:
     )
 
 
-@staff_member_required
+@platform_page
 @require_POST
 def deployment_action(request: HttpRequest) -> HttpResponse:
     action = request.POST.get("action")
+    change = "register_deployment" if action == "register" else "control_deployment"
+    permissions.require(user=request.user, tenant=None, change=change)
     deployment_id = forms.object_id(request.POST.get("deployment_id"))
     try:
         if action == "register":

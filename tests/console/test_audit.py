@@ -21,7 +21,7 @@ def people(django_user_model, tenant, other_tenant):
         "admin_a": make("admin_a", password="pw-admin-123"),
         "owner_a": make("owner_a", password="pw-owner-123"),
         "owner_b": make("owner_b", password="pw-owner-123"),
-        "staff": make("staffer", password="pw-staff-123", is_staff=True),
+        "staff": make("staffer", password="pw-staff-123", is_staff=True, is_superuser=True),
     }
     services.membership_set(tenant=tenant, user=people["member"], role="member", actor=None)
     services.membership_set(tenant=tenant, user=people["admin_a"], role="admin", actor=None)

@@ -23,7 +23,7 @@ def people(django_user_model, tenant, other_tenant):
         "member": make("member", password="pw-member-123"),
         "admin_a": make("admin_a", password="pw-admin-123"),
         "owner_a": make("owner_a", password="pw-owner-123"),
-        "staff": make("staffer", password="pw-staff-123", is_staff=True),
+        "staff": make("staffer", password="pw-staff-123", is_staff=True, is_superuser=True),
         "nobody": make("nobody", password="pw-nobody-123"),
     }
     services.membership_set(tenant=tenant, user=people["member"], role="member", actor=None)

@@ -45,7 +45,9 @@ def _fill_usage(tenant) -> None:
 def test_dashboards_in_chromium(chromium, django_user_model, tenant, other_tenant, tmp_path):  # noqa: F811
     sync_api, executable = chromium
     owner = django_user_model.objects.create_user("owner", password=PASSWORD)
-    django_user_model.objects.create_user("root", password=PASSWORD, is_staff=True)
+    django_user_model.objects.create_user(
+        "root", password=PASSWORD, is_staff=True, is_superuser=True
+    )
     services.membership_set(tenant=tenant, user=owner, role="owner", actor=None)
     _fill_usage(tenant)
     ModelDeployment.objects.create(

@@ -34,7 +34,9 @@ def _record(tenant, key, n: int, started_at: datetime) -> None:
 
 @pytest.fixture
 def world(django_user_model, tenant):
-    staff = django_user_model.objects.create_user("root", password=PASSWORD, is_staff=True)
+    staff = django_user_model.objects.create_user(
+        "root", password=PASSWORD, is_staff=True, is_superuser=True
+    )
     member = django_user_model.objects.create_user("bob", password=PASSWORD)
     services.membership_set(tenant=tenant, user=member, role="member", actor=None)
     key = services.api_key_create(tenant=tenant, name="prod")[0]

@@ -6,6 +6,7 @@ from django.utils import timezone
 
 from tenants import services
 from tenants.models import ApiKey, Membership, Plan, UsageRecord
+from tests.conftest import staff_user
 from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db
@@ -162,7 +163,10 @@ def test_only_owners_and_staff_grant_owner(crew, tenant, django_user_model):
         services.membership_change_role(membership=member, role="owner", actor=crew["admin"])
     assert _role(tenant, newcomer) is None and _role(tenant, crew["member"]) == "member"
 
-    staff = django_user_model.objects.create_user("staffer", is_staff=True)
+    viewer = staff_user("viewer", "tenants.view_membership")  # the admin would not let them
+    with pytest.raises(services.MembershipNotAllowed):
+        services.membership_set(tenant=tenant, user=newcomer, role="owner", actor=viewer)
+    staff = staff_user("staffer", "tenants.change_membership")
     services.membership_set(tenant=tenant, user=newcomer, role="owner", actor=staff)
     services.membership_change_role(membership=member, role="owner", actor=crew["owner"])
     assert _role(tenant, newcomer) == _role(tenant, crew["member"]) == "owner"
@@ -192,7 +196,7 @@ def test_members_and_outsiders_manage_nobody(crew, tenant, django_user_model, wh
 @pytest.mark.parametrize("actor", ["owner", "staff", None])
 def test_no_change_leaves_a_tenant_without_an_owner(crew, tenant, django_user_model, actor):
     if actor == "staff":
-        actor = django_user_model.objects.create_user("staffer", is_staff=True)
+        actor = staff_user("staffer", "tenants.change_membership")
     elif actor == "owner":
         actor = crew["owner"]
     owner = Membership.objects.get(tenant=tenant, user=crew["owner"])
