@@ -153,30 +153,29 @@ def test_tasks_run_through_celery(eager, keys, settings):
     assert UsageRollup.objects.filter(period="day").count() == 2  # roll-ups outlive records
 
 
-@pytest.mark.django_db(transaction=True)
-def test_two_rollups_at_once_count_each_record_once(keys, monkeypatch):
-    """Beat queues a roll-up every 5 minutes and the worker runs two tasks at once: a slow run
-    overlaps the next. Under PostgreSQL's READ COMMITTED, the second run's delete of an hour
-    did not see the rows the first had just inserted, and both sets stayed, for good."""
+def _race_two_rollups(keys, monkeypatch, *, write_first: bool, meanwhile=lambda: None) -> None:
+    """Roll up while another roll-up, started first, holds its hour in its transaction: paused
+    after writing its rows (``write_first``) or after reading its records only. ``meanwhile``
+    runs while it is paused, before the second starts."""
     if connection.vendor != "postgresql":
         pytest.skip("SQLite runs one writing transaction at a time")
-    key = keys[0]
     for n in range(3):
-        _record(key, T0 + timedelta(minutes=n), n + 1)
+        _record(keys[0], T0 + timedelta(minutes=n), n + 1)
     UsageRecord.objects.update(created_at=T0)  # created as they finished
     rollups.rollup_pending(now=T0 + timedelta(minutes=30))
 
     paused, go_on = threading.Event(), threading.Event()
     replace = rollups._replace
 
-    def slow_replace(period, start, groups):
-        written = replace(period, start, groups)
-        if threading.current_thread().name == "first" and period == UsageRollup.Period.HOUR:
-            paused.set()
-            go_on.wait(10)  # inside rollup_hour's transaction, its rows not committed yet
-        return written
+    def paused_replace(period, start, groups):
+        if threading.current_thread().name != "first" or period != UsageRollup.Period.HOUR:
+            return replace(period, start, groups)
+        written = replace(period, start, groups) if write_first else None
+        paused.set()
+        go_on.wait(10)  # inside rollup_hour's transaction, nothing of it committed yet
+        return written if write_first else replace(period, start, groups)
 
-    monkeypatch.setattr(rollups, "_replace", slow_replace)
+    monkeypatch.setattr(rollups, "_replace", paused_replace)
 
     def run() -> None:
         try:
@@ -187,12 +186,21 @@ def test_two_rollups_at_once_count_each_record_once(keys, monkeypatch):
     first, second = threading.Thread(target=run, name="first"), threading.Thread(target=run)
     first.start()
     assert paused.wait(10)
+    meanwhile()
     second.start()
     time.sleep(1.0)  # the second waits at the hour, or (before) got past it
     go_on.set()
     first.join(30)
     second.join(30)
     assert not first.is_alive() and not second.is_alive()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_rollups_at_once_count_each_record_once(keys, monkeypatch):
+    """Beat queues a roll-up every 5 minutes and the worker runs two tasks at once: a slow run
+    overlaps the next. Under PostgreSQL's READ COMMITTED, the second run's delete of an hour
+    did not see the rows the first had just inserted, and both sets stayed, for good."""
+    _race_two_rollups(keys, monkeypatch, write_first=True)
     assert _totals("hour")["requests"] == _totals("day")["requests"] == 3
 
 
@@ -201,39 +209,9 @@ def test_a_rollup_that_read_first_does_not_write_its_older_rows_last(keys, monke
     """The period's lock was taken after its records were read: a run that read, then waited,
     wrote rows older than those a run after it had read and committed meanwhile (a record
     committed between the two reads went missing until the next roll-up)."""
-    if connection.vendor != "postgresql":
-        pytest.skip("SQLite runs one writing transaction at a time")
-    key = keys[0]
-    for n in range(3):
-        _record(key, T0 + timedelta(minutes=n), n + 1)
-    UsageRecord.objects.update(created_at=T0)
-    rollups.rollup_pending(now=T0 + timedelta(minutes=30))
 
-    paused, go_on = threading.Event(), threading.Event()
-    replace = rollups._replace
+    def late_record() -> None:  # of the same hour, committed
+        _record(keys[0], T0 + timedelta(minutes=5), 4)
 
-    def replace_later(period, start, groups):
-        if threading.current_thread().name == "first" and period == UsageRollup.Period.HOUR:
-            paused.set()
-            go_on.wait(10)  # its records read, its rows not written yet
-        return replace(period, start, groups)
-
-    monkeypatch.setattr(rollups, "_replace", replace_later)
-
-    def run() -> None:
-        try:
-            rollups.rollup_pending(now=T0 + timedelta(minutes=40))
-        finally:
-            connection.close()
-
-    first, second = threading.Thread(target=run, name="first"), threading.Thread(target=run)
-    first.start()
-    assert paused.wait(10)
-    _record(key, T0 + timedelta(minutes=5), 4)  # a late record of the same hour, committed
-    second.start()
-    time.sleep(1.0)  # the second waits for the first's hour, or (before) rolled it past it
-    go_on.set()
-    first.join(30)
-    second.join(30)
-    assert not first.is_alive() and not second.is_alive()
+    _race_two_rollups(keys, monkeypatch, write_first=False, meanwhile=late_record)
     assert _totals("hour")["requests"] == _totals("day")["requests"] == 4
