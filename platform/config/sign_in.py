@@ -7,6 +7,9 @@ in that way is refused, a right password too, until the window ends: the page sa
 the chat's answers 429. A success clears its account and address's count. The per-account
 limit is the wider one, so that a stranger failing on purpose from one address does not lock
 the account's owner out; guessing from many addresses still meets it.
+
+Each sign-in, and each wrong password, is an event in the platform's audit log, with its
+address (a refused attempt is not: no password was tried).
 """
 
 import hashlib
@@ -21,7 +24,8 @@ from django.core.cache import cache
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
 
-from tenants.audit import client_ip
+from tenants.audit import audit_record, client_ip
+from tenants.models import AuditEvent
 
 THROTTLED = "throttled"
 
@@ -94,8 +98,15 @@ class ThrottledSignIn:
         except ValidationError as exc:
             if exc.code == "invalid_login":
                 sign_in_failed(username=username, address=address)
+                audit_record(
+                    action=AuditEvent.Action.USER_SIGN_IN_FAILED,
+                    actor=None,
+                    target_name=username,
+                )
             raise
         sign_in_succeeded(username=username, address=address)
+        user = self.get_user()
+        audit_record(action=AuditEvent.Action.USER_SIGNED_IN, actor=user, target=user)
         return cleaned
 
 

@@ -89,3 +89,23 @@ def test_the_admins_sign_in_is_throttled_too(client, admin_user):
     )
     assert "Too many failed sign-ins" in response.content.decode()
     assert not _is_signed_in(client)
+
+
+def test_sign_ins_and_wrong_passwords_are_in_the_audit_log(client, user):
+    from tenants.models import AuditEvent
+
+    _sign_in(client, "wrong", address="203.0.113.5")
+    _sign_in(client, PASSWORD, address="198.51.100.7")
+    for _ in range(5):
+        _sign_in(client, "wrong", address="192.0.2.9")
+    _sign_in(client, PASSWORD, address="192.0.2.9")  # refused: no password tried, no event
+
+    events = [
+        (e.action, e.actor_name, e.target_name, e.ip_address)
+        for e in AuditEvent.objects.filter(action__startswith="user.sign").order_by("id")
+    ]
+    assert events[:2] == [
+        ("user.sign_in_failed", "", "alice", "203.0.113.5"),
+        ("user.signed_in", "alice", "alice", "198.51.100.7"),
+    ]
+    assert events[2:] == [("user.sign_in_failed", "", "alice", "192.0.2.9")] * 5

@@ -92,7 +92,7 @@ def test_the_platform_log_shows_platform_events_and_tenants(client, people, tena
 
 def test_filters_narrow_the_log(client, people, tenant):
     old = services.api_key_create(tenant=tenant, name="old-key", actor=people["admin_a"])[0]
-    AuditEvent.objects.filter(target_id=str(old.pk)).update(
+    AuditEvent.objects.filter(target_id=str(old.pk), action="api_key.created").update(
         created_at=timezone.now() - timedelta(days=30)
     )
     services.api_key_create(tenant=tenant, name="new-key", actor=people["owner_a"])
