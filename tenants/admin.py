@@ -1,5 +1,6 @@
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import UserChangeForm
@@ -8,6 +9,7 @@ from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest
 
 from tenants import services
+from tenants.audit import HIDDEN_VALUE, audit_record
 from tenants.audit_admin import AuditedAdmin
 from tenants.models import ApiKey, AuditEvent, Membership, Plan, Tenant, UsageRecord
 from tenants.services import MembershipChange
@@ -310,6 +312,32 @@ class UserAdmin(AuditedAdmin, auth_admin.UserAdmin):
 
     audit_prefix = "user"
     form = OwnerKeepingUserChangeForm
+
+    def user_change_password(self, request: HttpRequest, id: str, form_url: str = ""):
+        """Django's page that sets a user's password (a view of its own, past ``save_model``):
+        a password set is a change in the audit log, its value hidden."""
+        response = super().user_change_password(request, id, form_url)
+        if request.method == "POST" and response.status_code == 302:
+            user = self.get_object(request, unquote(id))
+            audit_record(
+                action=AuditEvent.Action.USER_UPDATED,
+                actor=request.user,
+                target=user,
+                changes={"password": [HIDDEN_VALUE, HIDDEN_VALUE]},
+            )
+        return response
+
+    def _audit_deleted(self, request: HttpRequest, obj) -> None:
+        """A user deleted leaves the tenants they were in: each tenant's log says so."""
+        for membership in Membership.objects.filter(user=obj).select_related("tenant"):
+            audit_record(
+                action=AuditEvent.Action.MEMBER_REMOVED,
+                actor=request.user,
+                target=obj,
+                tenant=membership.tenant,
+                changes={"role": [membership.role, None]},
+            )
+        super()._audit_deleted(request, obj)
 
     def get_deleted_objects(self, objs, request: HttpRequest):
         deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)

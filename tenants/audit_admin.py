@@ -23,14 +23,17 @@ class AuditedAdmin(admin.ModelAdmin):
         """The tenant whose log the event is in; None: the platform's only."""
         return None
 
-    def _audited_fields(self, form) -> list[str]:
+    def _audited_fields(self, form, change: bool) -> list[str]:
+        """The model's fields the form holds: on a change, those the editor changed (not
+        what others wrote since the form was shown, nor what the widgets round)."""
         model_fields = {field.name for field in self.model._meta.get_fields()}
-        return [name for name in form.base_fields if name in model_fields]
+        names = form.changed_data if change else form.base_fields
+        return [name for name in names if name in model_fields]
 
     def save_model(self, request: HttpRequest, obj: models.Model, form, change: bool) -> None:
         if change:  # the form changed ``obj`` already: what was is still in the database
             stored = type(obj)._default_manager.get(pk=obj.pk)
-            form.audit_before = model_values(stored, self._audited_fields(form))
+            form.audit_before = model_values(stored, self._audited_fields(form, change))
         super().save_model(request, obj, form, change)
 
     def save_related(self, request: HttpRequest, form, formsets, change: bool) -> None:
@@ -38,7 +41,8 @@ class AuditedAdmin(admin.ModelAdmin):
         verb = "updated" if change else "created"
         obj = form.instance
         changes = field_changes(
-            getattr(form, "audit_before", {}), model_values(obj, self._audited_fields(form))
+            getattr(form, "audit_before", {}),
+            model_values(obj, self._audited_fields(form, change)),
         )
         if verb in self.audit_verbs and (changes or not change):
             audit_record(

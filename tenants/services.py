@@ -57,7 +57,16 @@ def plan_default_ensure() -> Plan:
     """The default plan, recreated with its stock limits if someone deleted it."""
     plan = plan_default()
     if plan is None:
-        plan, _ = Plan.objects.get_or_create(slug=DEFAULT_PLAN_SLUG, defaults=DEFAULT_PLAN_LIMITS)
+        plan, created = Plan.objects.get_or_create(
+            slug=DEFAULT_PLAN_SLUG, defaults=DEFAULT_PLAN_LIMITS
+        )
+        if created:
+            audit_record(
+                action=AuditEvent.Action.PLAN_CREATED,
+                actor=None,
+                target=plan,
+                changes=field_changes({}, DEFAULT_PLAN_LIMITS),
+            )
     return plan
 
 

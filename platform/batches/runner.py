@@ -67,6 +67,9 @@ RETRIED_CODES = frozenset(
     }
 )
 PAGE_SIZE = 500  # pending lines read at a time
+# how long a line owed its answer is tried again past its batch's window (or, for a batch
+# already past it, past the start of the pass that runs it), while its refusals may pass
+OWED_RETRY_SECONDS = 600
 
 
 def batch_run(*, batch_id: str) -> str:
@@ -124,6 +127,7 @@ class BatchRun:
         self.lease_seconds = settings.BATCH_LEASE_SECONDS
         self.is_stopping = False  # cancelled, or the lease lost: take no new line
         self.has_lease = True  # False: another runner has the batch, take no line at all
+        self.started_at = time.time()
         self._callers: dict[str, Caller | None] = {}  # model -> its caller (None: no access)
 
     async def run(self) -> None:
@@ -144,7 +148,7 @@ class BatchRun:
                         continue
                     break  # cancelled or expired meanwhile
                 request.request_id = request_id
-                in_flight.add(asyncio.create_task(self._run_line(request)))
+                in_flight.add(asyncio.create_task(self._run_line(request, is_owed)))
             await asyncio.gather(*in_flight)
         finally:
             heartbeat.cancel()
@@ -180,17 +184,17 @@ class BatchRun:
         finally:
             self.is_stopping = True
 
-    async def _run_line(self, request: BatchRequest) -> None:
+    async def _run_line(self, request: BatchRequest, is_owed: bool) -> None:
         while True:
             try:
                 response = await self._answer(request)
                 break
             except RunError as exc:
-                if not self._may_retry(exc):
+                if not self._may_retry(exc, is_owed):
                     response = _response(from_run_error(exc), request.request_id)
                     break
                 await asyncio.sleep(exc.retry_after)
-                if self.is_stopping:
+                if not self.has_lease or (self.is_stopping and not is_owed):
                     await _unclaim(request)
                     return
                 if exc.request_id is not None:  # admitted and metered: the next try is new
@@ -235,11 +239,18 @@ class BatchRun:
             raise model_not_found(model)
         return caller
 
-    def _may_retry(self, exc: RunError) -> bool:
-        if exc.code not in RETRIED_CODES or exc.retry_after is None or self.is_stopping:
+    def _may_retry(self, exc: RunError, is_owed: bool) -> bool:
+        """Whether a refusal that may pass is tried again: within the batch's window, while
+        it takes lines; a line owed its answer also once it takes none, and for
+        ``OWED_RETRY_SECONDS`` past the window's end or this pass's start."""
+        if exc.code not in RETRIED_CODES or exc.retry_after is None or not self.has_lease:
             return False
-        retry_at = timezone.now().timestamp() + exc.retry_after
-        return retry_at < self.batch.expires_at.timestamp()
+        if self.is_stopping and not is_owed:
+            return False
+        deadline = self.batch.expires_at.timestamp()
+        if is_owed:
+            deadline = max(deadline, self.started_at) + OWED_RETRY_SECONDS
+        return timezone.now().timestamp() + exc.retry_after < deadline
 
 
 def _response(error: ApiError, request_id: str) -> dict:

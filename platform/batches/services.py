@@ -5,6 +5,7 @@ in ``selectors``."""
 
 import functools
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 
 import msgspec
@@ -238,16 +239,21 @@ def _queue_run(batch_id: str) -> None:
     from batches.tasks import run_batch  # the task runs these services: imported late
 
     try:
-        run_batch.delay(batch_id)
+        batch_queue_run(batch_id=batch_id, queue=run_batch.delay)
     except Exception:  # the batch exists: the sweep starts it once the broker is back
         logger.exception("could not queue batch %s", batch_id)
-        return
-    batch_queued(batch_id=batch_id)
 
 
-def batch_queued(*, batch_id: str) -> None:
-    """A runner was queued for the batch: the sweep leaves it waiting for a while."""
+def batch_queue_run(*, batch_id: str, queue: Callable[[str], object]) -> None:
+    """Queue a runner for the batch (``queue``: the task's ``delay``), marked as queued first:
+    a worker may claim it, and clear the mark, before ``delay`` returns. The sweep leaves a
+    queued runner waiting for a while; one the broker did not take is not marked."""
     Batch.objects.filter(pk=batch_id).update(queued_at=timezone.now())
+    try:
+        queue(batch_id)
+    except BaseException:
+        Batch.objects.filter(pk=batch_id).update(queued_at=None)
+        raise
 
 
 def _fail(batch: Batch, errors: list[dict]) -> Batch:

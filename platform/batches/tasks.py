@@ -17,6 +17,5 @@ def sweep_batches() -> list[str]:
     lease ran out), one past its window (its runner expires it)."""
     batch_ids = selectors.batches_unattended()
     for batch_id in batch_ids:
-        run_batch.delay(batch_id)
-        services.batch_queued(batch_id=batch_id)
+        services.batch_queue_run(batch_id=batch_id, queue=run_batch.delay)
     return batch_ids

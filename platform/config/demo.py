@@ -24,7 +24,8 @@ from django.db import transaction
 
 from config.private_files import private_file_write
 from tenants import services
-from tenants.models import Tenant
+from tenants.audit import audit_record, field_changes, model_values
+from tenants.models import AuditEvent, Tenant
 
 DEMO_TENANT_SLUG = "demo"
 DEMO_USERNAME = "admin"
@@ -84,6 +85,12 @@ def demo_bootstrap() -> DemoCredentials:
     if user is None:
         password = secrets.token_urlsafe(12)
         user = user_model.objects.create_superuser(DEMO_USERNAME, "", password)
+        audit_record(
+            action=AuditEvent.Action.USER_CREATED,
+            actor=None,
+            target=user,
+            changes=field_changes({}, model_values(user, ("username", "is_staff", "is_superuser"))),
+        )
     elif not password or not user.check_password(password):
         password = None  # the operator's now
 

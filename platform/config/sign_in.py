@@ -1,17 +1,19 @@
 """Signing in, with failed attempts throttled: the chat's sign-in page and the admin's.
 
 Failed sign-ins are counted per account and address, per account, and per address, each in a
-window of ``SIGN_IN_WINDOW_SECONDS`` (fixed, from its first failure), in the cache (Redis in
-production: every web process sees the same counts). Once a count reaches its limit, signing
-in that way is refused, a right password too, until the window ends: the page says when, and
-the chat's answers 429. A success clears its account and address's count. The per-account
-limit is the wider one, so that a stranger failing on purpose from one address does not lock
-the account's owner out; guessing from many addresses still meets it.
+window of ``SIGN_IN_WINDOW_SECONDS`` (fixed, from its first attempt), in the cache (Redis in
+production: every web process sees the same counts). An attempt is counted before its
+password is checked, and given back if the password was right. Once a count reaches its
+limit, signing in that way is refused, a right password too, until the window ends: the page
+says when, and the chat's answers 429. A success clears its account and address's count.
+The per-account limit is the wider one, so that a stranger failing on purpose from one
+address does not lock the account's owner out; guessing from many addresses still meets it.
 
 Each sign-in, and each wrong password, is an event in the platform's audit log, with its
 address (a refused attempt is not: no password was tried).
 """
 
+import contextlib
 import hashlib
 import math
 import time
@@ -50,61 +52,75 @@ def _counters(username: str, address: str | None) -> dict[str, tuple[str, int]]:
     return counters
 
 
-def sign_in_check(*, username: str, address: str | None) -> None:
-    """Raise ``SignInThrottled`` when one of the attempt's counters is at its limit."""
-    counters = _counters(username, address).values()
-    keys = [key for key, _ in counters]
-    stored = cache.get_many([*keys, *(f"{key}:until" for key in keys)])
-    now = time.time()
-    waits = [
-        stored.get(f"{key}:until", now) - now
-        for key, limit in counters
-        if stored.get(key, 0) >= limit
-    ]
-    if waits:
-        raise SignInThrottled(max(1, math.ceil(max(waits))))
+def sign_in_begin(*, username: str, address: str | None) -> None:
+    """Count an attempt in each of its counters before its password is checked, so that
+    attempts made at the same moment cannot all pass a check that none had counted in yet;
+    raise ``SignInThrottled`` (the attempt given back) when one is past its limit."""
+    counters = list(_counters(username, address).values())
+    counts = [_count(key) for key, _ in counters]
+    over = [key for (key, limit), count in zip(counters, counts, strict=True) if count > limit]
+    if over:
+        _give_back([key for key, _ in counters])
+        now = time.time()
+        untils = cache.get_many([f"{key}:until" for key in over])
+        raise SignInThrottled(max(1, math.ceil(max(untils.values(), default=now + 1) - now)))
 
 
-def sign_in_failed(*, username: str, address: str | None) -> None:
+def sign_in_end(*, username: str, address: str | None, was_password_right: bool) -> None:
+    """A wrong password stays counted. A right one is given back, and clears its account's
+    failures from its address (those from elsewhere, and its address's with other accounts,
+    run to their window's end)."""
+    if not was_password_right:
+        return
+    counters = _counters(username, address)
+    _give_back([key for kind, (key, _) in counters.items() if kind != "pair"])
+    if "pair" in counters:
+        key = counters["pair"][0]
+        cache.delete_many([key, f"{key}:until"])
+
+
+def _count(key: str) -> int:
     window = settings.SIGN_IN_WINDOW_SECONDS
-    for key, _ in _counters(username, address).values():
-        if cache.add(key, 0, timeout=window):  # the window starts at its first failure
-            cache.set(f"{key}:until", time.time() + window, timeout=window)
-        try:
-            cache.incr(key)
-        except ValueError:  # the window ended between the two
-            cache.add(key, 1, timeout=window)
+    if cache.add(key, 0, timeout=window):  # the window starts at its first attempt
+        cache.set(f"{key}:until", time.time() + window, timeout=window)
+    try:
+        return cache.incr(key)
+    except ValueError:  # the window ended between the two
+        cache.add(key, 1, timeout=window)
+        return 1
 
 
-def sign_in_succeeded(*, username: str, address: str | None) -> None:
-    """The right password clears its account's failures from its address (those from
-    elsewhere, and its address's with other accounts, run to their window's end)."""
-    pair = _counters(username, address).get("pair")
-    if pair is not None:
-        cache.delete_many([pair[0], f"{pair[0]}:until"])
+def _give_back(keys: list[str]) -> None:
+    for key in keys:
+        with contextlib.suppress(ValueError):  # its window ended meanwhile
+            cache.decr(key)
 
 
 class ThrottledSignIn:
     """An authentication form's ``clean``, throttled (a mix-in before Django's form)."""
 
     request: HttpRequest | None
+    user_cache: object | None
 
     def clean(self) -> dict:
         username = self.cleaned_data.get("username") or ""
         address = client_ip(self.request.META) if self.request is not None else None
-        sign_in_check(username=username, address=address)
+        sign_in_begin(username=username, address=address)
         try:
             cleaned = super().clean()
-        except ValidationError as exc:
-            if exc.code == "invalid_login":
-                sign_in_failed(username=username, address=address)
+        except ValidationError:
+            # the password was right where a user was found: the admin's refusal of one who
+            # is not staff (also "invalid_login"), an inactive account, are no failed guess
+            is_right = self.user_cache is not None
+            sign_in_end(username=username, address=address, was_password_right=is_right)
+            if not is_right:
                 audit_record(
                     action=AuditEvent.Action.USER_SIGN_IN_FAILED,
                     actor=None,
                     target_name=username,
                 )
             raise
-        sign_in_succeeded(username=username, address=address)
+        sign_in_end(username=username, address=address, was_password_right=True)
         user = self.get_user()
         audit_record(action=AuditEvent.Action.USER_SIGNED_IN, actor=user, target=user)
         return cleaned

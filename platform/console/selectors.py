@@ -185,3 +185,9 @@ def fairness_rows(*, date_range: DateRange) -> list[FairnessRow]:
                 )
             )
     return result
+
+
+def deployment_exists(*, name: str) -> bool:
+    """Whether a deployment is registered as ``name`` (as the register form sends it)."""
+    name = name.strip()
+    return "\x00" not in name and ModelDeployment.objects.filter(name=name).exists()

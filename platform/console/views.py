@@ -297,6 +297,9 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
     action = request.POST.get("action")
     change = "register_deployment" if action == "register" else "control_deployment"
     permissions.require(user=request.user, tenant=None, change=change)
+    if action == "register" and selectors.deployment_exists(name=request.POST.get("name", "")):
+        # registering a name that is taken rewrites that deployment: a change of it
+        permissions.require(user=request.user, tenant=None, change="control_deployment")
     deployment_id = forms.object_id(request.POST.get("deployment_id"))
     try:
         if action == "register":

@@ -18,6 +18,9 @@ class ModelDeploymentAdmin(AuditedAdmin):
     list_filter = ("is_enabled", "shares_prefix_cache")
     search_fields = ("name", "description")
     filter_horizontal = ("plans",)
+    # what the health poll writes, shown: a form saved a minute after it was opened wrote
+    # back the health it had shown
+    readonly_fields = ("health", "replicas", "checked_at", "created_at")
 
     @admin.display(description="Endpoints")
     def endpoint_list(self, obj: ModelDeployment) -> str:

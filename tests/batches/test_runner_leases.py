@@ -198,3 +198,56 @@ def test_the_sweep_adds_no_copy_of_a_runner_still_waiting_for_a_worker(world, mo
     batch_services.batch_claim(batch_id=batch.id, runner="r", lease_seconds=0)
     assert tasks.sweep_batches() == [batch.id]  # a runner claimed it and died: at once
     assert queued == [batch.id] * 3
+
+
+@pytest.mark.parametrize("ending", ["expired", "cancelled"])
+def test_a_line_owed_its_answer_is_tried_again_after_a_refusal(
+    world, settings, monkeypatch, ending
+):
+    """Its batch took no new lines: the refused line was unclaimed (cancelled) or answered
+    with the refusal (past the window), and the answer paid for was never given."""
+    from serving.runs import RunError
+
+    tenant, api_key, answered = world
+    settings.BATCH_LEASE_SECONDS = 0.6  # the lease is renewed every 0.2 s: the cancel is seen
+    tries = []
+
+    async def refused_once(self, request):
+        tries.append(request.custom_id)
+        if len(tries) == 1:
+            raise RunError("engine_unavailable", "no ready replica", retry_after=0.5)
+        answered.append(request.custom_id)
+        return _ok(request)
+
+    monkeypatch.setattr(batch_runner.BatchRun, "_answer", refused_once)
+    batch = _left_by_a_dead_runner(tenant, api_key, _batch(tenant, api_key))
+    if ending == "expired":
+        Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now())
+    else:
+        batch_services.batch_cancel(batch=batch)
+
+    assert batch_runner.batch_run(batch_id=batch.id) == ending
+
+    batch.refresh_from_db()
+    assert tries == ["r0", "r0"] and _custom_ids(batch.output_file_id) == ["r0"]
+
+
+def test_a_runner_is_marked_queued_before_a_worker_can_claim_it(world):
+    """Marked after ``delay`` returned, a runner that a worker had claimed meanwhile (and that
+    then died) looked queued for ten minutes: its batch waited that long to be resumed."""
+    tenant, api_key, _ = world
+    batch = _batch(tenant, api_key)
+
+    def claimed_at_once(batch_id: str) -> None:
+        batch_services.batch_claim(batch_id=batch_id, runner="r", lease_seconds=0)
+
+    batch_services.batch_queue_run(batch_id=batch.id, queue=claimed_at_once)
+    assert Batch.objects.get(pk=batch.pk).queued_at is None
+    assert batches_unattended() == [batch.id]  # its runner's lease is over: resumed at once
+
+    def broker_down(batch_id: str) -> None:
+        raise ConnectionError("broker down")
+
+    with pytest.raises(ConnectionError):
+        batch_services.batch_queue_run(batch_id=batch.id, queue=broker_down)
+    assert Batch.objects.get(pk=batch.pk).queued_at is None  # not queued: the sweep retries

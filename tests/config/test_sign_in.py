@@ -109,3 +109,46 @@ def test_sign_ins_and_wrong_passwords_are_in_the_audit_log(client, user):
         ("user.signed_in", "alice", "alice", "198.51.100.7"),
     ]
     assert events[2:] == [("user.sign_in_failed", "", "alice", "192.0.2.9")] * 5
+
+
+def test_attempts_at_the_same_moment_stay_within_the_limit(monkeypatch):
+    """The counts were checked before the password and raised after it: 40 guesses sent at
+    once all passed a check that none had counted in yet."""
+    import threading
+    from unittest import mock
+
+    from django.test import RequestFactory
+
+    from config.sign_in import SignInForm
+
+    tried, lock, barrier = [], threading.Lock(), threading.Barrier(40)
+
+    def slow_authenticate(request=None, **credentials):  # as slow as a real password hash
+        with lock:
+            tried.append(credentials["password"])
+        time.sleep(0.3)
+
+    def attempt(n: int) -> None:
+        request = RequestFactory().post("/accounts/login/", REMOTE_ADDR="203.0.113.5")
+        form = SignInForm(request, data={"username": "victim", "password": f"guess-{n}"})
+        barrier.wait()
+        form.is_valid()
+
+    with (
+        mock.patch("django.contrib.auth.forms.authenticate", slow_authenticate),
+        mock.patch("config.sign_in.audit_record"),  # no database from these threads
+    ):
+        threads = [threading.Thread(target=attempt, args=(n,)) for n in range(40)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(tried) == 5  # the limit per account and address
+
+
+def test_a_right_password_refused_by_the_admin_is_no_failure(client, user):
+    """The admin refuses a user who is not staff with Django's "invalid_login": five right
+    passwords there locked the user out of the chat."""
+    for _ in range(6):
+        client.post(reverse("admin:login"), {"username": "alice", "password": PASSWORD})
+    assert _sign_in(client, PASSWORD, address="127.0.0.1").status_code == 302

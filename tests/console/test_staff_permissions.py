@@ -109,6 +109,15 @@ def test_each_change_takes_its_own_permission(client, tenant, world):
         == 403
     )
 
+    # adding is not changing: a name that is taken would rewrite its deployment
+    client.force_login(staff_user("registrar", VIEW, "serving.add_modeldeployment"))
+    taken = {"action": "register", "name": "m", "endpoints": "tcp://evil.example:5555"}
+    assert client.post(actions, taken).status_code == 403
+    assert ModelDeployment.objects.get(pk=deployment.pk).endpoints == ["ipc:///tmp/m.sock"]
+    fresh = {"action": "register", "name": "new-model", "endpoints": "ipc:///tmp/new.sock"}
+    assert client.post(actions, fresh).status_code == 302
+    assert ModelDeployment.objects.filter(name="new-model").exists()
+
     client.force_login(staff_user("auditor", VIEW, "tenants.view_auditevent"))
     assert client.get(_url("audit", tenant)).status_code == 200
     assert client.get(_url("platform-audit")).status_code == 200

@@ -323,3 +323,57 @@ def test_a_hidden_field_is_shown_changed_never_by_value():
         "password": [HIDDEN_VALUE, HIDDEN_VALUE]
     }
     assert field_changes({"password": _Hidden("a")}, {"password": _Hidden("a")}) == {}
+
+
+def test_a_password_set_in_the_admin_is_a_change_its_value_hidden(staff_client, admin_user):
+    from django.contrib.auth import get_user_model
+
+    bob = get_user_model().objects.create_user("bob", password="old-pass-123")
+    url = reverse("admin:auth_user_password_change", args=[bob.pk])
+    new = {"password1": "N3w-pass-xyz!", "password2": "N3w-pass-xyz!"}
+    assert staff_client.post(url, new).status_code == 302
+    (event,) = _events(action=Action.USER_UPDATED)
+    assert event.changes == {"password": [HIDDEN_VALUE, HIDDEN_VALUE]}
+    assert (event.actor, event.target_name) == (admin_user, "bob")
+    assert staff_client.post(url, {"password1": "a", "password2": "b"}).status_code == 200
+    assert len(_events(action=Action.USER_UPDATED)) == 1  # refused: no event
+
+
+def test_a_user_deleted_in_the_admin_leaves_each_tenants_log_a_removal(
+    staff_client, django_user_model, tenant, owner
+):
+    bob = django_user_model.objects.create_user("bob", password="x")
+    services.membership_set(tenant=tenant, user=bob, role="admin", actor=None)
+    url = reverse("admin:auth_user_delete", args=[bob.pk])
+    assert staff_client.post(url, {"post": "yes"}).status_code == 302
+    (removed,) = _events(tenant=tenant, action=Action.MEMBER_REMOVED)
+    assert (removed.target_name, removed.changes) == ("bob", {"role": ["admin", None]})
+    assert _events(action=Action.USER_DELETED)[0].target_name == "bob"
+
+
+def test_an_admin_edit_records_what_the_editor_changed_only(staff_client, admin_user):
+    """The form was compared whole with the row: what the health poll wrote since the page
+    was opened, and the seconds the time widget drops, showed as the editor's changes."""
+    deployment = serving_services.deployment_register(name="m", endpoints=["ipc:///tmp/m.sock"])
+    url = reverse("admin:serving_modeldeployment_change", args=[deployment.pk])
+    form = {
+        "name": "m", "description": "now described", "endpoints": '["ipc:///tmp/m.sock"]',
+        "is_enabled": "on", "owned_by": "platform",
+    }  # fmt: skip
+    ModelDeployment.objects.filter(pk=deployment.pk).update(health="ready", replicas={"x": {}})
+    assert staff_client.post(url, form).status_code == 302
+    (event,) = _events(action=Action.DEPLOYMENT_UPDATED)
+    assert event.changes == {"description": ["", "now described"]}
+    stored = ModelDeployment.objects.get(pk=deployment.pk)
+    assert (stored.health, stored.replicas) == ("ready", {"x": {}})  # not written back
+
+
+def test_what_start_up_makes_is_the_platforms_doing(settings, tmp_path):
+    from config.demo import demo_bootstrap
+
+    settings.VAR_DIR, settings.IS_EMBEDDED = tmp_path, True  # whatever database this runs on
+    Plan.objects.filter(slug="default").delete()
+    demo_bootstrap()
+    events = {(event.action, event.target_name) for event in AuditEvent.objects.all()}
+    assert {("user.created", "admin"), ("plan.created", "Default")} <= events
+    assert {event.actor_name for event in AuditEvent.objects.all()} == {""}
