@@ -41,18 +41,23 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
-class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+# A message is read leniently, as vLLM reads it: clients send back the assistant messages the
+# SDK gave them, with what the SDK adds (``parsed``, ``parsed_arguments``, ``annotations``,
+# ``audio``, ``function_call``), and the model is shown none of it.
+
+
+class FunctionCall(msgspec.Struct):
     name: str
     arguments: str  # JSON, as the model wrote it
 
 
-class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True):
+class MessageToolCall(msgspec.Struct):
     id: str
     function: FunctionCall
     type: Literal["function"] = "function"
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # null only on an assistant turn that calls tools
     content: str | list[TextPart] | None = None

@@ -33,6 +33,7 @@ class ToolPlan:
     mode: str  # "auto", "required" or "named"
     function_names: list[str] = field(default_factory=list)
     named: str | None = None  # the function of a named tool_choice
+    is_parallel: bool = True  # False (``parallel_tool_calls: false``): one call at most
 
 
 def tool_plan(request: schemas.ChatCompletionRequest) -> ToolPlan | None:
@@ -57,7 +58,7 @@ def tool_plan(request: schemas.ChatCompletionRequest) -> ToolPlan | None:
                 "tool_choice",
             )
         return ToolPlan("named", names, named=choice.function.name)
-    return ToolPlan(choice or "auto", names)
+    return ToolPlan(choice or "auto", names, is_parallel=request.parallel_tool_calls is not False)
 
 
 def engine_tools(request: schemas.ChatCompletionRequest, plan: ToolPlan | None) -> list | None:
@@ -116,21 +117,49 @@ def _tool_call_schema(request: schemas.ChatCompletionRequest, plan: ToolPlan) ->
     }
     if plan.mode == "named":
         return parameters[plan.named]
+    roots: dict[str, dict] = {}
     calls = {
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": schema},
+                "properties": {"name": {"const": name}, "arguments": _rooted(schema, n, roots)},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for name, schema in parameters.items()
+            for n, (name, schema) in enumerate(parameters.items())
         ]
     }
     array = {"type": "array", "items": calls, "minItems": 1}
+    if roots:
+        array["$defs"] = roots
     if request.parallel_tool_calls is False:
         array["maxItems"] = 1
     return array
+
+
+def _rooted(schema: dict, index: int, roots: dict[str, dict]) -> dict:
+    """A tool's parameters as they sit inside the schema of every call: as they are, or,
+    where they refer to themselves (``$ref``: "#/$defs/Address", as pydantic writes nested
+    models), kept whole under the root's ``$defs`` with their references rewritten to point
+    there. Inside the array, "#/$defs/Address" would name the array's own, which is none."""
+    if '"$ref"' not in json.dumps(schema):
+        return schema
+    root = f"tool_{index}"
+    roots[root] = _references_moved(schema, f"#/$defs/{root}")
+    return {"$ref": f"#/$defs/{root}"}
+
+
+def _references_moved(node: object, root: str) -> object:
+    if isinstance(node, dict):
+        return {
+            key: root + value[1:]
+            if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _references_moved(value, root)
+            for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [_references_moved(item, root) for item in node]
+    return node
 
 
 def engine_messages(request: schemas.ChatCompletionRequest) -> list[Message]:
@@ -153,7 +182,9 @@ def engine_messages(request: schemas.ChatCompletionRequest) -> list[Message]:
         ]
         messages.append(
             Message(
-                role=message.role,
+                # OpenAI's newer name for the system's instructions; chat templates know
+                # "system" only
+                role="system" if message.role == "developer" else message.role,
                 content=message.text(),
                 tool_calls=calls or None,
                 tool_call_id=message.tool_call_id,

@@ -10,7 +10,8 @@ One ``ToolCallReader`` per choice, fed the choice's text deltas. By the request'
 - ``auto``: the model writes calls in its chat template's convention, for now the Hermes/Qwen
   one, ``<tool_call>{"name": …, "arguments": …}</tool_call>``; text outside the tags is the
   message's content, streamed as it comes, with any tail that might open a tag held back.
-  A block that does not parse as a call stays content, as vLLM does.
+  A block that does not parse as a call stays content, as vLLM does; with
+  ``parallel_tool_calls: false``, a call after the first is dropped, as OpenAI gives one.
 
 A reader gives ``ReadPiece``s: content text, or a tool call's delta.
 """
@@ -127,6 +128,8 @@ class ToolCallReader:
             call = _parse_call(block)
             if call is None or call["name"] not in self.plan.function_names:
                 pieces.append(self._say(whole))
+            elif self.calls and not self.plan.is_parallel:
+                continue  # one call was asked for at most: the model's second is dropped
             else:
                 pieces.append(self._add_call(call["name"], call["arguments"]))
         return pieces

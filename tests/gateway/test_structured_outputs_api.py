@@ -260,3 +260,58 @@ def test_a_schema_the_engine_cannot_compile_is_a_400_naming_the_problem(platform
     # the platform keeps serving
     assert client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
     assert [r.status for r in platform.records()] == ["rejected", "ok"]
+
+
+class Address(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    floor: int = Field(ge=0, le=9)
+
+
+class Delivery(BaseModel):
+    """A tool whose parameters hold a nested model: pydantic writes it under ``$defs``."""
+
+    to: Address
+    express: bool
+
+
+def test_a_required_call_to_a_tool_with_nested_models_is_made(platform):
+    """Inside the array of calls, the tool's "#/$defs/Address" pointed at nothing: the
+    grammar did not compile, and the request was a 400."""
+    tool = openai.pydantic_function_tool(Delivery)
+    assert "$defs" in json.dumps(tool)
+    completion = platform.client().chat.completions.parse(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=200,
+        logit_bias=closing_bias(),
+        seed=5,
+    )
+    [call] = completion.choices[0].message.tool_calls[:1]
+    assert isinstance(call.function.parsed_arguments, Delivery)
+
+
+def test_a_message_the_sdk_gave_goes_back_as_it_is(platform):
+    """The usual loop appends the SDK's message to the conversation: what the SDK adds to it
+    (``parsed``, ``annotations``, ``audio``, ``function_call``) was refused as unknown."""
+    client = platform.client()
+    first = client.chat.completions.parse(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        response_format=Weather,
+        max_tokens=60,
+        logit_bias=closing_bias(),
+        seed=7,
+    )
+    message = first.choices[0].message
+    conversation = [
+        {"role": "developer", "content": "Answer briefly."},  # OpenAI's name for system
+        *MESSAGES,
+        message,
+        {"role": "user", "content": "and tomorrow?"},
+        {"role": "assistant", "content": "x", "audio": None, "function_call": None},
+        {"role": "user", "content": "thanks"},
+    ]
+    second = client.chat.completions.create(model=MODEL_NAME, messages=conversation, max_tokens=3)
+    assert second.choices[0].message.content is not None

@@ -126,3 +126,14 @@ def test_a_named_call_streams_its_arguments_as_they_come():
     assert reader.finish() == []
     assert reader.calls[0].arguments == '{"city": "Rome"}'
     assert reader.content is None
+
+
+def test_without_parallel_calls_the_second_call_is_dropped():
+    """``parallel_tool_calls: false`` held only for ``required``: in auto mode the model's
+    every call came back."""
+    reader = ToolCallReader(ToolPlan("auto", AUTO.function_names, is_parallel=False), "hermes")
+    content, calls = summary(read_all(reader, [TEXT]))
+    assert content == "Let me check. "
+    assert [(i, name, json.loads(args)) for i, name, args in calls] == [
+        (0, "get_weather", {"city": "Paris"})
+    ]
