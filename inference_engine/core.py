@@ -170,7 +170,7 @@ class EngineCore:
         try:
             self.grammars.compile(params.structured_outputs)
         except InvalidGrammar as exc:
-            return Refusal(ErrorCode.INVALID_REQUEST, str(exc))
+            return Refusal(ErrorCode.INVALID_REQUEST, str(exc), "structured_outputs")
         if params.structured_outputs.kind() in JSON_KINDS:
             # decoded with the tokenizer the I/O thread owns; the busy loop finds it cached
             self.grammars.closing_tokens()

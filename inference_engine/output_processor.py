@@ -182,7 +182,8 @@ class OutputProcessor:
             state.request_id,
             text=state.text[state.num_sent_chars : send_upto],
             token_ids=token_ids,
-            logprobs=self._with_text(output, token_ids) if state.wants_logprobs else None,
+            # the stop token's, like its text, left out: the tokens spell the text
+            logprobs=self._with_text(output, text_ids) if state.wants_logprobs else None,
         )
         if is_first_token:
             delta.usage = Usage(
@@ -205,14 +206,18 @@ class OutputProcessor:
         return delta
 
     def _with_text(self, output: EngineOutput, token_ids: list[int]) -> list | None:
-        """The step's logprobs with each token's text, as OpenAI's API reports them."""
-        if output.new_logprobs is None or self.tokenizer is None:
-            return output.new_logprobs
+        """The logprobs of ``token_ids`` (the step's, or all but its stop token) with each
+        token's text, as OpenAI's API reports them."""
+        if output.new_logprobs is None:
+            return None
+        entries = output.new_logprobs[: len(token_ids)]
+        if self.tokenizer is None:
+            return entries
         decode = self.tokenizer.decode
-        for token_id, entry in zip(token_ids, output.new_logprobs, strict=False):
+        for token_id, entry in zip(token_ids, entries, strict=False):
             entry.token = decode([token_id])
             entry.top_tokens = [decode([top_id]) for top_id in entry.top_token_ids]
-        return output.new_logprobs
+        return entries
 
     @staticmethod
     def _last_delta(

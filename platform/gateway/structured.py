@@ -75,6 +75,28 @@ def constraint(
 ) -> StructuredOutputsParams | None:
     """The engine's constraint for the request's output, from at most one of
     ``response_format``, ``structured_outputs`` and a forcing ``tool_choice``."""
+    source = constraint_source(request, plan)
+    if source is None:
+        return None
+    response_format = request.response_format
+    if source == "tool_choice":
+        return StructuredOutputsParams(json=json.dumps(_tool_call_schema(request, plan)))
+    if source == "structured_outputs":
+        return _vllm_constraint(request.structured_outputs)
+    if isinstance(response_format, schemas.JsonObjectFormat):
+        return StructuredOutputsParams(json_object=True)
+    schema = response_format.json_schema.schema
+    if schema is None:
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=json.dumps(schema))
+
+
+def constraint_source(
+    request: schemas.ChatCompletionRequest | schemas.CompletionRequest,
+    plan: ToolPlan | None = None,
+) -> str | None:
+    """The field the output's constraint comes from: ``response_format``,
+    ``structured_outputs`` or ``tool_choice`` (the tools' parameters); None for none."""
     sources = []
     response_format = request.response_format
     if response_format is not None and not isinstance(response_format, schemas.TextFormat):
@@ -85,18 +107,7 @@ def constraint(
         sources.append("tool_choice")
     if len(sources) > 1:
         raise invalid(f"Give only one of {', '.join(sources)}.", sources[-1])
-    if not sources:
-        return None
-    if sources[0] == "tool_choice":
-        return StructuredOutputsParams(json=json.dumps(_tool_call_schema(request, plan)))
-    if sources[0] == "structured_outputs":
-        return _vllm_constraint(request.structured_outputs)
-    if isinstance(response_format, schemas.JsonObjectFormat):
-        return StructuredOutputsParams(json_object=True)
-    schema = response_format.json_schema.schema
-    if schema is None:
-        return StructuredOutputsParams(json_object=True)
-    return StructuredOutputsParams(json=json.dumps(schema))
+    return sources[0] if sources else None
 
 
 def _vllm_constraint(value: schemas.StructuredOutputs) -> StructuredOutputsParams:

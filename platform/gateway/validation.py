@@ -2,7 +2,7 @@
 400 that names the offending ``param``."""
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -48,6 +48,9 @@ class GenerationPlan:
     prompt_tokens: PromptTokens  # of all the prompts, before the engine counts them
     max_tokens_param: str = "max_tokens"  # what the request called it
     priority: int | None = None  # as asked; the plan's tier is the floor (see serving.runs)
+    # the request's names of the engine's fields an engine refusal may name: the constraint
+    # is the request's response_format, structured_outputs or tools
+    param_names: dict[str, str] = field(default_factory=dict)
     tool_plan: ToolPlan | None = None  # how the output is read back as tool calls
     user: str | None = None  # the caller's end user, stored on the usage record
     metadata: dict[str, str] | None = None  # stored on the usage record
@@ -63,6 +66,7 @@ class GenerationPlan:
             priority=self.priority,
             end_user=self.user,
             metadata=self.metadata,
+            param_names=self.param_names,
         )
 
     def engine_requests(self, response_id: str) -> list[GenerateRequest]:
@@ -219,7 +223,17 @@ def plan_chat(body: bytes) -> GenerationPlan:
         tool_plan=tool_plan,
         user=request.user,
         metadata=request.metadata,
+        param_names=_constraint_names(request, tool_plan),
     )
+
+
+def _constraint_names(
+    request: ChatCompletionRequest | CompletionRequest, tool_plan: structured.ToolPlan | None
+) -> dict[str, str]:
+    source = structured.constraint_source(request, tool_plan)
+    if source is None:
+        return {}
+    return {"structured_outputs": "tools" if source == "tool_choice" else source}
 
 
 def plan_completion(body: bytes) -> GenerationPlan:
@@ -244,6 +258,7 @@ def plan_completion(body: bytes) -> GenerationPlan:
         priority=request.priority,
         user=request.user,
         metadata=request.metadata,
+        param_names=_constraint_names(request, None),
     )
 
 

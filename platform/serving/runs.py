@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import InterfaceError, OperationalError
@@ -166,6 +166,9 @@ class RunSpec:
     # the caller's labels for its usage record: its end user and metadata (the API's)
     end_user: str | None = None
     metadata: dict[str, str] | None = None
+    # the caller's names of engine fields its refusals may name (``structured_outputs``:
+    # the API's ``response_format``), for their ``param`` and message
+    param_names: dict[str, str] = field(default_factory=dict)
 
     def labels(self) -> dict[str, object]:
         labels: dict[str, object] = {}
@@ -421,14 +424,11 @@ class Run:
                 delta.error_message,
             )
             return self._admitted(RunError(code, ENGINE_FAILED, retry_after=retry_after))
-        return self._admitted(
-            RunError(
-                code,
-                delta.error_message or code,
-                retry_after=retry_after,
-                param=delta.error_param,
-            )
-        )
+        message, param = delta.error_message or code, delta.error_param
+        if param in self.spec.param_names:  # the caller's name for it
+            message = message.replace(param, self.spec.param_names[param], 1)
+            param = self.spec.param_names[param]
+        return self._admitted(RunError(code, message, retry_after=retry_after, param=param))
 
     def _lost(self, exc: EngineUnavailable) -> RunError:
         logger.warning("request %s lost its engine: %s", self.meter.request_id, exc)

@@ -257,9 +257,19 @@ def test_a_schema_the_engine_cannot_compile_is_a_400_naming_the_problem(platform
             },
         )
     assert 'Unsupported type "nonsense"' in caught.value.message
+    # the field the client sent, not the engine's (it was param null, "structured_outputs")
+    assert caught.value.body["param"] == "response_format"
+    assert caught.value.body["message"].startswith("response_format.json cannot be compiled")
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=4, tools=[bad_tool],
+            tool_choice="required",
+        )  # fmt: skip
+    assert caught.value.body["param"] == "tools"
     # the platform keeps serving
     assert client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
-    assert [r.status for r in platform.records()] == ["rejected", "ok"]
+    assert [r.status for r in platform.records()] == ["rejected", "rejected", "ok"]
 
 
 class Address(BaseModel):

@@ -119,6 +119,28 @@ def test_a_stop_token_is_no_text_unless_asked_for(tokenizer, include_stop, text)
     assert deltas[-1].finish_reason == FinishReason.STOP
 
 
+def test_a_stop_tokens_logprob_is_left_out_with_its_text(tokenizer):
+    """OpenAI's logprobs spell the content: the end-of-turn token's entry made them one
+    longer than the text."""
+    from inference_engine.protocol import TokenLogprobs
+
+    harness = Harness(tokenizer)
+    token_ids = tokenizer("the quick fox", add_special_tokens=False)["input_ids"]
+    harness.add("r", stop_token_ids=[token_ids[-1]], logprobs=0)
+    deltas = []
+    for n, token in enumerate(token_ids):
+        output = (
+            finished("r", FinishReason.STOP, len(token_ids), token)
+            if n == len(token_ids) - 1
+            else EngineOutput("r", [token])
+        )
+        output.new_logprobs = [TokenLogprobs(-0.5)]
+        deltas += harness.step(output)[b"c1"]
+    entries = [entry for delta in deltas for entry in delta.logprobs or ()]
+    assert "".join(entry.token for entry in entries) == "the quick"
+    assert len(entries) == len(token_ids) - 1
+
+
 def test_stop_string_in_the_last_token_finishes_at_once(tokenizer):
     harness = Harness(tokenizer)
     harness.add("r", stop=["fox"])
