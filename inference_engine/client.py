@@ -58,6 +58,8 @@ ABANDONED_TTL_SECONDS = 60.0
 # messages queued for the engine before a send is refused (ZeroMQ's default is 1,000: one burst
 # of a web process's requests, each one message, could fill it)
 SEND_HWM = 100_000
+# Waits are bounded with asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
+# cancel that lands as what it waits for finishes, and a stopped chat reply ran on.
 SEND_WAIT_SECONDS = 0.5
 
 
@@ -178,7 +180,8 @@ class AsyncEngineClient:
         if entry is None:
             return None
         try:
-            return await asyncio.wait_for(asyncio.shield(entry[0]), timeout)
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(entry[0])
         except TimeoutError:
             return None
         finally:
@@ -223,7 +226,8 @@ class AsyncEngineClient:
         try:
             if not await self._send_soon(RequestType.STATS, None, deadline):
                 raise EngineUnavailable(f"no engine connected at {self.endpoint}")
-            return await asyncio.wait_for(waiter, max(deadline - time.monotonic(), 0.0))
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                return await waiter
         except TimeoutError:
             raise EngineUnavailable(f"no answer from the engine at {self.endpoint}") from None
         finally:
@@ -253,7 +257,8 @@ class AsyncEngineClient:
         try:
             if not await self._send_soon(RequestType.CONTROL, request):
                 raise EngineUnavailable(f"no engine connected at {self.endpoint}")
-            return await asyncio.wait_for(waiter, self.heartbeat_timeout)
+            async with asyncio.timeout(self.heartbeat_timeout):
+                return await waiter
         except TimeoutError:
             raise EngineUnavailable(f"no answer from the engine at {self.endpoint}") from None
         finally:

@@ -92,6 +92,7 @@ class _Run:
     keeper: asyncio.Task | None = None  # renews the claim while the reply runs
     is_generating: bool = True
     is_stopped: bool = False
+    is_stop_asked: bool = False  # a stop (or deletion) was asked for: no token goes out after
     is_finished: bool = False
     is_deleted: bool = False  # its conversation was deleted meanwhile: nothing to save
     error: ChatError | None = None
@@ -99,6 +100,7 @@ class _Run:
     def cancel(self) -> None:
         """Cancel the generation, once: a stop frame and ``_stop`` may both ask (an extra
         request would stay counted on the task, which ends its own work after the first)."""
+        self.is_stop_asked = True
         if self.is_generating and self.task is not None and not self.task.cancelling():
             self.task.cancel()
 
@@ -300,7 +302,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 reply=run.reply,
                 user=self.user,
                 outcome=run.outcome,
-                on_text=self._send_text,
+                on_text=partial(self._send_text, run),
             )
         except asyncio.CancelledError:
             # A stop: the task ends normally, saving the partial reply below.
@@ -319,7 +321,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
         run.is_deleted = True
         run.cancel()
 
-    async def _send_text(self, text: str) -> None:
+    async def _send_text(self, run: _Run, text: str) -> None:
+        if run.is_stop_asked:
+            # the cancel was lost: an await that ended as it came may swallow it (Python
+            # 3.11's wait_for does); the next token ends the reply instead
+            raise asyncio.CancelledError
         await self._send({"type": "token", "text": text})
 
     async def _stop(self, run: _Run) -> None:

@@ -2,6 +2,7 @@
 the first token), disconnect, regenerate, edit, quota refusals and malformed frames."""
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -178,6 +179,34 @@ async def test_stop_before_the_first_token(chat_world, async_db):
     done, _ = await chat.receive_until("done", "error")
     assert done["type"] == "done" and done["status"] == "complete"
     await chat.close()
+
+
+async def test_a_stop_whose_cancel_was_swallowed_still_ends_the_reply(
+    chat_world, async_db, monkeypatch
+):
+    """Python 3.11's ``asyncio.wait_for`` swallows a cancel that lands as what it waits for
+    finishes: the stop was lost and the reply streamed to its end (a stop asked twice was
+    not sent again, to keep the task's cancel count at one)."""
+    from chat import consumers
+
+    async def reply_that_swallows_a_cancel(*, on_text, **kwargs):
+        with contextlib.suppress(asyncio.CancelledError):  # as wait_for may
+            await asyncio.sleep(0.5)
+        for n in range(50):
+            await on_text(f"t{n} ")
+            await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(consumers, "generate_reply", reply_that_swallows_a_cancel)
+    conversation = chat_world["conversation"]
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Tell me a long story")
+    await chat.receive_until("start")
+    await chat.send(type="stop")
+    done, frames = await chat.receive_until("done", "error")
+    await chat.close()
+
+    assert done["type"] == "done" and done["status"] == "stopped"
+    assert [f["type"] for f in frames] == ["done"]  # no token after the stop
 
 
 async def test_stop_after_the_first_token_keeps_the_partial_reply(
