@@ -27,7 +27,12 @@ from inference_engine.protocol import (
     SamplingParams,
     Usage,
 )
-from inference_engine.tokenization import IncrementalDetokenizer, find_stop_string
+from inference_engine.tokenization import (
+    IncrementalDetokenizer,
+    TokenBytes,
+    find_stop_string,
+    token_text,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -72,6 +77,17 @@ class OutputProcessor:
         # req_id -> state; written by the input thread (add) and this processor (remove)
         self.states: dict[str, RequestState] = {}
         self._encoder = msgspec.msgpack.Encoder()
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        """Set at start, and again by a model swap (the server's): its tokens' bytes go with
+        it."""
+        self._tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer) if tokenizer is not None else None
 
     def add_request(
         self,
@@ -211,12 +227,14 @@ class OutputProcessor:
         if output.new_logprobs is None:
             return None
         entries = output.new_logprobs[: len(token_ids)]
-        if self.tokenizer is None:
+        if self.token_bytes is None:
             return entries
-        decode = self.tokenizer.decode
+        token_bytes = self.token_bytes
         for token_id, entry in zip(token_ids, entries, strict=False):
-            entry.token = decode([token_id])
-            entry.top_tokens = [decode([top_id]) for top_id in entry.top_token_ids]
+            entry.token_bytes = token_bytes(token_id)
+            entry.token = token_text(entry.token_bytes)
+            entry.top_token_bytes = [token_bytes(top_id) for top_id in entry.top_token_ids]
+            entry.top_tokens = [token_text(raw) for raw in entry.top_token_bytes]
         return entries
 
     @staticmethod

@@ -455,8 +455,10 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     logprob: float
     top_token_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: list[float] = msgspec.field(default_factory=list)
-    token: str = ""
+    token: str = ""  # its text, or "bytes:\\xc3" where it holds part of a character
     top_tokens: list[str] = msgspec.field(default_factory=list)
+    token_bytes: bytes = b""  # its own UTF-8 bytes (``tokenization.TokenBytes``)
+    top_token_bytes: list[bytes] = msgspec.field(default_factory=list)
 
 
 class RequestTimings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -10,6 +11,67 @@ if TYPE_CHECKING:
 # prompt tokens kept as left context so the first output token decodes with the right spacing
 NUM_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Llama 3, Qwen and the demo model use it too): each
+    byte's printable stand-in, mapped back to the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    stand_ins = {byte: byte for byte in printable}
+    for byte in range(256):
+        if byte not in stand_ins:
+            stand_ins[byte] = 256 + len(stand_ins) - len(printable)
+    return {chr(char): byte for byte, char in stand_ins.items()}
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+class TokenBytes:
+    """Each token's own bytes, as OpenAI's logprobs give them (a token may hold part of a
+    character, which its decoded text shows as U+FFFD): a byte-level BPE token's stand-ins
+    mapped back, a SentencePiece byte-fallback token ``<0xE6>`` its byte and ``▁`` a space,
+    any other its decoded text. Cached per token id."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        described = repr(decoder)
+        self.kind = (
+            "byte_level"
+            if "ByteLevel" in described
+            else "byte_fallback"
+            if "ByteFallback" in described
+            else ""
+        )
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        raw = self._cache.get(token_id)
+        if raw is None:
+            raw = self._cache[token_id] = self._bytes(token_id)
+        return raw
+
+    def _bytes(self, token_id: int) -> bytes:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(token, str) and self.kind == "byte_level":
+            if all(char in _BYTE_OF for char in token):
+                return bytes(_BYTE_OF[char] for char in token)
+        elif isinstance(token, str) and self.kind == "byte_fallback":
+            if match := _BYTE_TOKEN.fullmatch(token):
+                return bytes([int(match.group(1), 16)])
+            return token.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token_id]).encode()  # an added token, written as text
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text as OpenAI shows it: its characters, or where its bytes are not whole
+    UTF-8, ``bytes:`` and their escapes (``bytes:\\xc3``)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
 
 
 def render_chat(

@@ -6,6 +6,7 @@ first delta of every choice is awaited before a response starts); errors after i
 stream with a ``data: {"error": …}`` event.
 """
 
+import codecs
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +33,12 @@ class _Output:
 
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_chars: int = 0  # characters streamed so far: completions' text_offset
+    # completions' text_offset: the characters the tokens so far complete (a token that holds
+    # part of one is at the character it starts)
+    offsets: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+    offset: int = 0
     # a plain text event's bytes around its JSON-encoded text (see Responder._text_template)
     text_template: tuple[bytes, bytes] | None = None
 
@@ -43,10 +49,12 @@ def _chat_logprobs(entries: list[TokenLogprobs]) -> schemas.ChoiceLogprobs:
             schemas.TokenLogprob(
                 token=entry.token,
                 logprob=entry.logprob,
-                bytes=list(entry.token.encode()),
+                bytes=list(entry.token_bytes or entry.token.encode()),
                 top_logprobs=[
-                    schemas.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
-                    for token, logprob in zip(entry.top_tokens, entry.top_logprobs, strict=False)
+                    schemas.TopLogprob(token=token, logprob=logprob, bytes=list(raw))
+                    for token, logprob, raw in zip(
+                        entry.top_tokens, entry.top_logprobs, _top_bytes(entry), strict=False
+                    )
                 ],
             )
             for entry in entries
@@ -54,11 +62,17 @@ def _chat_logprobs(entries: list[TokenLogprobs]) -> schemas.ChoiceLogprobs:
     )
 
 
-def _completion_logprobs(entries: list[TokenLogprobs], offset: int) -> schemas.CompletionLogprobs:
+def _top_bytes(entry: TokenLogprobs) -> list[bytes]:
+    return entry.top_token_bytes or [token.encode() for token in entry.top_tokens]
+
+
+def _completion_logprobs(
+    entries: list[TokenLogprobs], output: _Output
+) -> schemas.CompletionLogprobs:
     offsets = []
     for entry in entries:
-        offsets.append(offset)
-        offset += len(entry.token)
+        offsets.append(output.offset)
+        output.offset += len(output.offsets.decode(entry.token_bytes or entry.token.encode()))
     return schemas.CompletionLogprobs(
         tokens=[entry.token for entry in entries],
         token_logprobs=[entry.logprob for entry in entries],
@@ -142,7 +156,7 @@ class Responder:
                 schemas.CompletionChoice(
                     index=c.index,
                     text="".join(o.text),
-                    logprobs=_completion_logprobs(o.logprobs, 0) if wants_logprobs else None,
+                    logprobs=_completion_logprobs(o.logprobs, o) if wants_logprobs else None,
                     finish_reason=_finish_reason(c.finish_reason),
                 )
                 for c, o in zip(self.run.choices, self.outputs, strict=True)
@@ -246,16 +260,12 @@ class Responder:
         output = self.outputs[choice.index]
         if text and finish is None and not wants_logprobs:
             # most events of a stream: one token's text, nothing else
-            output.num_chars += len(text)
             prefix, suffix = output.text_template or self._text_template(choice)
             return prefix + msgspec.json.encode(text) + suffix
         if self.kind == "chat":
             chat_logprobs = _chat_logprobs(logprobs) if wants_logprobs else None
             return self._chat_chunk(choice, schemas.ChunkDelta(content=text), finish, chat_logprobs)
-        completion_logprobs = (
-            _completion_logprobs(logprobs, output.num_chars) if wants_logprobs else None
-        )
-        output.num_chars += len(text or "")
+        completion_logprobs = _completion_logprobs(logprobs, output) if wants_logprobs else None
         return self._completion_chunk(choice, text or "", finish, completion_logprobs)
 
     def _tool_reader_events(

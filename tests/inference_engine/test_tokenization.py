@@ -70,3 +70,35 @@ def test_chat_template_renders_for_generation(tokenizer):
     assert tokenizer.decode(ids) == "<|user|>hi<|end|><|assistant|>"
     with pytest.raises(ValueError, match="role"):
         render_chat(tokenizer, [{"content": "no role"}])
+
+
+def test_token_bytes_give_each_tokens_own_bytes(tokenizer):
+    """A token that holds part of a character decoded to U+FFFD alone: OpenAI's ``bytes``
+    (which exist so that a client can put such characters back together) said EF BF BD."""
+    from inference_engine.tokenization import TokenBytes, token_text
+
+    token_bytes = TokenBytes(tokenizer)
+    text = "héllo ✓ 🙂"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = [token_bytes(token_id) for token_id in ids]
+    assert b"".join(pieces).decode() == text
+    assert any(len(piece) == 1 and piece[0] >= 0x80 for piece in pieces)  # a split character
+    assert token_text(b"\xc3") == "bytes:\\xc3" and token_text(b" h") == " h"
+
+
+def test_token_bytes_read_sentencepiece_byte_fallback():
+    from inference_engine.tokenization import TokenBytes
+
+    class Decoder:
+        def __repr__(self) -> str:
+            return "Sequence(decoders=[Replace(...), ByteFallback(), Fuse(), Strip(...)])"
+
+    class Tokenizer:
+        backend_tokenizer = type("Backend", (), {"decoder": Decoder()})()
+        tokens = {1: "<0xE6>", 2: "\u2581hello", 3: "<s>"}
+
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return self.tokens[token_id]
+
+    token_bytes = TokenBytes(Tokenizer())
+    assert [token_bytes(i) for i in (1, 2, 3)] == [b"\xe6", b" hello", b"<s>"]
