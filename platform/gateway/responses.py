@@ -217,10 +217,11 @@ class Responder:
         try:
             await self._start_reading_tool_calls()
             if self.kind == "chat":
-                events += [
-                    self._chat_chunk(choice, schemas.ChunkDelta(role="assistant", content=""))
-                    for choice in self.run.choices
-                ]
+                # a forced call's message has no content (null, as unstreamed), another's ""
+                tool_plan = self.plan.tool_plan
+                is_call = tool_plan is not None and tool_plan.mode in ("required", "named")
+                first = schemas.ChunkDelta(role="assistant", content=None if is_call else "")
+                events += [self._chat_chunk(choice, first) for choice in self.run.choices]
             num_open = len(self.run.choices)
             async for choice, delta in self.run.deltas():
                 if self.readers is not None:

@@ -145,6 +145,7 @@ def test_streamed_tool_calls_are_reassembled_by_the_sdk(platform, tool_choice, p
     choice = final.choices[0]
     # OpenAI's and vLLM's: "tool_calls" for a required call, "stop" for a named one
     assert choice.finish_reason == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
+    assert choice.message.content is None  # as unstreamed (it was "")
     calls = choice.message.tool_calls
     assert len(calls) == 1  # named, or required without parallel calls
     assert calls[0].function.name in ("get_weather", "search")
