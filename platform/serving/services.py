@@ -78,7 +78,6 @@ def deployment_set_enabled(
     return deployment
 
 
-@transaction.atomic
 def deployment_control_request(
     *,
     deployment_id: int | None,
@@ -104,12 +103,13 @@ def deployment_control_request(
         raise ValidationError("Give the model directory to load.")
     if model is not None and _CONTROL_CHARACTER.search(model):
         raise ValidationError("A model directory's path holds no control characters.")
+    # sent first, and outside any transaction: a request the broker did not take leaves no
+    # event, and a task run at once (eagerly, or by a quick worker) finds no write waiting
+    control_engine.delay(deployment.pk, endpoint, action, model)
     audit_record(
         action=CONTROL_ACTIONS[action],
         actor=actor,
         target=deployment,
         changes=field_changes({}, {"endpoint": endpoint, "model": model}),
     )
-    # a request the broker did not take leaves no event
-    control_engine.delay(deployment.pk, endpoint, action, model)
     return deployment
