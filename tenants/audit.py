@@ -8,6 +8,7 @@ command); ``tenants.audit_admin.AuditedAdmin`` does for the admin's own saves.
 address (``client_ip``).
 """
 
+import functools
 import ipaddress
 from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
@@ -126,8 +127,17 @@ def json_value(value: object) -> object:
     return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 1] + "…"
 
 
-def _trusted_proxies() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    return [ipaddress.ip_network(entry, strict=False) for entry in settings.FORWARDED_ALLOW_IPS]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _trusted_proxies() -> tuple[Network, ...]:
+    return _networks(tuple(settings.FORWARDED_ALLOW_IPS))
+
+
+@functools.cache
+def _networks(entries: tuple[str, ...]) -> tuple[Network, ...]:
+    """Parsed once per setting (a test may override it), not on every request."""
+    return tuple(ipaddress.ip_network(entry, strict=False) for entry in entries)
 
 
 def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -70,6 +70,13 @@ def plan_default_ensure() -> Plan:
     return plan
 
 
+# the fields of a tenant and of a key that their creation's audit event lists
+TENANT_AUDITED_FIELDS = (
+    "name", "slug", "plan", "is_active", *LIMIT_FIELDS, "max_queued_batch_tokens"
+)  # fmt: skip
+API_KEY_AUDITED_FIELDS = ("name", "expires_at", *LIMIT_FIELDS)
+
+
 @transaction.atomic
 def tenant_create(
     *,
@@ -100,12 +107,6 @@ def tenant_create(
             tenant=tenant, user=owner, role=Membership.Role.OWNER, actor=None, audit_actor=actor
         )
     return tenant
-
-
-TENANT_AUDITED_FIELDS = (
-    "name", "slug", "plan", "is_active", *LIMIT_FIELDS, "max_queued_batch_tokens"
-)  # fmt: skip
-API_KEY_AUDITED_FIELDS = ("name", "expires_at", *LIMIT_FIELDS)
 
 
 # Ten years: a longer life is as good as "never" (leave it empty), and a day count without a

@@ -86,8 +86,9 @@ def _context(request: HttpRequest, tenant: Tenant | None, **extra) -> dict:
         "role": permissions.console_role(user=request.user, tenant=tenant) if tenant else "",
         "can": permissions.allowed(user=request.user, tenant=tenant),
         "sees_platform": permissions.sees_every_tenant(request.user),
-        "sees_platform_audit": request.user.is_staff
-        and request.user.has_perm(permissions.SEE_AUDIT_LOG),
+        "sees_platform_audit": permissions.may(
+            user=request.user, tenant=None, change="read_audit_log"
+        ),
         **extra,
     }
 

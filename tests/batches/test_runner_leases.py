@@ -134,16 +134,21 @@ def _left_by_a_dead_runner(tenant, api_key, batch: Batch) -> Batch:
     return batch
 
 
+def _end_meanwhile(batch: Batch, ending: str) -> None:
+    """The batch's window ends ("expired"), or it is cancelled ("cancelled")."""
+    if ending == "expired":
+        Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now())
+    else:
+        batch_services.batch_cancel(batch=batch)
+
+
 @pytest.mark.parametrize("ending", ["expired", "cancelled"])
 def test_a_line_a_dead_runner_metered_gets_its_answer_whatever_the_batch_became(world, ending):
     """It was in flight: it runs to its end again, under the same request id (not charged
     twice), though the batch takes no new line."""
     tenant, api_key, answered = world
     batch = _left_by_a_dead_runner(tenant, api_key, _batch(tenant, api_key))
-    if ending == "expired":
-        Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now())
-    else:
-        batch_services.batch_cancel(batch=batch)
+    _end_meanwhile(batch, ending)
 
     assert batch_runner.batch_run(batch_id=batch.id) == ending
 
@@ -221,10 +226,7 @@ def test_a_line_owed_its_answer_is_tried_again_after_a_refusal(
 
     monkeypatch.setattr(batch_runner.BatchRun, "_answer", refused_once)
     batch = _left_by_a_dead_runner(tenant, api_key, _batch(tenant, api_key))
-    if ending == "expired":
-        Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now())
-    else:
-        batch_services.batch_cancel(batch=batch)
+    _end_meanwhile(batch, ending)
 
     assert batch_runner.batch_run(batch_id=batch.id) == ending
 
