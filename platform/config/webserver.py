@@ -22,7 +22,9 @@ subclass enforces ``GATEWAY_MAX_BODY_BYTES`` as the body arrives: a ``Content-Le
 it, or a chunked body that grows past it, is read to its end and thrown away, never stored,
 and answered with a 413 in OpenAI's error format. The one exception is an upload to
 ``POST /v1/files``, whose limit is the files' own (``batches.storage.max_file_bytes``, 100 MB
-by default) plus room for the multipart framing; the view checks the file itself.
+by default) plus room for the multipart framing, and only for a client whose API key the API
+would serve: anyone else's upload is held to the API's limit and answered as the API answers
+its key (``RawBodyRequest``). The view checks the file itself.
 
 Twisted's channel takes a request line or header line of at most 16 KiB, and 16 KiB of head
 in all. Past either it drops the connection without a word (a line too long) or writes a bare
@@ -36,8 +38,10 @@ an ``x-request-id``, as every other answer of the API does.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
 import os
 import sys
 import uuid
@@ -48,7 +52,10 @@ from twisted.web import http
 
 from config import access_log
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+SERVICE_UNAVAILABLE = "The server could not check your API key; try again."
 
 
 def max_body_bytes() -> int:
@@ -82,44 +89,72 @@ def is_file_upload(method: bytes, target: bytes) -> bool:
 class RawBodyRequest(http_protocol.WebRequest):
     """Daphne's request with Twisted's form parsing off (the body reaches the application
     exactly as the client sent it) and the body size limit enforced before anything is
-    stored."""
+    stored.
+
+    A file upload may be larger than the API's limit, but only for a client whose key the API
+    would serve: the key is checked (on the API's database threads) as soon as the head is in,
+    while the body starts to arrive. Past the API's limit the body waits (the socket is no
+    longer read) until the check is done; a refused key's body is read to its end and thrown
+    away, and answered as the API answers that key."""
 
     def __init__(self, channel, *args, **kwargs) -> None:
         super().__init__(channel, *args, parsePOSTFormSubmission=False, **kwargs)
         self.body_limit = max_body_bytes()
         self.num_body_bytes = 0
-        self.is_too_large = False
+        self.refusal: tuple[int, bytes] | None = None  # (status, OpenAI's error object)
+        self.upload_check: asyncio.Future | None = None
+        self.upload_limit = 0
+        self.is_reading_paused = False
+        self.is_body_received = False
+        self.is_process_waiting = False
+
+    @property
+    def is_too_large(self) -> bool:
+        return self.refusal is not None and self.refusal[0] == 413
 
     def gotLength(self, length: int | None) -> None:  # noqa: N802 - Twisted's name
         # the request line is parsed by now, on the channel, before any of the body
         method, target = getattr(self.channel, "_command", b""), getattr(self.channel, "_path", b"")
-        if is_file_upload(method, target):
-            self.body_limit = max(self.body_limit, upload_body_bytes())
-        if length is not None and length > self.body_limit:
-            self._discard_body()
+        may_pass_limit = length is None or length > self.body_limit
+        if may_pass_limit and is_file_upload(method, target):
+            self.upload_limit = upload_body_bytes()
+            if length is not None and length > self.upload_limit:
+                self.body_limit = self.upload_limit
+                self._refuse_body(413)
+                return
+            self._check_uploader()
+        elif length is not None and length > self.body_limit:
+            self._refuse_body(413)
             return
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
-        if self.is_too_large:
+        if self.refusal is not None:
             return
         self.num_body_bytes += len(data)
         if self.num_body_bytes > self.body_limit:
-            self._discard_body()
-            return
+            if self.upload_check is None or self.upload_check.done():
+                self._refuse_body(413)
+                return
+            self._pause_reading()  # kept: at most what the channel had read already
         super().handleContentChunk(data)
 
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:  # noqa: N802
+        self.is_body_received = True
+        super().requestReceived(command, path, version)
+
     def process(self) -> None:
-        if not self.is_too_large:
+        if self.upload_check is not None and not self.upload_check.done():
+            self.is_process_waiting = True  # answered once the key is checked
+            return
+        if self.refusal is None:
             super().process()
             return
-        body = _error_body(
-            f"The request body exceeds {self.body_limit} bytes.", "request_too_large"
-        )
+        status, body = self.refusal
         self.handle_reply(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": status,
                 "headers": [
                     (b"Content-Type", b"application/json"),
                     (b"x-request-id", _new_request_id().encode()),
@@ -129,8 +164,47 @@ class RawBodyRequest(http_protocol.WebRequest):
         )
         self.handle_reply({"type": "http.response.body", "body": body})
 
-    def _discard_body(self) -> None:
-        self.is_too_large = True
+    def _check_uploader(self) -> None:
+        from gateway.auth import refusal_of_header  # the web tier's, once Django is set up
+
+        header = (self.requestHeaders.getRawHeaders(b"Authorization") or [b""])[0]
+        self.upload_check = asyncio.ensure_future(refusal_of_header(header.decode("latin-1")))
+        self.upload_check.add_done_callback(self._uploader_checked)
+
+    def _uploader_checked(self, check: asyncio.Future) -> None:
+        if check.cancelled() or check.exception() is not None:
+            if not check.cancelled():
+                logger.error("Checking an upload's API key failed", exc_info=check.exception())
+            self._refuse(503, SERVICE_UNAVAILABLE, "service_unavailable", "service_unavailable")
+        elif (refusal := check.result()) is not None:
+            body = refusal.body().error
+            self._refuse(refusal.status, body.message, body.code, body.type)
+        else:
+            self.body_limit = self.upload_limit
+            if self.num_body_bytes > self.body_limit:
+                self._refuse_body(413)
+        if self.is_reading_paused and not self.is_body_received:
+            self.is_reading_paused = False
+            self.channel._networkProducer.resumeProducing()
+        if self.is_process_waiting and not self._disconnected:
+            self.is_process_waiting = False
+            self.process()
+
+    def _pause_reading(self) -> None:
+        if not self.is_reading_paused:
+            self.is_reading_paused = True
+            self.channel._networkProducer.pauseProducing()
+
+    def _refuse_body(self, status: int) -> None:
+        message = f"The request body exceeds {self.body_limit} bytes."
+        self._refuse(status, message, "request_too_large")
+
+    def _refuse(
+        self, status: int, message: str, code: str | None, error_type: str = "invalid_request_error"
+    ) -> None:
+        """Answer ``status`` once the body is in, and store none of it."""
+        if self.refusal is None:
+            self.refusal = (status, _error_body(message, code, error_type))
         if self.content is not None:
             self.content.close()
         self.content = io.BytesIO()
@@ -141,8 +215,8 @@ def _new_request_id() -> str:
     return f"req_{uuid.uuid4().hex}"
 
 
-def _error_body(message: str, code: str) -> bytes:
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+def _error_body(message: str, code: str | None, error_type: str = "invalid_request_error") -> bytes:
+    error = {"message": message, "type": error_type, "param": None, "code": code}
     return json.dumps({"error": error}).encode()
 
 

@@ -19,7 +19,11 @@ _INCORRECT = "Incorrect API key provided."
 
 def bearer_key(request: HttpRequest) -> str:
     """The raw key from the Authorization header; 401 when it is missing or not Bearer."""
-    header = request.headers.get("Authorization", "")
+    return bearer_key_of(request.headers.get("Authorization", ""))
+
+
+def bearer_key_of(header: str) -> str:
+    """The raw key from an Authorization header's value; 401 when it is empty or not Bearer."""
     scheme, _, raw_key = header.partition(" ")
     if not header:
         raise ApiError(401, _MESSAGES["missing"], code="missing_api_key")
@@ -59,3 +63,14 @@ aapi_key_for = database_worker(api_key_for)
 
 async def authenticate(request: HttpRequest) -> ApiKey:
     return await aapi_key_for(bearer_key(request))
+
+
+async def refusal_of_header(authorization: str) -> ApiError | None:
+    """What the API would answer a request bearing this Authorization header, or ``None``
+    where its key would be served: for the web server, which takes a body larger than the
+    API's limit (a file upload) only from a client that may send it."""
+    try:
+        await aapi_key_for(bearer_key_of(authorization))
+    except ApiError as refusal:
+        return refusal
+    return None

@@ -163,3 +163,24 @@ def test_an_upload_past_the_api_body_limit_reaches_the_view(platform):
 
     assert created.bytes == len(raw)
     assert refused.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("headers", "code"),
+    [({}, "missing_api_key"), ({"Authorization": "Bearer sk-wrong"}, "invalid_api_key")],
+)
+def test_an_upload_past_the_api_body_limit_without_a_good_key_is_a_401(platform, headers, code):
+    """Only a client the API would serve may send more than the API's limit: anyone else's
+    upload is answered as the API answers its key, and the server serves on."""
+    raw = b"x" * (9 * 1024 * 1024)
+    files = {"file": ("input.jsonl", raw, "application/jsonl")}
+
+    refused = httpx.post(
+        f"{platform.base}/v1/files", files=files, data={"purpose": "batch"}, headers=headers
+    )
+
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == code
+    assert refused.headers["x-request-id"].startswith("req_")
+    assert refused.headers["connection"] == "close"  # the web server's answer, not the view's
+    assert platform.client().files.list().data is not None
