@@ -36,7 +36,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -46,6 +46,8 @@ from tenants import month_locks
 from tenants.models import ApiKey, Tenant
 from tenants.reservations import (
     Reservation,
+    counter_forget,
+    counter_held,
     counter_seed,
     counter_value,
     reservation_add,
@@ -64,7 +66,12 @@ def _now() -> float:
     return time.time()
 
 
-HOPELESS_KINDS = frozenset({"request_too_large", "budget_too_small", "too_many_sequences"})
+HOPELESS_KINDS = frozenset(
+    {"request_too_large", "budget_too_small", "too_many_sequences", "no_requests"}
+)
+# a monthly refusal while requests in flight hold what would admit this one: their
+# reservations come off as they settle, so the wait is theirs, not the month's
+MONTH_HELD_RETRY_SECONDS = 10
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,9 @@ class Window:
 
     limit: int
     remaining: int
-    reset_seconds: float  # until the current minute's window ends
+    # until the current minute's window ends; on a refusal for this limit, until a request
+    # like the one refused would fit (its Retry-After)
+    reset_seconds: float
 
 
 class QuotaExceeded(Exception):
@@ -104,7 +113,10 @@ class QuotaExceeded(Exception):
             f"the budget of {self.limit}",
             "too_many_sequences": f"concurrent requests: this request alone runs more "
             f"sequences (prompts × n) than the limit of {self.limit}",
+            "no_requests": "requests per minute: the limit is 0, so no request is admitted",
         }[self.kind]
+        if self.is_hopeless:
+            return f"Rate limit reached for {owner} on {what}."
         return f"Rate limit reached for {owner} on {what}. Please try again in {self.retry_after}s."
 
     @property
@@ -193,6 +205,9 @@ class _Admission:
         self.reservations: list[Reservation] = []
         self.slots: list[Slot] = []
         self.windows: dict[str, Window] = {}
+        # the same, as they stand without this request: what a refusal reports, since it
+        # takes back everything the attempt counted
+        self.windows_without: dict[str, Window] = {}
 
     def rollback(self) -> None:
         """Undo what the attempt added, as far as the cache lets us: one undo failing does
@@ -218,7 +233,8 @@ class _Admission:
             return None
         needed = amount if likely is None else likely
         if needed > limit:
-            raise self._refuse("request_too_large", scope, limit, WINDOW_SECONDS)
+            hopeless = "no_requests" if kind == "requests" else "request_too_large"
+            raise self._refuse(hopeless, scope, limit, WINDOW_SECONDS)
         key, previous_key = scope.key(kind, self.window), scope.key(kind, self.window - 1)
         if amount > needed:
             # what is left (read, not held: a request racing in makes one of the two refused),
@@ -234,14 +250,25 @@ class _Admission:
         used = previous * self.previous_weight + current
         until_next_window = WINDOW_SECONDS - self.elapsed
         if used > limit:
-            if current > limit or previous == 0:
-                retry = until_next_window
-            else:
-                # The previous minute's share decays linearly to zero over this minute.
-                retry = min(until_next_window, (used - limit) / (previous / WINDOW_SECONDS))
+            retry = self._seconds_until_fits(previous, current - amount, amount, limit)
             raise self._refuse(kind, scope, limit, max(1, math.ceil(retry)))
-        self._record_window(kind, limit, limit - used, until_next_window)
+        self._record_window(kind, limit, limit - used, limit - used + amount, until_next_window)
         return key, amount
+
+    def _seconds_until_fits(self, previous: int, current: int, amount: int, limit: int) -> float:
+        """How long until ``amount`` more fits under ``limit`` if nothing else comes, with the
+        previous minute's count at ``previous`` and this minute's at ``current``: the previous
+        minute's share decays to nothing over this minute, then this minute's over the next
+        (a client that waits the time a window's end is refused again: this minute's count
+        still weighs in full there)."""
+        until_next_window = WINDOW_SECONDS - self.elapsed
+        excess = previous * self.previous_weight + current + amount - limit
+        if previous and excess <= previous * self.previous_weight:
+            return excess / (previous / WINDOW_SECONDS)
+        excess_next = current + amount - limit
+        if excess_next <= 0 or not current:
+            return until_next_window
+        return until_next_window + min(WINDOW_SECONDS, excess_next / (current / WINDOW_SECONDS))
 
     def concurrency(self, scope: _Scope, limit: int | None, num_sequences: int) -> None:
         """Hold one lease per engine sequence against the concurrency limit."""
@@ -262,45 +289,83 @@ class _Admission:
         amount: int,
         likely: int | None = None,
     ) -> Reservation | None:
+        """Reserve ``amount`` against the monthly budget, as ``per_minute`` does a minute's:
+        a request that may need more than is left (a chat without max_tokens may run to the
+        context) but likely won't is admitted while what it likely needs is left, and holds
+        what is left until it settles."""
         budget = scope.limits.monthly_token_budget
         if budget is None:
             return None
-        if (amount if likely is None else likely) > budget:
+        needed = amount if likely is None else likely
+        if needed > budget:
             raise self._refuse("budget_too_small", scope, budget, _seconds_to_next_month(self.now))
         month_start = _month_start(self.now)
-        key = scope.key("month", month_start.strftime("%Y%m"))
-        if cache.get(key) is None:
+        key = month_counter_name(scope.name, scope.ident, month_start)
+        used_before = counter_value(name=key)
+        if used_before is None:
             with month_locks.counter_rebuilding(tenant.pk):
-                used = month_tokens_used(
+                used_before = month_tokens_used(
                     tenant=tenant,
                     api_key=api_key if scope.name == "key" else None,
                     since=month_start,
                 )
-                counter_seed(name=key, value=used, ttl=MONTH_TTL_SECONDS)
+                counter_seed(name=key, value=used_before, ttl=MONTH_TTL_SECONDS)
+        if amount > needed:
+            # read, not held: a request racing in makes one of the two refused
+            amount = min(amount, max(budget - used_before, needed))
         reservation, current = reservation_add(name=key, tokens=amount, ttl=MONTH_TTL_SECONDS)
         self.reservations.append(reservation)
         if current > budget:
-            raise self._refuse("monthly_tokens", scope, budget, _seconds_to_next_month(self.now))
+            settled = current - counter_held(name=key)
+            retry = (
+                MONTH_HELD_RETRY_SECONDS
+                if settled + needed <= budget
+                else _seconds_to_next_month(self.now)
+            )
+            raise self._refuse("monthly_tokens", scope, budget, retry)
         return reservation
 
-    def _record_window(self, kind: str, limit: int, remaining: float, reset: float) -> None:
-        """Keep the tighter of the tenant's and the key's limits."""
-        remaining = max(0, int(remaining))
-        previous = self.windows.get(kind)
-        if previous is not None and previous.remaining <= remaining:
-            return
-        self.windows[kind] = Window(limit=limit, remaining=remaining, reset_seconds=reset)
+    def _record_window(
+        self, kind: str, limit: int, remaining: float, remaining_without: float, reset: float
+    ) -> None:
+        """Keep the tighter of the tenant's and the key's limits, as they stand with this
+        request and without it."""
+        for windows, left in ((self.windows, remaining), (self.windows_without, remaining_without)):
+            left = min(limit, max(0, int(left)))
+            previous = windows.get(kind)
+            if previous is None or left < previous.remaining:
+                windows[kind] = Window(limit=limit, remaining=left, reset_seconds=reset)
 
     def _refuse(self, kind: str, scope: _Scope, limit: int, retry_after: int) -> QuotaExceeded:
+        windows = dict(self.windows_without)
         if kind in ("requests", "tokens"):
-            self._record_window(kind, limit, 0, WINDOW_SECONDS - self.elapsed)
+            windows[kind] = Window(limit=limit, remaining=0, reset_seconds=retry_after)
         return QuotaExceeded(
             kind=kind,
             scope=scope.name,
             limit=limit,
             retry_after=retry_after,
-            windows=dict(self.windows),
+            windows=windows,
         )
+
+
+def month_counter_name(scope_name: str, ident: object, month_start: datetime) -> str:
+    """The cache key of a scope's ("tenant" or "key") token counter for a month."""
+    return _Scope(scope_name, str(ident), Limits()).key("month", month_start.strftime("%Y%m"))
+
+
+def month_counters_forget(
+    *, tenant_ids: Iterable[int] = (), api_key_ids: Iterable[int] = ()
+) -> None:
+    """Drop this month's token counters of these tenants and keys: the next admission under a
+    budget builds each again from the usage records. For a change of limits: a scope without
+    a budget keeps no counter up to date, so one left from before its budget was taken off
+    would miss what was used meanwhile once a budget is back."""
+    month_start = _month_start(_now())
+    names = [month_counter_name("tenant", pk, month_start) for pk in tenant_ids]
+    names += [month_counter_name("key", pk, month_start) for pk in api_key_ids]
+    for name in names:
+        counter_forget(name=name)
 
 
 def _month_start(now: float) -> datetime:
@@ -454,7 +519,9 @@ def quota_usage(*, tenant: Tenant, api_key: ApiKey | None = None) -> QuotaUsage:
         return previous * attempt.previous_weight + cache.get(scope.key(kind, attempt.window), 0)
 
     month_start = _month_start(attempt.now)
-    month_tokens = counter_value(name=scope.key("month", month_start.strftime("%Y%m")))
+    month_tokens = None
+    if scope.limits.monthly_token_budget is not None:
+        month_tokens = counter_value(name=month_counter_name(scope.name, scope.ident, month_start))
     if month_tokens is None:
         # no budget keeps no counter, and a cache restart or a new month drops it: the records
         month_tokens = month_tokens_used(

@@ -25,7 +25,7 @@ and the drop were two steps: its tokens stayed on the counter with no lease to t
 
 Public API: ``counter_seed``; ``reservation_add`` -> (``Reservation``, the counter's new
 value); ``reservation_settle``; ``counter_value`` (the counter once the expired reservations
-are off it).
+are off it); ``counter_held`` (what its live reservations hold); ``counter_forget``.
 """
 
 import time
@@ -78,6 +78,19 @@ return value
 
 # Returns the counter's value (false when it has none).
 _VALUE = Script(None, _EXPIRE + b"return redis.call('GET', KEYS[1])")
+
+# Returns the tokens the live reservations hold.
+_HELD = Script(
+    None,
+    _EXPIRE
+    + b"""
+local held = 0
+for _, tokens in ipairs(redis.call('HVALS', KEYS[3])) do
+  held = held + tonumber(tokens)
+end
+return held
+""",
+)
 
 # ARGV: the seed, the keys' TTL (s). Returns 1 when it created the counter, 0 when it was there.
 _SEED = Script(
@@ -182,6 +195,12 @@ class _RedisStore(slots._StoreIdentity):
         value = _VALUE(keys=self._keys(key), client=self._client())
         return None if value is None else int(value)
 
+    def held(self, key: str) -> int:
+        return int(_HELD(keys=self._keys(key), client=self._client()))
+
+    def forget(self, key: str) -> None:
+        self._client().delete(key)
+
     def seed(self, key: str, value: int, ttl: int) -> bool:
         return bool(_SEED(keys=self._keys(key), args=[value, ttl], client=self._client()))
 
@@ -237,6 +256,14 @@ class _LocalStore(slots._StoreIdentity):
         with slots._LocalStore._lock:
             self._expire(key)
             return self._backend.get(key)
+
+    def held(self, key: str) -> int:
+        with slots._LocalStore._lock:
+            return sum(tokens for _, tokens in self._expire(key).values())
+
+    def forget(self, key: str) -> None:
+        with slots._LocalStore._lock:
+            self._backend.delete(key)
 
     def seed(self, key: str, value: int, ttl: int) -> bool:
         with slots._LocalStore._lock:
@@ -319,6 +346,20 @@ def counter_value(*, name: str) -> int | None:
     """The counter ``name`` with its expired reservations taken off; None when it has none."""
     store = _store()
     return store.value(store.key_for(name))
+
+
+def counter_held(*, name: str) -> int:
+    """The tokens the counter ``name``'s live reservations hold (its value less what was
+    settled)."""
+    store = _store()
+    return store.held(store.key_for(name))
+
+
+def counter_forget(*, name: str) -> None:
+    """Drop the counter ``name``: the next ``counter_seed`` makes it again (and drops its
+    leases then; a reservation settled meanwhile changes no counter)."""
+    store = _store()
+    store.forget(store.key_for(name))
 
 
 def counter_seed(*, name: str, value: int, ttl: int) -> bool:

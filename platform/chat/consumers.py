@@ -99,9 +99,16 @@ class _Run:
 
     def cancel(self) -> None:
         """Cancel the generation, once: a stop frame and ``_stop`` may both ask (an extra
-        request would stay counted on the task, which ends its own work after the first)."""
+        request would stay counted on the task, which ends its own work after the first).
+        A reply whose last token is in is not cancelled: what is left is its settlement, and
+        a stop that landed there marked a whole reply stopped."""
         self.is_stop_asked = True
-        if self.is_generating and self.task is not None and not self.task.cancelling():
+        if (
+            self.is_generating
+            and not self.outcome.finish_reason
+            and self.task is not None
+            and not self.task.cancelling()
+        ):
             self.task.cancel()
 
 

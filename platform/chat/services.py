@@ -4,8 +4,6 @@ Every function takes keyword-only arguments, validates before writing and runs i
 transaction. The consumer calls them through ``database_sync_to_async``.
 """
 
-import math
-
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -128,7 +126,8 @@ def conversation_configure(
         if (
             isinstance(temperature, bool)
             or not isinstance(temperature, int | float)
-            or not math.isfinite(temperature)
+            # NaN and the infinities fail the range too; math.isfinite, asked first, raised
+            # OverflowError for an int past float's range
             or not 0 <= temperature <= 2
         ):
             raise ValidationError("The temperature must be a number from 0 to 2.")

@@ -305,6 +305,8 @@ class Run:
             return RunError(
                 "rate_limit_exceeded", str(exc), retry_after=exc.retry_after, windows=exc.windows
             )
+        if exc.kind == "no_requests":  # a limit of 0: no wait admits it, nor would less
+            return RunError("rate_limit_exceeded", str(exc), windows=exc.windows)
         model = self.caller.deployment.name
         if exc.kind == "too_many_sequences":
             return RunError(

@@ -388,6 +388,9 @@ async def test_a_quota_refusal_says_why_and_when_to_retry(chat_world, async_db):
         ('{"type": "edit", "message_id": "1", "content": "x"}', "invalid_request"),
         ('{"type": "edit", "message_id": 999999, "content": "x"}', "invalid_request"),
         ('{"type": "settings", "temperature": "hot"}', "invalid_request"),
+        # an int past float's range: math.isfinite raised OverflowError, answered "unavailable"
+        ('{"type": "settings", "temperature": 1' + "0" * 400 + "}", "invalid_request"),
+        ('{"type": "settings", "max_tokens": 1' + "0" * 400 + "}", "invalid_request"),
         ('{"type": "settings", "max_tokens": 0}', "invalid_request"),
         ('{"type": "settings", "model": "gpt-99"}', "invalid_request"),
         ('{"type": "regenerate"}', "invalid_request"),

@@ -287,14 +287,17 @@ def test_rate_limit_arrives_as_rate_limit_error_with_headers(platform):
     assert len(platform.records()) == 1
 
 
-@pytest.mark.parametrize("tokens_per_minute", [MAX_MODEL_LEN - 56, MAX_MODEL_LEN + 44])
+@pytest.mark.parametrize("limit", ["tokens_per_minute", "monthly_token_budget"])
+@pytest.mark.parametrize("tokens", [MAX_MODEL_LEN - 56, MAX_MODEL_LEN + 44])
 def test_chats_without_max_tokens_are_served_under_a_limit_below_the_context(
-    platform, tokens_per_minute
+    platform, limit, tokens
 ):
     """A chat without max_tokens may run to the context (256 here). It was counted as the
     whole context: refused for good under a limit of 200 ("Requested 256"), and under 300
-    refused (429) after any other request of the minute, as it held the whole limit."""
-    platform.tenant.tokens_per_minute = tokens_per_minute
+    refused (429) after any other request of the minute, as it held the whole limit. The
+    monthly budget held it whole until later still: refused "until next month" with nothing
+    used."""
+    setattr(platform.tenant, limit, tokens)
     platform.tenant.save()
     client = platform.client(max_retries=0)
     messages = [{"role": "user", "content": "hi"}]

@@ -98,6 +98,20 @@ async def test_a_refusal_records_nothing_and_says_when_to_retry(run_world):  # n
     assert [r.request_id for r in await run_world.records()] == ["run-next"]
 
 
+@pytest.mark.tenant_limits(requests_per_minute=0, tokens_per_minute=1000)
+async def test_a_requests_limit_of_zero_is_named_as_such(run_world):  # noqa: F811
+    """It was reported as a request too large "on tokens per min (TPM)"."""
+    run = Run(spec(max_tokens=5), run_world.caller())
+    with pytest.raises(RunError) as refused:
+        await run.start()
+    await run.aclose(refused.value)
+
+    assert refused.value.code == "rate_limit_exceeded" and refused.value.retry_after is None
+    assert "requests per minute: the limit is 0" in refused.value.message
+    assert "TPM" not in refused.value.message
+    assert await run_world.records() == []
+
+
 async def test_max_tokens_over_the_context_is_refused_before_admission(run_world):  # noqa: F811
     run = Run(spec(max_tokens=257), run_world.caller())  # the fake engine serves 256
     with pytest.raises(RunError) as refused:

@@ -6,7 +6,7 @@ import pytest
 from django.core.cache import cache
 from django.utils import timezone
 
-from gateway.ratelimits import ratelimit_headers
+from gateway.ratelimits import format_reset, ratelimit_headers
 from tenants import quotas, services
 from tenants.models import UsageRecord
 from tests.tenants.racers import race_processes
@@ -39,8 +39,10 @@ def headers_of(outcome: quotas.AdmissionTicket | quotas.QuotaExceeded) -> dict[s
     return ratelimit_headers(outcome.windows, getattr(outcome, "retry_after", None))
 
 
-def _admit(tenant, api_key=None, tokens=10):
-    return quotas.admission_acquire(tenant=tenant, api_key=api_key, estimated_tokens=tokens)
+def _admit(tenant, api_key=None, tokens=10, likely=None):
+    return quotas.admission_acquire(
+        tenant=tenant, api_key=api_key, estimated_tokens=tokens, likely_tokens=likely
+    )
 
 
 def test_requests_per_minute_admits_up_to_the_limit(clock):
@@ -51,10 +53,11 @@ def test_requests_per_minute_admits_up_to_the_limit(clock):
         _admit(tenant)
 
     assert refused.value.kind == "requests" and refused.value.scope == "tenant"
-    assert headers_of(refused.value)["Retry-After"] == "59"
+    # at the next minute, this one's 3 still weigh in full: 20 s into it, they weigh 2
+    assert headers_of(refused.value)["Retry-After"] == "79"
     assert headers_of(refused.value)["x-ratelimit-limit-requests"] == "3"
     assert headers_of(refused.value)["x-ratelimit-remaining-requests"] == "0"
-    assert headers_of(refused.value)["x-ratelimit-reset-requests"] == "59s"
+    assert headers_of(refused.value)["x-ratelimit-reset-requests"] == "1m19s"
     assert "requests per minute" in str(refused.value)
     assert headers_of(tickets[0])["x-ratelimit-remaining-requests"] == "2"
     assert headers_of(tickets[2])["x-ratelimit-remaining-requests"] == "0"
@@ -126,11 +129,13 @@ def test_a_refusal_rolls_back_every_counter_it_touched(clock):
     assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 40
 
 
-def _recorded_earlier(api_key, *, prompt_tokens: int, completion_tokens: int) -> None:
+def _recorded_earlier(
+    api_key, *, prompt_tokens: int, completion_tokens: int, request_id: str = "earlier"
+) -> None:
     """A request of the key's that ended a few seconds ago, this month."""
     now = timezone.now()
     usage_record_add(
-        request_id="earlier",
+        request_id=request_id,
         tenant=api_key.tenant,
         api_key=api_key,
         model="demo-chat",
@@ -377,3 +382,135 @@ def test_a_request_that_may_exceed_what_is_left_is_admitted_while_its_likely_nee
     assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 1000  # what was left, held
     quotas.admission_release(ticket=ticket, actual_tokens=120)  # past the limit: owed, not lost
     assert quotas.quota_usage(tenant=tenant).tokens_this_minute == 1070
+
+
+def _admitted_until_refused(tenant) -> quotas.QuotaExceeded:
+    for _ in range(100):
+        try:
+            _admit(tenant)
+        except quotas.QuotaExceeded as refused:
+            return refused
+    raise AssertionError("never refused")
+
+
+@pytest.mark.parametrize(("previous_minute", "limit"), [(0, 3), (3, 3), (2, 3), (5, 10), (9, 10)])
+@pytest.mark.parametrize("second", [1, 30, 59])
+def test_a_client_that_waits_retry_after_is_admitted_and_not_much_sooner(
+    clock, previous_minute, limit, second
+):
+    """Retry-After said "until this minute ends": then this minute's requests still weigh in
+    full in the sliding window, and a client that obeyed was refused again."""
+    tenant = _tenant(requests_per_minute=limit)
+    clock.now = MINUTE_START - 60 + 1
+    for _ in range(previous_minute):
+        _admit(tenant)
+    clock.now = MINUTE_START + second - 0.5
+    refused = _admitted_until_refused(tenant)
+    retry_after = refused.retry_after
+    assert headers_of(refused)["x-ratelimit-reset-requests"] == format_reset(retry_after)
+
+    clock.now += retry_after - 1.5
+    with pytest.raises(quotas.QuotaExceeded):
+        _admit(tenant)
+    clock.now += 1.5
+    _admit(tenant)
+
+
+def test_a_refusal_reports_the_other_limits_without_the_refused_request(clock):
+    """Refused for tokens, the request counts nowhere (its count of requests is taken back):
+    the 429 said one request fewer was left than there was."""
+    tenant = _tenant(requests_per_minute=10, tokens_per_minute=100)
+    quotas.admission_release(ticket=_admit(tenant, tokens=10), actual_tokens=4)
+
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, tokens=97)
+
+    assert refused.value.kind == "tokens"
+    assert quotas.quota_usage(tenant=tenant).requests_this_minute == 1
+    headers = headers_of(refused.value)
+    assert headers["x-ratelimit-remaining-requests"] == "9"
+    assert headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_a_requests_limit_of_zero_refuses_for_good_and_says_so(clock):
+    tenant = _tenant(requests_per_minute=0, tokens_per_minute=1000)
+
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant)
+
+    assert refused.value.is_hopeless and refused.value.kind == "no_requests"
+    assert "requests per minute: the limit is 0" in str(refused.value)
+    assert "tokens" not in str(refused.value) and "try again" not in str(refused.value)
+
+
+def test_a_request_that_may_run_to_the_context_is_admitted_on_a_smaller_monthly_budget(clock):
+    """A chat without max_tokens may run to the context (131,072 here): the month held all of
+    it, so a tenant with a budget below the context was refused with nothing used, "until
+    next month". It holds what is left of the budget, as a minute's limit does."""
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant(monthly_token_budget=100_000)
+    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+    _recorded_earlier(api_key, prompt_tokens=30_000, completion_tokens=0)
+
+    ticket = _admit(tenant, tokens=131_072 + 300, likely=20)
+
+    assert quotas.quota_usage(tenant=tenant).month_tokens == 100_000  # what was left, held
+    quotas.admission_release(ticket=ticket, actual_tokens=500)
+    assert quotas.quota_usage(tenant=tenant).month_tokens == 30_500
+
+
+def test_a_monthly_refusal_while_others_hold_the_rest_is_a_short_wait(clock):
+    """What requests in flight hold comes back as they settle: a request refused meanwhile
+    is told to try again soon, not next month; one refused by what was used, next month."""
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant(monthly_token_budget=10_000)
+    holder = _admit(tenant, tokens=131_072, likely=20)  # holds the whole budget
+
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, tokens=100)
+    assert refused.value.kind == "monthly_tokens"
+    assert refused.value.retry_after == quotas.MONTH_HELD_RETRY_SECONDS
+
+    quotas.admission_release(ticket=holder, actual_tokens=9_950)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, tokens=100)
+    assert refused.value.retry_after > 24 * 3600 or clock.now > _last_day_of_month()
+    _admit(tenant, tokens=50)
+
+
+def _last_day_of_month() -> float:
+    now = timezone.now()
+    return (now + timedelta(days=1)).month != now.month and now.timestamp()
+
+
+@pytest.mark.parametrize("change", ["tenant", "plan", "key"])
+def test_a_budget_taken_off_and_set_again_counts_what_was_used_meanwhile(
+    clock, change, django_capture_on_commit_callbacks
+):
+    """Without a budget nothing keeps the month's counter: set again, the counter left from
+    before admitted the tenant far past its budget (and the console showed its figure)."""
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant()
+    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+    owner = {"tenant": tenant, "plan": tenant.plan, "key": api_key}[change]
+
+    def set_budget(budget: int | None) -> None:
+        owner.monthly_token_budget = budget
+        with django_capture_on_commit_callbacks(execute=True):
+            owner.save()
+
+    set_budget(1000)
+    quotas.admission_release(ticket=_admit(tenant, api_key, tokens=100), actual_tokens=100)
+    _recorded_earlier(api_key, prompt_tokens=100, completion_tokens=0)
+    set_budget(None)
+    for n in range(5):
+        quotas.admission_release(ticket=_admit(tenant, api_key, tokens=1000), actual_tokens=1000)
+        _recorded_earlier(api_key, prompt_tokens=1000, completion_tokens=0, request_id=f"r{n}")
+    scope = {"key": api_key}.get(change)
+    assert quotas.quota_usage(tenant=tenant, api_key=scope).month_tokens == 5100
+
+    set_budget(1000)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, api_key, tokens=800)
+    assert refused.value.kind == "monthly_tokens"
+    assert quotas.quota_usage(tenant=tenant, api_key=scope).month_tokens == 5100
