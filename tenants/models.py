@@ -7,9 +7,22 @@ A limit left empty (NULL) means "no limit" everywhere.
 from decimal import Decimal
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
+
+
+def validate_model_names(value: object) -> None:
+    """A list of served model names (any other JSON reached the deployments' lookup: a number
+    failed every request of the plan's tenants, a string was taken letter by letter)."""
+    if not isinstance(value, list) or not all(
+        isinstance(name, str) and name.strip() for name in value
+    ):
+        raise ValidationError(
+            'Give a list of served model names, such as ["demo-chat"]; [] allows every model.',
+            code="invalid_model_names",
+        )
 
 
 class Plan(models.Model):
@@ -24,6 +37,7 @@ class Plan(models.Model):
     allowed_models = models.JSONField(
         default=list,
         blank=True,
+        validators=[validate_model_names],
         help_text="Served model names this plan may use; an empty list allows every model.",
     )
 

@@ -362,8 +362,14 @@ def _check_actor(
     current: dict[int, str],
     changes: list[MembershipChange],
 ) -> None:
-    if actor.is_staff and actor.has_perm("tenants.change_membership"):
-        return  # staff who may change memberships in the admin
+    if actor.is_staff and (
+        actor.has_perm("tenants.change_membership")
+        or (
+            actor.has_perm("tenants.add_membership")
+            and all(change.role and change.user.pk not in current for change in changes)
+        )
+    ):
+        return  # staff who may change memberships in the admin, or add these ones
     role = (
         Membership.objects.filter(tenant=tenant, user=actor).values_list("role", flat=True).first()
     )

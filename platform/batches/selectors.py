@@ -35,14 +35,20 @@ def _get(queryset: QuerySet, object_id: str) -> Model:
 
 
 def _page(
-    queryset: QuerySet, *, after: str | None, limit: int, newest_first: bool = True
+    queryset: QuerySet,
+    *,
+    after: str | None,
+    limit: int,
+    newest_first: bool = True,
+    cursors: QuerySet | None = None,
 ) -> tuple[list[Model], bool]:
     """One page of ``queryset`` in creation order, starting after the object with id
-    ``after`` (OpenAI's cursor), and whether more follow. Unknown cursor: DoesNotExist."""
+    ``after`` (OpenAI's cursor: one of ``cursors``, by default ``queryset``'s), and whether
+    more follow. Unknown cursor: DoesNotExist."""
     sign = "-" if newest_first else ""
     queryset = queryset.order_by(f"{sign}created_at", f"{sign}id")
     if after is not None:
-        cursor = _get(queryset, after)
+        cursor = _get(queryset if cursors is None else cursors, after)
         op = "lt" if newest_first else "gt"
         queryset = queryset.filter(
             Q(**{f"created_at__{op}": cursor.created_at})
@@ -55,10 +61,14 @@ def _page(
 def files_list(
     *, tenant_id: int, purpose: str | None, after: str | None, limit: int, newest_first: bool
 ) -> tuple[list[File], bool]:
-    queryset = File.objects.filter(tenant_id=tenant_id)
+    tenants_files = queryset = File.objects.filter(tenant_id=tenant_id)
     if purpose:
-        queryset = queryset.filter(purpose=purpose)
-    return _page(queryset, after=after, limit=limit, newest_first=newest_first)
+        # a purpose with a NUL, which the database would refuse to compare, is no file's
+        queryset = queryset.none() if NUL in purpose else queryset.filter(purpose=purpose)
+    # the cursor may be any of the tenant's files, of this purpose or not
+    return _page(
+        queryset, after=after, limit=limit, newest_first=newest_first, cursors=tenants_files
+    )
 
 
 def batches_list(*, tenant_id: int, after: str | None, limit: int) -> tuple[list[Batch], bool]:

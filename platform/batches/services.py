@@ -121,10 +121,17 @@ def _file_save(file: File, content: DjangoFile) -> File:
 
 @transaction.atomic
 def file_delete(*, file: File) -> None:
-    """Forget the file, and remove its bytes once that is committed."""
-    storage_name = file.storage_name
+    """Forget the file; its bytes go once that is committed (``file_bytes_remove``)."""
     file.delete()
-    transaction.on_commit(lambda: file_storage().delete(storage_name))
+
+
+def file_bytes_remove(*, file: File) -> None:
+    """Remove a deleted file's bytes once its deletion is committed: connected to every
+    deletion of a file (``BatchesConfig.ready``), so that a file deleted with its tenant (a
+    cascade: the admin deleting a tenant) leaves none of its prompts or answers behind."""
+    storage_name = file.storage_name
+    if storage_name:
+        transaction.on_commit(lambda: file_storage().delete(storage_name))
 
 
 def _check_metadata(metadata: object) -> dict[str, str] | None:

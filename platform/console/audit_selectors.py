@@ -57,9 +57,14 @@ def audit_filter(
 
 def audit_rows(events: list[AuditEvent], *, tenant: Tenant | None) -> list[AuditRow]:
     """The events as a page shows them: on a tenant's, the address of its own members' events
-    only (staff's addresses are the platform's business)."""
+    only, never staff's (the platform's business: a tenant's admin may add any user as a
+    member, staff included, and their addresses then showed)."""
     members = (
-        set(Membership.objects.filter(tenant=tenant).values_list("user_id", flat=True))
+        set(
+            Membership.objects.filter(
+                tenant=tenant, user__is_staff=False, user__is_superuser=False
+            ).values_list("user_id", flat=True)
+        )
         if tenant is not None
         else None
     )

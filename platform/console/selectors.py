@@ -9,6 +9,7 @@ from datetime import UTC, date, datetime, timedelta
 from typing import NamedTuple
 
 from django.db.models import Count, Q, QuerySet
+from django.utils import timezone
 
 from gateway.metrics import supervisor_status
 from serving.models import ModelDeployment
@@ -53,9 +54,12 @@ class TenantRow(NamedTuple):
 def tenant_rows() -> list[TenantRow]:
     """Every tenant with its plan and how many members and active keys it has."""
     tenants = Tenant.objects.select_related("plan").order_by("slug")
+    live = Q(api_keys__revoked_at=None) & (
+        Q(api_keys__expires_at=None) | Q(api_keys__expires_at__gt=timezone.now())
+    )
     tenants = tenants.annotate(
         num_members=Count("memberships", distinct=True),
-        num_active_keys=Count("api_keys", filter=Q(api_keys__revoked_at=None), distinct=True),
+        num_active_keys=Count("api_keys", filter=live, distinct=True),
     )
     return [TenantRow(t, t.plan.name, t.num_members, t.num_active_keys) for t in tenants]
 

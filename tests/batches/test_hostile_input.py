@@ -77,6 +77,29 @@ async def test_a_nul_in_an_id_is_a_404_or_400(key, path):
     assert response.json()["error"]["message"]
 
 
+async def test_a_nul_in_the_purpose_filter_lists_no_file(key):
+    """It reached the database, which refused it: a 500."""
+    async with _client(key) as client:
+        assert (await _upload(client, _line())).status_code == 200
+        response = await client.get("/v1/files", params={"purpose": "batch\0"})
+    assert response.status_code == 200, response.text
+    assert response.json()["data"] == []
+
+
+async def test_the_purpose_filters_cursor_may_be_a_file_of_another_purpose(key):
+    """A page of one purpose may start after any of the tenant's files, as a page of all of
+    them does: it was a 400, "not the id of one of your files"."""
+    async with _client(key) as client:
+        first = (await _upload(client, _line())).json()
+        second = (await _upload(client, _line())).json()
+        response = await client.get(
+            "/v1/files", params={"purpose": "batch_output", "after": first["id"]}
+        )
+        both = await client.get("/v1/files", params={"purpose": "batch", "after": second["id"]})
+    assert response.status_code == 200 and response.json()["data"] == []
+    assert [f["id"] for f in both.json()["data"]] == [first["id"]]
+
+
 async def test_a_nul_in_a_batchs_fields_is_a_4xx(key):
     async with _client(key) as client:
         upload = await _upload(client, _line())

@@ -73,6 +73,35 @@ def test_deleting_a_file_removes_its_bytes(
     assert not File.objects.exists() and not list(file_storage_dir.rglob("*.jsonl"))
 
 
+def test_deleting_a_tenant_removes_its_files_bytes(
+    tenant, other_tenant, file_storage_dir, django_capture_on_commit_callbacks
+):
+    """The admin deletes a tenant with its files (a cascade): only ``file_delete`` removed a
+    file's bytes, so the tenant's prompts and answers stayed on disk with no row to reach
+    them. Another tenant's stay."""
+    _upload(tenant, [request_line("a")])
+    _upload(tenant, [request_line("b")])
+    kept = _upload(other_tenant, [request_line("c")])
+
+    with django_capture_on_commit_callbacks(execute=True):
+        tenant.delete()
+
+    assert [path.name for path in file_storage_dir.rglob("*.jsonl")] == [f"{kept.id}.jsonl"]
+
+
+def test_a_deletion_rolled_back_keeps_the_files_bytes(tenant, file_storage_dir):
+    from django.db import transaction
+
+    file = _upload(tenant, [request_line("a")])
+    file_id = file.id
+    with pytest.raises(RuntimeError), transaction.atomic():
+        services.file_delete(file=file)
+        raise RuntimeError("the deleting transaction fails")
+
+    assert File.objects.filter(pk=file_id).exists()
+    assert len(list(file_storage_dir.rglob("*.jsonl"))) == 1
+
+
 def test_another_tenants_ids_do_not_exist(tenant, other_tenant, file_storage_dir):
     file = _upload(tenant, [request_line("a")])
     batch = _batch(tenant, file)

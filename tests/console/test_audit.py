@@ -164,3 +164,23 @@ def test_a_tenants_log_shows_its_members_addresses_not_staffs(client, people, te
     assert "203.0.113.7" in page and "by-staff" in page and "198.51.100.99" not in page
     client.force_login(people["staff"])
     assert "198.51.100.99" in client.get(_audit()).content.decode()
+
+
+def test_a_tenants_admin_cannot_reveal_staffs_addresses_by_making_staff_a_member(
+    client, people, tenant
+):
+    """Any user may be added as a member by name, staff too: their addresses then showed."""
+    client.force_login(people["staff"])
+    keys = reverse("console:keys", args=[tenant.slug])
+    client.post(keys, {"action": "create", "name": "by-staff"}, REMOTE_ADDR="198.51.100.99")
+
+    client.force_login(people["admin_a"])
+    members = reverse("console:members", args=[tenant.slug])
+    response = client.post(
+        members, {"action": "add", "username": people["staff"].username, "role": "member"}
+    )
+
+    assert response.status_code in (200, 302)
+    assert tenant.memberships.filter(user=people["staff"]).exists()
+    page = client.get(_audit(tenant.slug)).content.decode()
+    assert "by-staff" in page and "198.51.100.99" not in page

@@ -138,6 +138,23 @@ def test_keys_are_created_once_shown_and_revoked(client, people, tenant):
         services.api_key_authenticate(raw_key=raw_key)
 
 
+def test_an_expired_key_shows_as_expired_not_active(client, people, tenant):
+    """The API refuses it; the keys page said "active", and the platform page counted it."""
+    from console.selectors import tenant_rows
+
+    expired, _ = services.api_key_create(tenant=tenant, name="old-ci")
+    services.api_key_create(tenant=tenant, name="live-ci")
+    ApiKey.objects.filter(pk=expired.pk).update(expires_at=datetime.now(UTC) - timedelta(days=1))
+    client.force_login(people["owner_a"])
+
+    page = client.get(reverse("console:keys", args=[tenant.slug])).content.decode()
+
+    rows = dict(re.findall(r"<td>(\w+-ci)</td>.*?pill \w+\">(\w+)<", page, re.S))
+    assert rows == {"old-ci": "expired", "live-ci": "active"}
+    row = next(row for row in tenant_rows() if row.tenant == tenant)
+    assert row.num_active_keys == 1
+
+
 def test_keys_of_another_tenant_cannot_be_revoked(client, people, tenant, other_tenant):
     theirs, raw = services.api_key_create(tenant=other_tenant, name="theirs")
     client.force_login(people["admin_a"])

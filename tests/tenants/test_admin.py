@@ -208,3 +208,80 @@ def test_the_admin_still_deletes_and_deactivates_others(staff_client, tenant, ow
     assert not Membership.objects.filter(pk=member.pk).exists()
     staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"})
     assert not type(user).objects.filter(pk=user.pk).exists()
+
+
+def _new_tenant_form(owner) -> dict:
+    from tenants.models import Plan
+
+    return {
+        "name": "New Co",
+        "slug": "newco",
+        "plan": Plan.objects.get(slug="default").pk,
+        "is_active": "on",
+        "memberships-TOTAL_FORMS": "1",
+        "memberships-INITIAL_FORMS": "0",
+        "memberships-MIN_NUM_FORMS": "0",
+        "memberships-MAX_NUM_FORMS": "1000",
+        "memberships-0-user": owner.pk,
+        "memberships-0-role": "owner",
+    }
+
+
+def test_staff_who_may_add_members_add_a_tenant_with_its_owner(client, django_user_model):
+    """The check of their rights ran as the tenant was saved, past the form's validation,
+    and asked for the power to change memberships: a 500."""
+    from tests.conftest import staff_user
+
+    staff = staff_user(
+        "creator",
+        "tenants.add_tenant",
+        "tenants.view_tenant",
+        "tenants.add_membership",
+        "tenants.view_membership",
+    )
+    owner = django_user_model.objects.create_user("bob", password="pw-bob-123")
+    client.force_login(staff)
+
+    response = client.post(reverse("admin:tenants_tenant_add"), _new_tenant_form(owner))
+
+    assert response.status_code == 302, response.content.decode()[-2000:]
+    membership = Membership.objects.get(tenant__slug="newco")
+    assert (membership.user, membership.role) == (owner, "owner")
+
+
+def test_staff_who_may_only_add_members_add_but_change_no_role(tenant, owned, user):
+    from tests.conftest import staff_user
+
+    staff = staff_user("adder", "tenants.add_membership")
+    services.memberships_check(
+        tenant=tenant, changes=[services.MembershipChange(user, "member")], actor=staff
+    )
+    for change in (
+        services.MembershipChange(owned.user, "member"),
+        services.MembershipChange(owned.user, None),
+    ):
+        with pytest.raises(services.MembershipNotAllowed):
+            services.memberships_check(tenant=tenant, changes=[change], actor=staff)
+
+
+@pytest.mark.parametrize("allowed", ["5", '"demo-chat"', "[1, 2]", '[""]'])
+def test_the_plan_admin_takes_allowed_models_only_as_a_list_of_names(staff_client, tenant, allowed):
+    """Any JSON reached the deployments' lookup: a number failed every request of the plan's
+    tenants (a 500), a string was taken letter by letter (no model found)."""
+    plan = tenant.plan
+    response = staff_client.post(
+        reverse("admin:tenants_plan_change", args=[plan.pk]),
+        {
+            "name": plan.name,
+            "slug": plan.slug,
+            "allowed_models": allowed,
+            "service_tier": plan.service_tier,
+            "share": "1.0",
+            "batch_price_factor": "0.50",
+        },
+    )
+
+    assert response.status_code == 200
+    assert "list of served model names" in response.content.decode()
+    plan.refresh_from_db()
+    assert plan.allowed_models == []
