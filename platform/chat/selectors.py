@@ -54,7 +54,12 @@ def conversation_messages(*, conversation: Conversation) -> QuerySet[Message]:
 def engine_messages(*, conversation: Conversation, before_id: int | None = None) -> list:
     """The conversation as the engine sees it: the system prompt first, then every turn with
     content, up to but excluding ``before_id``. A failed reply is left out, also the text it
-    had streamed before it failed (a stopped one stays: the user chose where it ends)."""
+    had streamed before it failed (a stopped one stays: the user chose where it ends).
+
+    Turns of one role in a row (the user's messages on either side of a reply left out) are
+    one turn, their texts a paragraph apart: many models' chat templates (Llama 2's,
+    Mistral's, Gemma's) refuse roles that do not alternate, and every later message of the
+    conversation failed there."""
     messages = []
     if conversation.system_prompt.strip():
         messages.append(EngineMessage("system", conversation.system_prompt))
@@ -62,7 +67,11 @@ def engine_messages(*, conversation: Conversation, before_id: int | None = None)
     if before_id is not None:
         turns = turns.filter(id__lt=before_id)
     for turn in turns:
-        if turn.content and turn.status != Message.Status.ERROR:
+        if not turn.content or turn.status == Message.Status.ERROR:
+            continue
+        if messages and messages[-1].role == turn.role:
+            messages[-1] = EngineMessage(turn.role, f"{messages[-1].content}\n\n{turn.content}")
+        else:
             messages.append(EngineMessage(turn.role, turn.content))
     return messages
 

@@ -224,10 +224,24 @@ def test_engine_messages_put_the_system_prompt_first_and_skip_failed_replies(ali
         ("system", "Be brief."),
         ("user", "Hi"),
         ("assistant", "Hello!"),
-        ("user", "More"),
-        ("user", "Go on"),
+        # one turn: chat templates that want roles to alternate (Llama 2's, Mistral's)
+        # refused the two in a row, and every later message of the conversation failed
+        ("user", "More\n\nGo on"),
     ]
     assert conversation.title == "Hi"
+
+
+def test_engine_messages_alternate_after_a_stopped_reply_with_no_text(alice, acme):
+    conversation = services.conversation_create(user=alice, tenant=acme)
+    services.message_send(conversation=conversation, content="Hi")
+    stopped = services.reply_start(conversation=conversation, request_id="chat-1")
+    services.reply_finish(message=stopped, content="", status=Message.Status.STOPPED)
+    services.message_send(conversation=conversation, content="Hello?")
+    pending = services.reply_start(conversation=conversation, request_id="chat-2")
+
+    messages = selectors.engine_messages(conversation=conversation, before_id=pending.pk)
+
+    assert [(m.role, m.content) for m in messages] == [("user", "Hi\n\nHello?")]
 
 
 def test_the_landing_page_links_to_the_chat(client, db):
