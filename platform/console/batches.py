@@ -4,6 +4,7 @@ output and error files to download, and cancel after a confirmation. Thin views 
 the console's rule (``console.views.tenant_page``)."""
 
 from django.contrib import messages
+from django.core.paginator import Paginator
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import path
@@ -20,7 +21,12 @@ REFRESH_SECONDS = 5  # while a batch runs, its page follows it
 
 @tenant_page
 def batches(request: HttpRequest, tenant: Tenant) -> HttpResponse:
-    rows = batches_selectors.tenant_batches(tenant=tenant)
+    """The tenant's batches, newest first, paged by ``PAGE_SIZE`` (the newest 50 were all
+    there was: an older batch could be neither cancelled nor downloaded here)."""
+    page = Paginator(
+        batches_selectors.tenant_batches(tenant=tenant), batches_selectors.PAGE_SIZE
+    ).get_page(request.GET.get("page"))
+    rows = batches_selectors.batch_rows(page)
     return render(
         request,
         "console/batches.html",
@@ -28,6 +34,7 @@ def batches(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             request,
             tenant,
             rows=rows,
+            page=page,
             refresh_seconds=REFRESH_SECONDS if any(row.is_active for row in rows) else None,
         ),
     )

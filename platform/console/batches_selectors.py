@@ -2,6 +2,7 @@
 (``source=batch``) with what it is billed as: batch tokens weigh the plan's
 ``batch_price_factor`` (OpenAI's Batch API bills them at half price), every other token one."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -26,9 +27,13 @@ class BatchRow:
     metadata: list[tuple[str, str]]
 
 
-def tenant_batches(*, tenant: Tenant, limit: int = PAGE_SIZE) -> list[BatchRow]:
-    """The tenant's newest batches, newest first."""
-    batches = Batch.objects.filter(tenant=tenant).order_by("-created_at", "-id")[:limit]
+def tenant_batches(*, tenant: Tenant) -> QuerySet[Batch]:
+    """The tenant's batches, newest first (``batch_rows`` shows a page of them)."""
+    return Batch.objects.filter(tenant=tenant).order_by("-created_at", "-id")
+
+
+def batch_rows(batches: Iterable[Batch]) -> list[BatchRow]:
+    """The batches as the page shows them, with their progress."""
     rows = []
     for batch in batches:
         num_done = batch.num_completed + batch.num_failed

@@ -228,3 +228,20 @@ def test_metadata_named_like_a_dict_method_shows_as_written(manager, tenant, fil
 
     assert response.status_code == 200
     assert "items=x, keys=y" in response.content.decode()
+
+
+def test_batches_past_the_newest_page_are_on_the_next(
+    manager, tenant, file_storage_dir, monkeypatch
+):
+    """The page showed the newest 50 and nothing older: an older batch could be neither
+    cancelled nor downloaded from the console."""
+    monkeypatch.setattr(batches_selectors, "PAGE_SIZE", 2)
+    oldest, middle, newest = (_batch(tenant, num_lines=1) for _ in range(3))
+    url = reverse("console:batches", args=[tenant.slug])
+
+    first = manager.get(url).content.decode()
+    second = manager.get(url, {"page": 2}).content.decode()
+
+    assert newest.id in first and middle.id in first and oldest.id not in first
+    assert "older →" in first and "page 1 of 2" in first
+    assert oldest.id in second and newest.id not in second
