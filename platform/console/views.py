@@ -8,6 +8,7 @@ renders or redirects with a message. An id that names nothing the user may touch
 """
 
 import csv
+import secrets
 from functools import wraps
 
 from django.contrib import messages
@@ -17,6 +18,7 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_POST
 
 from console import batches_selectors, charts, forms, permissions, selectors, usage
@@ -176,11 +178,17 @@ def usage_csv(request: HttpRequest, tenant: Tenant) -> HttpResponse:
 
 @tenant_page
 def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
+    """The tenant's keys; a new key's secret is shown on the answer to its creation only,
+    which no cache keeps (``Cache-Control: no-store``). The creation form carries a one-time
+    token: the browser's "reload" sends it again, and that made a second key."""
     new_key, form, status = None, forms.ApiKeyCreateForm(), 200
     action = request.POST.get("action") if request.method == "POST" else None
     if action == "create":
         permissions.require(user=request.user, tenant=tenant, change="create_key")
         form = forms.ApiKeyCreateForm(request.POST)
+        if not _spend_form_token(request, request.POST.get("form_token", "")):
+            messages.error(request, "That key was created already (its secret is shown only once).")
+            return redirect("console:keys", slug=tenant.slug)
         if form.is_valid():
             _, new_key = services.api_key_issue(
                 tenant=tenant,
@@ -203,12 +211,36 @@ def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             raise Http404("No such key") from None
         messages.success(request, f"Revoked {api_key.display_prefix}.")
         return redirect("console:keys", slug=tenant.slug)
-    return render(
+    response = render(
         request,
         "console/keys.html",
-        _context(request, tenant, keys=tenant_api_keys(tenant=tenant), new_key=new_key, form=form),
+        _context(
+            request,
+            tenant,
+            keys=tenant_api_keys(tenant=tenant),
+            new_key=new_key,
+            form=form,
+            form_token=secrets.token_urlsafe(16),
+        ),
         status=status,
     )
+    add_never_cache_headers(response)
+    return response
+
+
+# how many creation forms' tokens a session remembers as spent
+SPENT_FORM_TOKENS = 20
+SPENT_FORM_TOKENS_KEY = "console_spent_form_tokens"
+
+
+def _spend_form_token(request: HttpRequest, token: str) -> bool:
+    """Mark a form's one-time token spent; False when it was already (a form sent again)."""
+    spent = request.session.get(SPENT_FORM_TOKENS_KEY, [])
+    if token and token in spent:
+        return False
+    if token:
+        request.session[SPENT_FORM_TOKENS_KEY] = [*spent, token][-SPENT_FORM_TOKENS:]
+    return True
 
 
 @tenant_page

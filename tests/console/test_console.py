@@ -138,6 +138,26 @@ def test_keys_are_created_once_shown_and_revoked(client, people, tenant):
         services.api_key_authenticate(raw_key=raw_key)
 
 
+def test_a_creation_sent_again_makes_no_second_key_and_no_cache_keeps_the_secret(
+    client, people, tenant
+):
+    """The browser's reload sends the creation form again: it made a second key. The page
+    that shows a secret is kept by no cache (the back button showed it again)."""
+    client.force_login(people["admin_a"])
+    url = reverse("console:keys", args=[tenant.slug])
+    token = re.search(r'name="form_token" value="([^"]+)"', client.get(url).content.decode())[1]
+    form = {"action": "create", "name": "ci", "form_token": token}
+
+    created = client.post(url, form)
+    again = client.post(url, form, follow=True)
+
+    assert len(re.findall(r"sk-[A-Za-z0-9]{48}", created.content.decode())) == 1
+    assert "no-store" in created["Cache-Control"]
+    assert ApiKey.objects.filter(tenant=tenant, name="ci").count() == 1
+    assert "created already" in again.content.decode()
+    assert not re.findall(r"sk-[A-Za-z0-9]{48}", again.content.decode())
+
+
 def test_an_expired_key_shows_as_expired_not_active(client, people, tenant):
     """The API refuses it; the keys page said "active", and the platform page counted it."""
     from console.selectors import tenant_rows
