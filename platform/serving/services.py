@@ -22,20 +22,30 @@ DEPLOYMENT_AUDITED_FIELDS = ("name", "endpoints", "description", "max_context", 
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 
 
+class Kept:
+    """A setting a registration leaves as it is (a new deployment: its default)."""
+
+
+KEPT = Kept()
+
+
 @transaction.atomic
 def deployment_register(
     *,
     name: str,
     endpoints: list[str],
     description: str = "",
-    max_context: int | None = None,
-    is_enabled: bool = True,
+    max_context: int | None | Kept = KEPT,
+    is_enabled: bool | Kept = KEPT,
     actor: AbstractBaseUser | None = None,
 ) -> ModelDeployment:
     """Create or update the deployment called ``name``. Its health is unknown until the next
     poll: what was polled before (say, before ``make run`` restarted its engine) no longer
     says anything about these endpoints. A registration that changes nothing (``make run``
-    starting again) is not in the audit log."""
+    starting again) is not in the audit log. ``max_context`` and ``is_enabled`` not given
+    are kept (a new deployment's: the engine's context, enabled): ``make run`` registers its
+    engine at each start, and re-enabled a deployment an admin had closed, and dropped its
+    context limit."""
     served_name_validator(name)  # before the look-up: the database refuses a NUL in it
     validate_endpoints(endpoints)
     existing = ModelDeployment.objects.select_for_update().filter(name=name).first()
@@ -49,8 +59,10 @@ def deployment_register(
     deployment.replicas = {}
     deployment.checked_at = None
     deployment.description = description or deployment.description
-    deployment.max_context = max_context
-    deployment.is_enabled = is_enabled
+    if not isinstance(max_context, Kept):
+        deployment.max_context = max_context
+    if not isinstance(is_enabled, Kept):
+        deployment.is_enabled = is_enabled
     deployment.full_clean()
     deployment.save()
     changes = field_changes(before, model_values(deployment, DEPLOYMENT_AUDITED_FIELDS))

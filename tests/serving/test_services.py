@@ -83,3 +83,39 @@ def test_registering_again_forgets_what_was_polled_before(deployment):
     deployment.refresh_from_db()
     assert deployment.health == ModelDeployment.Health.UNKNOWN
     assert deployment.replicas == {} and deployment.checked_at is None
+
+
+def test_registering_again_keeps_what_an_admin_set_unless_told(deployment):
+    """``make run`` registers its engine at each start: it re-enabled a deployment an admin
+    had closed, and dropped its context limit."""
+    services.deployment_set_enabled(deployment_id=deployment.pk, is_enabled=False)
+    services.deployment_register(name="m", endpoints=["tcp://h:1"], max_context=128)
+    again = services.deployment_register(name="m", endpoints=["tcp://h:3"])
+
+    assert (again.endpoints, again.is_enabled, again.max_context) == (["tcp://h:3"], False, 128)
+    told = services.deployment_register(
+        name="m", endpoints=["tcp://h:3"], max_context=None, is_enabled=True
+    )
+    assert (told.is_enabled, told.max_context) == (True, None)
+    fresh = services.deployment_register(name="new", endpoints=["tcp://h:4"])
+    assert (fresh.is_enabled, fresh.max_context) == (True, None)
+
+
+@pytest.mark.parametrize(
+    ("flags", "is_enabled", "max_context"),
+    [([], False, 128), (["--enabled"], True, 128), (["--max-context", "64"], False, 64)],
+)
+def test_the_command_keeps_what_it_is_not_given(deployment, flags, is_enabled, max_context):
+    from django.core.management import call_command
+
+    services.deployment_set_enabled(deployment_id=deployment.pk, is_enabled=False)
+    services.deployment_register(name="m", endpoints=["tcp://h:1"], max_context=128)
+
+    call_command("register_deployment", "m", "--endpoint", "tcp://h:9", *flags)
+
+    stored = ModelDeployment.objects.get(name="m")
+    assert (stored.endpoints, stored.is_enabled, stored.max_context) == (
+        ["tcp://h:9"],
+        is_enabled,
+        max_context,
+    )

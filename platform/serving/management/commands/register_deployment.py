@@ -1,7 +1,7 @@
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from serving.services import deployment_register
+from serving.services import KEPT, deployment_register
 from tenants.management.errors import describe_validation_error
 
 
@@ -16,9 +16,18 @@ class Command(BaseCommand):
             required=True,
             help="An engine replica (tcp://HOST:PORT or ipc:///PATH); repeat for more",
         )
-        parser.add_argument("--max-context", type=int, help="Context length (default: engine's)")
+        parser.add_argument(
+            "--max-context",
+            type=int,
+            help="Context length (default: the engine's, or as it was for a deployment "
+            "registered before)",
+        )
         parser.add_argument("--description", default="")
-        parser.add_argument("--disabled", action="store_true", help="Register it disabled")
+        state = parser.add_mutually_exclusive_group()
+        state.add_argument("--disabled", action="store_true", help="Register it disabled")
+        state.add_argument(
+            "--enabled", action="store_true", help="Open it (a new deployment is open)"
+        )
 
     def handle(self, *args, **options) -> None:
         try:
@@ -26,8 +35,8 @@ class Command(BaseCommand):
                 name=options["name"],
                 endpoints=options["endpoint"],
                 description=options["description"],
-                max_context=options["max_context"],
-                is_enabled=not options["disabled"],
+                max_context=KEPT if options["max_context"] is None else options["max_context"],
+                is_enabled=False if options["disabled"] else True if options["enabled"] else KEPT,
             )
         except ValidationError as exc:
             raise CommandError(describe_validation_error(exc)) from exc
