@@ -70,6 +70,7 @@ from chat.payloads import message_payload, settings_payload
 from chat.replies import ChatError, ReplyOutcome, generate_reply
 from chat.selectors import SESSION_TENANT_KEY
 from config.json_text import describe_lone_surrogate, lone_surrogate_path
+from config.stopping import as_disconnect_when_cancelled
 from serving import runs
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ MAX_FRAME_CHARS = 64 * 1024
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_DELETED = 4404
+CLOSE_SERVER_STOPPING = 1012  # RFC 6455's "service restart"
+# how long a reply being generated when the server stops gets to be stopped and saved
+STOPPING_GRACE_SECONDS = 10.0
 SETTINGS_FIELDS = ("model", "system_prompt", "temperature", "max_tokens")
 
 
@@ -120,6 +124,17 @@ class ChatConsumer(AsyncWebsocketConsumer):
     run: _Run | None = None
     num_replies_started = 0
     is_closed = False
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Serve the socket; a server that stops (Daphne on SIGTERM) closes it as the client
+        leaving would (``config.stopping``): the reply being generated stops, and is saved
+        and metered, before the process exits."""
+        await as_disconnect_when_cancelled(
+            lambda receive: super(ChatConsumer, self).__call__(scope, receive, send),
+            receive,
+            {"type": "websocket.disconnect", "code": CLOSE_SERVER_STOPPING},
+            STOPPING_GRACE_SECONDS,
+        )
 
     async def connect(self) -> None:
         user = self.scope.get("user")

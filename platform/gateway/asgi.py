@@ -26,6 +26,7 @@ from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404, HttpRequest, HttpResponse
 
+from config.stopping import as_disconnect_when_cancelled
 from gateway.errors import SERVER_ERROR, ApiError
 
 logger = logging.getLogger("django.request")
@@ -39,11 +40,23 @@ def is_api_path(path: str) -> bool:
     return path.startswith(API_PATH_PREFIXES) or path == "/v1"
 
 
+# how long a request in flight when the server stops gets to end as a client's disconnect
+# ends it (metered, its slot given back) before it is cancelled outright
+STOPPING_GRACE_SECONDS = 10.0
+
+
 class ApiASGIHandler(ASGIHandler):
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Handle one request; a server that stops ends it as its client's disconnect would
+        (``config.stopping``)."""
         if scope["type"] != "http":
             raise ValueError(f"The API serves HTTP only, not {scope['type']}.")
-        await self.handle(scope, receive, send)
+        await as_disconnect_when_cancelled(
+            lambda receive: self.handle(scope, receive, send),
+            receive,
+            {"type": "http.disconnect"},
+            STOPPING_GRACE_SECONDS,
+        )
 
     def load_middleware(self, is_async: bool = False) -> None:
         self._view_middleware = []

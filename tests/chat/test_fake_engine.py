@@ -108,3 +108,29 @@ async def test_a_new_conversation_chats_under_a_monthly_budget_below_the_context
     await chat.close()
 
     assert done["type"] == "done" and done["status"] == "complete", done
+
+
+async def test_a_stopping_server_saves_and_meters_the_reply_being_generated(fake_world):
+    """Daphne on SIGTERM cancels each socket's instance once and exits: the reply's task ran
+    on unattended, and the process exited with no usage record and the reply left streaming."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    start, _ = await chat.receive_until("start")
+    identity, request = await asyncio.wait_for(fake.generates.get(), 10)
+    await fake.send(
+        identity,
+        ResponseType.OUTPUTS,
+        [GenerateDelta(request.request_id, text="half", token_ids=[1])],
+    )
+    assert (await chat.receive())["type"] == "token"
+
+    instance = chat.communicator.future  # what Daphne cancels
+    instance.cancel()
+    await asyncio.gather(instance, return_exceptions=True)
+
+    reply = await sync_to_async(Message.objects.get)(pk=start["message_id"])
+    records = await sync_to_async(list)(UsageRecord.objects.filter(request_id=reply.request_id))
+    assert (reply.status, reply.content) == ("stopped", "half")
+    assert [record.status for record in records] == ["cancelled"]
+    assert request.request_id in fake.aborted()

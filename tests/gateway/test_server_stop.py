@@ -1,0 +1,72 @@
+"""A web server that stops (Daphne on SIGTERM: each request's instance cancelled once, then
+the process exits) meters the requests in flight and gives their slots back, as a client's
+disconnect does."""
+
+import asyncio
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from inference_engine.protocol import GenerateDelta, ResponseType, Usage
+from tenants import quotas, services
+from tests.serving.fake_runs import run_world  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
+
+
+async def _one_token_then_silence(fake, sent: asyncio.Event) -> None:
+    identity, request = await fake.generates.get()
+    delta = GenerateDelta(
+        request.request_id, "a", [1], usage=Usage(prompt_tokens=3, completion_tokens=1)
+    )
+    await fake.send(identity, ResponseType.OUTPUTS, [delta])
+    sent.set()
+    await asyncio.Event().wait()  # a long generation, still running
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.tenant_limits(max_concurrent_requests=5)
+async def test_a_stopping_web_server_meters_its_requests_in_flight(run_world, stream):  # noqa: F811
+    from config.asgi import application
+
+    _, raw_key = await sync_to_async(services.api_key_create)(tenant=run_world.tenant, name="h")
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 50, "stream": stream})
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"testserver"), (b"authorization", f"Bearer {raw_key}".encode()),
+                    (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+    }  # fmt: skip
+    incoming = [{"type": "http.request", "body": body.encode(), "more_body": False}]
+    started, token_sent = asyncio.Event(), asyncio.Event()
+
+    async def receive() -> dict:
+        if incoming:
+            return incoming.pop(0)
+        await asyncio.Event().wait()  # the client stays connected
+
+    async def send(message: dict) -> None:
+        started.set()
+
+    engine = asyncio.create_task(_one_token_then_silence(run_world.fake, token_sent))
+    instance = asyncio.create_task(application(scope, receive, send))
+    try:
+        await asyncio.wait_for(token_sent.wait(), 20)
+        if stream:
+            await asyncio.wait_for(started.wait(), 20)  # streaming, one token out
+        else:
+            await asyncio.sleep(0.2)  # its first token in
+        # what Daphne does on SIGTERM: cancel the instance, wait for it, then exit
+        instance.cancel()
+        await asyncio.gather(instance, return_exceptions=True)
+
+        records = await run_world.records()
+        held = await sync_to_async(quotas.quota_usage)(tenant=run_world.tenant)
+        assert [r.status for r in records] == ["cancelled"]
+        assert held.concurrent_requests == 0
+        assert run_world.fake.aborted()  # the engine stops generating for it
+    finally:
+        engine.cancel()
