@@ -35,6 +35,7 @@ async def serve_generation(
     request: HttpRequest, kind: str, plan_of: Callable[[bytes], GenerationPlan]
 ) -> HttpResponse:
     model, tenant = "unknown", "unknown"
+    runs: list[Run] = []  # the run, once made: one that was admitted is counted as it settles
     try:
         raw_key = bearer_key(request)
         try:
@@ -45,27 +46,40 @@ async def serve_generation(
         auth = await authorization.authorize(raw_key, plan.model)
         tenant, model = auth.api_key.tenant.slug, auth.deployment.name
         try:
-            return await _serve(kind, plan, auth)
+            return await _serve(kind, plan, auth, runs)
         except authorization.StaleAuthorization:
             # What the key was read from has changed: read it again, and trust that read.
             auth = await authorization.authorize(raw_key, plan.model)
             tenant, model = auth.api_key.tenant.slug, auth.deployment.name
-            return await _serve(kind, plan, auth, is_checked=False)
+            return await _serve(kind, plan, auth, runs, is_checked=False)
     except RunError as exc:
-        status = "rate_limited" if exc.code == "rate_limit_exceeded" else None
         error = from_run_error(exc)
-        metrics.observe_refusal(model, status or str(error.status), tenant)
+        if not _was_admitted(runs):
+            status = "rate_limited" if exc.code == "rate_limit_exceeded" else str(error.status)
+            metrics.observe_refusal(model, status, tenant)
         return error.response()
     except ApiError as exc:
-        metrics.observe_refusal(model, str(exc.status), tenant)
+        if not _was_admitted(runs):
+            metrics.observe_refusal(model, str(exc.status), tenant)
         return exc.response()
 
 
+def _was_admitted(runs: list[Run]) -> bool:
+    """Whether the request's run was admitted: its settlement counted it in the metrics
+    (``metrics.observe_finished``), and a refusal's count would count it twice."""
+    return bool(runs) and runs[-1].meter is not None
+
+
 async def _serve(
-    kind: str, plan: GenerationPlan, auth: authorization.Authorization, is_checked: bool = True
+    kind: str,
+    plan: GenerationPlan,
+    auth: authorization.Authorization,
+    runs: list[Run],
+    is_checked: bool = True,
 ) -> HttpResponse:
     """Run the request and answer it. Admission first checks that ``auth`` is current
-    (unless not ``is_checked``) and raises ``StaleAuthorization`` if not."""
+    (unless not ``is_checked``) and raises ``StaleAuthorization`` if not. The run made is
+    added to ``runs``."""
     api_key, deployment = auth.api_key, auth.deployment
     response_id = new_response_id(kind)
     spec = plan.run_spec(response_id)
@@ -81,6 +95,7 @@ async def _serve(
     )
     on_finish = functools.partial(metrics.observe_finished, deployment.name, api_key.tenant)
     run = Run(spec, caller, on_finish=on_finish)
+    runs.append(run)
     await run.start()
     # From here the run is settled on every way out, and only once its answer is whole: a
     # failure on the way (a 500) or a client that leaves (cancelled) is metered as such.
