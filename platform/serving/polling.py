@@ -4,6 +4,7 @@ import asyncio
 from datetime import datetime
 
 import msgspec
+from django.db import transaction
 from django.utils import timezone
 
 from serving.models import ModelDeployment
@@ -46,18 +47,36 @@ def _health(replicas: dict[str, dict]) -> str:
 
 
 def poll_deployments() -> dict[str, str]:
-    """Ask every replica of every enabled deployment for STATS; deployment name -> health."""
+    """Ask every replica of every enabled deployment for STATS; deployment name -> health.
+
+    Each deployment's row is read again, locked, to write what was found: a load or unload
+    (``serving.replica_control``) records its progress and result in the same replicas'
+    states while the poll waits for answers, and the poll wrote back what it had read before
+    (the console's "last control … failed: why" was gone within a poll). A deployment whose
+    endpoints changed meanwhile (registered again) waits for the next poll."""
     deployments = list(ModelDeployment.objects.filter(is_enabled=True))
     endpoints = sorted({endpoint for d in deployments for endpoint in d.endpoints})
     states = asyncio.run(_poll(endpoints)) if endpoints else {}
     now = timezone.now()
+    healths = {}
     for deployment in deployments:
-        previous = deployment.replicas or {}
-        deployment.replicas = {
-            endpoint: _with_rate(states[endpoint], previous.get(endpoint), now)
-            for endpoint in deployment.endpoints
-        }
-        deployment.health = _health(deployment.replicas)
-        deployment.checked_at = now
-        deployment.save(update_fields=["replicas", "health", "checked_at"])
-    return {deployment.name: deployment.health for deployment in deployments}
+        with transaction.atomic():
+            current = (
+                ModelDeployment.objects.select_for_update()
+                .filter(pk=deployment.pk, endpoints=deployment.endpoints)
+                .only("replicas")
+                .first()
+            )
+            if current is None:
+                continue
+            previous = current.replicas or {}
+            replicas = {}
+            for endpoint in deployment.endpoints:
+                state = _with_rate(states[endpoint], previous.get(endpoint), now)
+                if "control" in previous.get(endpoint, {}):
+                    state["control"] = previous[endpoint]["control"]
+                replicas[endpoint] = state
+            current.replicas, current.health, current.checked_at = replicas, _health(replicas), now
+            current.save(update_fields=["replicas", "health", "checked_at"])
+        healths[deployment.name] = current.health
+    return healths

@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 from asgiref.sync import sync_to_async
+from django.db import transaction
 from django.utils import timezone
 
 from inference_engine.client import EngineUnavailable
@@ -58,13 +59,16 @@ def control_replica(
         raise ValueError(f"{endpoint} is not a replica of {deployment.name}")
 
     @sync_to_async
+    @transaction.atomic
     def record(state: dict) -> None:
-        deployment.refresh_from_db(fields=["replicas"])
-        replicas = dict(deployment.replicas or {})
+        # locked: the health poll writes the same replicas' states (``serving.polling``)
+        current = ModelDeployment.objects.select_for_update().only("replicas").get(
+            pk=deployment.pk
+        )
+        replicas = dict(current.replicas or {})
         replicas[endpoint] = {**replicas.get(endpoint, {}), **state}
-        deployment.replicas = replicas
-        deployment.checked_at = timezone.now()
-        deployment.save(update_fields=["replicas", "checked_at"])
+        current.replicas, current.checked_at = replicas, timezone.now()
+        current.save(update_fields=["replicas", "checked_at"])
 
     async def run() -> dict:
         await record({"control": {"action": action, "model": model, "state": "sent"}})
