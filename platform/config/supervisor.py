@@ -11,8 +11,10 @@ dying, and from 1 s again once it has stayed up for a minute. What a dead child 
 in its process group (a Celery worker's beat and pool processes outlive a SIGKILL of the
 worker) gets SIGTERM at once and SIGKILL when the child is restarted, as systemd's
 ``KillMode=control-group`` does, so a restart never runs beside a copy of the old one. Only a
-stop signal stops the platform. Each child's restarts and last exit code are written to
-``status_file`` (JSON) for the web tier's metrics and console. On Linux each child also gets
+stop signal stops the platform; a child that cannot be started at all (a fork refused) is
+tried again on the same schedule. Each child's restarts and last exit code are written to
+``status_file`` (JSON) for the web tier's metrics and console, and once the platform has
+stopped, that none runs. On Linux each child also gets
 PR_SET_PDEATHSIG, so even a supervisor killed with SIGKILL leaves no child behind.
 """
 
@@ -110,6 +112,7 @@ class Supervisor:
         self.children: dict[str, subprocess.Popen] = {}
         self.states = {spec.name: ChildState() for spec in self.specs}
         self._stop_signal: int | None = None
+        self._is_stopped = False  # all stopped: the status file says none runs
 
     def run(self) -> int:
         """Start every child, wait for a signal or a child's exit, stop all; the exit code."""
@@ -118,10 +121,12 @@ class Supervisor:
         }
         try:
             for spec in self.specs:
-                self._start(spec)
+                self._start_or_retry(spec)
             exit_code = self._wait()
         finally:
             self._stop_all()
+            self._is_stopped = True
+            self._write_status()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return exit_code
@@ -146,21 +151,35 @@ class Supervisor:
         self._write_status()
 
     def _wait(self) -> int:
-        specs = {spec.name: spec for spec in self.specs}
         while self._stop_signal is None:
             now = time.monotonic()
-            for name, child in self.children.items():
-                state = self.states[name]
+            for spec in self.specs:
+                state = self.states[spec.name]
                 if state.restart_at is not None:
                     if now >= state.restart_at:
-                        self._start(specs[name])
+                        self._start_or_retry(spec)
                     continue
-                code = child.poll()
+                code = self.children[spec.name].poll()
                 if code is not None:
-                    self._schedule_restart(name, code, now)
+                    self._schedule_restart(spec.name, code, now)
             time.sleep(POLL_SECONDS)
         logger.info("received %s; stopping", signal.Signals(self._stop_signal).name)
         return 0
+
+    def _start_or_retry(self, spec: ProcessSpec) -> None:
+        """Start the child; if it cannot be started (a fork refused for memory or for the
+        number of processes, as right after the kernel killed one; the interpreter missing
+        while the virtual environment is rebuilt), try again later, as after a crash: that
+        failure stopped the whole platform."""
+        try:
+            self._start(spec)
+        except (OSError, subprocess.SubprocessError) as exc:
+            state = self.states[spec.name]
+            state.consecutive_failures += 1
+            delay = restart_delay(state.consecutive_failures)
+            state.restart_at = time.monotonic() + delay
+            logger.error("could not start %s (%s); trying again in %.0f s", spec.name, exc, delay)
+            self._write_status()
 
     def _schedule_restart(self, name: str, code: int, now: float) -> None:
         state = self.states[name]
@@ -186,7 +205,7 @@ class Supervisor:
             return
         status = {
             name: {
-                "running": state.restart_at is None,
+                "running": state.restart_at is None and not self._is_stopped,
                 "restarts": state.restarts,
                 "last_exit_code": state.last_exit_code,
                 "pid": self.children[name].pid if name in self.children else None,

@@ -62,9 +62,7 @@ def control_replica(
     @transaction.atomic
     def record(state: dict) -> None:
         # locked: the health poll writes the same replicas' states (``serving.polling``)
-        current = ModelDeployment.objects.select_for_update().only("replicas").get(
-            pk=deployment.pk
-        )
+        current = ModelDeployment.objects.select_for_update().only("replicas").get(pk=deployment.pk)
         replicas = dict(current.replicas or {})
         replicas[endpoint] = {**replicas.get(endpoint, {}), **state}
         current.replicas, current.checked_at = replicas, timezone.now()

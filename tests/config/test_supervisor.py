@@ -222,3 +222,56 @@ def test_children_stop_in_stages_lowest_first(tmp_path):
     assert result == [0]
     assert seen.read_text() == "True"
     assert supervisor.children["engine"].returncode == supervisor.children["web"].returncode == 0
+
+
+@pytest.mark.parametrize("failing_start", [1, 3])  # the first start of "flaky"; its restart
+def test_a_child_that_cannot_be_started_is_tried_again_and_the_rest_runs(
+    monkeypatch, tmp_path, failing_start
+):
+    """A fork refused (EAGAIN, ENOMEM: often right after the kernel killed a process) raised
+    out of the supervisor's loop, and the whole platform stopped."""
+    import errno
+
+    from config import supervisor as supervisor_module
+
+    real_popen, calls = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == failing_start:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(supervisor_module.subprocess, "Popen", popen)
+    crash = [sys.executable, "-c", "import time, sys; time.sleep(0.2); sys.exit(1)"]
+    flaky = crash if failing_start == 3 else SLEEPER
+    status_file = tmp_path / "supervisor.json"
+    supervisor = Supervisor(
+        [ProcessSpec("flaky", flaky), ProcessSpec("web", SLEEPER)], status_file=status_file
+    )
+    thread, result = _run_in_thread(supervisor)
+    try:
+        deadline = time.monotonic() + 15
+        while len(calls) < failing_start + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(calls) >= failing_start + 2, calls  # tried again after the failure
+        assert thread.is_alive() and supervisor.children["web"].poll() is None
+    finally:
+        supervisor._on_signal(signal.SIGTERM, None)
+        thread.join(timeout=30)
+    assert result == [0]
+
+
+def test_a_stopped_platform_says_none_of_its_processes_runs(tmp_path):
+    """The status file still said every process ran (with dead pids) after the platform
+    stopped: the metrics and the console of a web process on the same folder believed it."""
+    status_file = tmp_path / "supervisor.json"
+    supervisor = Supervisor([ProcessSpec("engine", SLEEPER)], status_file=status_file)
+    thread, _ = _run_in_thread(supervisor)
+    _wait_started(supervisor, 1)
+    assert json.loads(status_file.read_text())["engine"]["running"]
+
+    supervisor._on_signal(signal.SIGTERM, None)
+    thread.join(timeout=20)
+
+    assert not json.loads(status_file.read_text())["engine"]["running"]
