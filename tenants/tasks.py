@@ -21,18 +21,20 @@ def rollup_usage() -> int:
 def purge_old_usage() -> dict[str, int]:
     """Delete raw usage records past USAGE_RETENTION_DAYS and roll-ups past
     ROLLUP_RETENTION_DAYS (roll-ups and refusal counts are small and kept longer by
-    default)."""
+    default); 0 keeps them forever, as the other retentions. A record of this month is kept
+    whatever the setting: a monthly budget's counter is built again from them (a setting of
+    0 deleted every record, and one under a month, part of what the month had used)."""
     now = timezone.now()
-    records, _ = UsageRecord.objects.filter(
-        started_at__lt=now - timedelta(days=settings.USAGE_RETENTION_DAYS)
-    ).delete()
-    rollups, _ = UsageRollup.objects.filter(
-        period_start__lt=now - timedelta(days=settings.ROLLUP_RETENTION_DAYS)
-    ).delete()
-    refusals, _ = RefusalCount.objects.filter(
-        hour__lt=now - timedelta(days=settings.ROLLUP_RETENTION_DAYS)
-    ).delete()
-    return {"usage_records": records, "usage_rollups": rollups, "refusal_counts": refusals}
+    deleted = {"usage_records": 0, "usage_rollups": 0, "refusal_counts": 0}
+    if days := settings.USAGE_RETENTION_DAYS:
+        month_start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        cutoff = min(now - timedelta(days=days), month_start)
+        deleted["usage_records"], _ = UsageRecord.objects.filter(started_at__lt=cutoff).delete()
+    if days := settings.ROLLUP_RETENTION_DAYS:
+        cutoff = now - timedelta(days=days)
+        deleted["usage_rollups"], _ = UsageRollup.objects.filter(period_start__lt=cutoff).delete()
+        deleted["refusal_counts"], _ = RefusalCount.objects.filter(hour__lt=cutoff).delete()
+    return deleted
 
 
 @shared_task(name="tenants.purge_old_audit_events")

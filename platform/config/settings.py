@@ -246,7 +246,10 @@ USAGE_RETENTION_DAYS = int(os.environ.get("USAGE_RETENTION_DAYS", "400"))
 ROLLUP_RETENTION_DAYS = int(os.environ.get("ROLLUP_RETENTION_DAYS", "1100"))
 CHAT_RETENTION_DAYS = int(os.environ.get("CHAT_RETENTION_DAYS", "0"))  # 0: keep forever
 AUDIT_RETENTION_DAYS = int(os.environ.get("AUDIT_RETENTION_DAYS", "1100"))  # 0: keep forever
-CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# where beat keeps when each task last ran: it must outlive the worker (compose: a volume)
+CELERY_BEAT_SCHEDULE_FILENAME = os.environ.get(
+    "CELERY_BEAT_SCHEDULE_FILENAME", str(VAR_DIR / "celerybeat-schedule")
+)
 CELERY_TIMEZONE = "UTC"
 
 # --- Auth, i18n, static -----------------------------------------------------------------------

@@ -53,3 +53,42 @@ def test_every_queue_has_a_worker_and_one_worker_has_beat():
         }
         assert queues == {"celery", *routed}, where
         assert sum("--beat" in line for line in workers) == 1, where
+
+
+def _seconds(value: str) -> float:
+    return float(value.rstrip("s"))
+
+
+def test_the_engine_ends_its_own_streams_before_it_is_killed():
+    """The engine's grace period (30 s) was the time systemd and compose gave it before
+    SIGKILL: it was killed as its drain ended, never failing its streams itself."""
+    from inference_engine.config import ServerConfig
+
+    default_grace = ServerConfig.__dataclass_fields__["shutdown_grace_period"].default
+    unit = (DEPLOY / "systemd" / "llm-platform-engine.service").read_text()
+    exec_start = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1)
+    flag = re.search(r"--shutdown-grace-period[ =](\S+)", exec_start)
+    grace = float(flag.group(1)) if flag else default_grace
+    timeout = _seconds(re.search(r"^TimeoutStopSec=(\S+)$", unit, re.M).group(1))
+    assert grace + 10 <= timeout, f"systemd: grace {grace} s, SIGKILL at {timeout} s"
+
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    engine = compose["services"]["engine"]
+    stop = _seconds(engine.get("stop_grace_period", compose["x-platform"]["stop_grace_period"]))
+    flag = re.search(r"--shutdown-grace-period[ =](\S+)", engine["command"])
+    grace = float(flag.group(1)) if flag else default_grace
+    assert grace + 10 <= stop, f"compose: grace {grace} s, SIGKILL at {stop} s"
+
+
+def test_the_beat_schedule_outlives_a_recreated_worker_container():
+    """Beat's record of when each task last ran lay in the worker container's own layer: a
+    recreated worker waited a whole day again before each daily task (a purge never ran on
+    a stack redeployed daily)."""
+    worker = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["worker"]
+    schedule_file = worker["environment"]["CELERY_BEAT_SCHEDULE_FILENAME"]
+    mounts = [volume.split(":")[1] for volume in worker.get("volumes", [])]
+
+    assert any(schedule_file.startswith(mount.rstrip("/") + "/") for mount in mounts), mounts
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    folder = schedule_file.rsplit("/", 1)[0].removeprefix("/srv/llm-platform/")
+    assert folder in dockerfile  # made by the image, so a new volume is the platform user's

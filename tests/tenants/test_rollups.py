@@ -141,7 +141,7 @@ def test_time_per_output_token_is_rolled_up(keys):
 
 def test_tasks_run_through_celery(eager, keys, settings):
     mine, _ = keys
-    old = _record(mine, datetime.now(UTC) - timedelta(days=30), 1)
+    old = _record(mine, datetime.now(UTC) - timedelta(days=40), 1)  # before this month
     _record(mine, datetime.now(UTC), 2)
 
     assert rollup_usage.delay().get() >= 2
@@ -151,6 +151,29 @@ def test_tasks_run_through_celery(eager, keys, settings):
     assert purged["usage_records"] == 1
     assert not UsageRecord.objects.filter(pk=old.pk).exists()
     assert UsageRollup.objects.filter(period="day").count() == 2  # roll-ups outlive records
+
+
+@pytest.mark.parametrize("days", [0, 1])
+def test_purging_keeps_this_months_records_and_0_keeps_all(eager, keys, settings, days):
+    """0 deleted every record (the other retentions keep everything at 0), and a retention
+    under a month deleted records a monthly budget is counted from."""
+    mine, _ = keys
+    now = datetime.now(UTC)
+    month_start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    this_month = _record(mine, month_start + timedelta(seconds=1), 1)
+    last_month = _record(mine, month_start - timedelta(days=2), 2)
+    settings.USAGE_RETENTION_DAYS = days
+    settings.ROLLUP_RETENTION_DAYS = days
+    rollup_usage.delay().get()
+    rolled = UsageRollup.objects.count()
+
+    purged = purge_old_usage.delay().get()
+
+    kept = set(UsageRecord.objects.values_list("pk", flat=True))
+    assert this_month.pk in kept and (last_month.pk in kept) == (days == 0)
+    assert purged["usage_records"] == (0 if days == 0 else 1)
+    if days == 0:
+        assert purged["usage_rollups"] == 0 and UsageRollup.objects.count() == rolled
 
 
 def _race_two_rollups(keys, monkeypatch, *, write_first: bool, meanwhile=lambda: None) -> None:
