@@ -3,12 +3,14 @@ latency histograms. Label values are bounded: past ``MAX_LABEL_VALUES`` distinct
 models, new ones are counted as "other", so a flood of names cannot blow up the registry."""
 
 import json
+import os
 import threading
 from pathlib import Path
 
 from django.conf import settings
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from serving.metering import Meter
 from tenants.models import Tenant
@@ -118,16 +120,23 @@ registry.register(SupervisedProcesses())
 
 
 class _WithoutTenants:
-    """The registry's metrics with the ``tenant`` label summed away: what an unauthenticated
-    scrape of a production server sees (tenant names are the operator's to read)."""
+    """A registry's metrics with the ``tenant`` label summed away: what an unauthenticated
+    scrape of a production server sees (tenant names are the operator's to read). A
+    counter's ``_created`` timestamp is no sum (three tenants' came out a century ahead): it
+    is left out, as Prometheus allows."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
 
     def collect(self):
-        for family in registry.collect():
+        for family in self.source.collect():
             if "tenant" not in {name for sample in family.samples for name in sample.labels}:
                 yield family
                 continue
             totals: dict[tuple, float] = {}
             for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
                 labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "tenant"))
                 key = (sample.name, labels)
                 totals[key] = totals.get(key, 0.0) + sample.value
@@ -138,5 +147,19 @@ class _WithoutTenants:
             yield family
 
 
+def _collected() -> CollectorRegistry:
+    """The registry a scrape reads: this process's; or, where the web processes share a port
+    (``make run`` with ``WEB_PROCESSES`` > 1, each started with ``PROMETHEUS_MULTIPROC_DIR``),
+    every web process's counts together (prometheus_client's multiprocess mode): a scrape
+    reached one of them, and showed its share only, each scrape another's."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return registry
+    every_process = CollectorRegistry()
+    MultiProcessCollector(every_process)
+    every_process.register(SupervisedProcesses())
+    return every_process
+
+
 def exposition(*, with_tenants: bool = True) -> bytes:
-    return generate_latest(registry if with_tenants else _WithoutTenants())
+    collected = _collected()
+    return generate_latest(collected if with_tenants else _WithoutTenants(collected))

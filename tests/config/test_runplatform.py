@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -79,6 +80,14 @@ def _run_web_only(tmp_path, **env: str | None) -> tuple[subprocess.Popen, str]:
     return run_platform(tmp_path, "--no-demo", RUN_ENGINE="0", RUN_WORKER="0", **env)
 
 
+def _refusals_counted(base: str) -> float:
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+    counted = re.findall(
+        r'^llm_gateway_requests_total\{[^}]*status="401"[^}]*\} (\S+)$', text, re.M
+    )
+    return sum(map(float, counted))
+
+
 @pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="several web processes need Redis")
 def test_several_web_processes_share_one_port(tmp_path):
     process, base = _run_web_only(tmp_path, WEB_PROCESSES="3")
@@ -88,6 +97,15 @@ def test_several_web_processes_share_one_port(tmp_path):
         assert len(daphnes) == 3
         for _ in range(20):  # every connection is answered, whichever process takes it
             assert urllib.request.urlopen(f"{base}/health/live", timeout=5).status == 200
+        # every process counts where /metrics reads, whichever of them a scrape reaches: a
+        # scrape showed one process's share, another the next time
+        for _ in range(30):
+            refused = urllib.request.Request(f"{base}/v1/completions", b"{}", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as unauthorized:
+                urllib.request.urlopen(refused, timeout=5)
+            assert unauthorized.value.code == 401
+        scrapes = {_refusals_counted(base) for _ in range(20)}
+        assert scrapes == {30.0}
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:

@@ -61,3 +61,25 @@ async def test_a_request_that_fails_once_admitted_is_counted_once(run_world):  #
     added = {name: after[name] - before.get(name, 0) for name in after}
     assert status == 500 and len(await run_world.records()) == 1
     assert {name: count for name, count in added.items() if count} == {"error": 1}
+
+
+def test_a_scrape_without_tenants_sums_counts_and_leaves_out_created_timestamps():
+    """Summing the tenants away summed each counter's ``_created`` Unix time too: three
+    tenants' came out a century ahead."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway import metrics
+
+    for slug in ("probe-a", "probe-b", "probe-c"):
+        metrics.requests_total.labels(slug, "probe-model", "200").inc()
+
+    text = metrics.exposition(with_tenants=False).decode()
+
+    samples = [
+        sample
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("model") == "probe-model"
+    ]
+    assert {sample.name for sample in samples} == {"llm_gateway_requests_total"}
+    assert samples[0].value == 3 and "tenant" not in samples[0].labels

@@ -1,5 +1,6 @@
 import os
 import shlex
+import shutil
 import socket
 import sys
 from dataclasses import replace
@@ -105,6 +106,11 @@ class Command(BaseCommand):
         self._listener = listener  # open for as long as the children run
         fd = listener.fileno()
         self.stdout.write(f"Web:     {count} Daphne processes on {host}:{port}")
+        # a scrape of /metrics reaches one of them: each counts where all of them read
+        metrics_dir = Path(settings.VAR_DIR) / "metrics"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
         return [
             ProcessSpec(
                 f"daphne-{i}",
