@@ -36,7 +36,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -46,8 +46,8 @@ from tenants import month_locks
 from tenants.models import ApiKey, Tenant
 from tenants.reservations import (
     Reservation,
-    counter_forget,
     counter_held,
+    counter_rebuild,
     counter_seed,
     counter_value,
     reservation_add,
@@ -354,18 +354,23 @@ def month_counter_name(scope_name: str, ident: object, month_start: datetime) ->
     return _Scope(scope_name, str(ident), Limits()).key("month", month_start.strftime("%Y%m"))
 
 
-def month_counters_forget(
-    *, tenant_ids: Iterable[int] = (), api_key_ids: Iterable[int] = ()
-) -> None:
-    """Drop this month's token counters of these tenants and keys: the next admission under a
-    budget builds each again from the usage records. For a change of limits: a scope without
-    a budget keeps no counter up to date, so one left from before its budget was taken off
-    would miss what was used meanwhile once a budget is back."""
+def month_counters_rebuild(*, tenant: Tenant, api_key: ApiKey | None = None) -> None:
+    """Set this month's token counter of the tenant (or of its key) to what the usage records
+    hold plus what requests in flight have reserved, where one exists. For a change of
+    budget: a scope without a budget keeps no counter up to date, so one left from before its
+    budget was taken off missed what was used meanwhile, and a budget set again admitted the
+    tenant past it. Under the month lock (``tenants.month_locks``), as a rebuild by admission:
+    each settlement is counted once, by its record or by its reservation. (A request admitted
+    while the scope had no budget holds no reservation: one still running as the budget is
+    set is counted by its record at the next rebuild, not now.)"""
     month_start = _month_start(_now())
-    names = [month_counter_name("tenant", pk, month_start) for pk in tenant_ids]
-    names += [month_counter_name("key", pk, month_start) for pk in api_key_ids]
-    for name in names:
-        counter_forget(name=name)
+    scope = "tenant" if api_key is None else "key"
+    name = month_counter_name(scope, tenant.pk if api_key is None else api_key.pk, month_start)
+    if counter_value(name=name) is None:
+        return  # none to correct: the next admission under the budget seeds it
+    with month_locks.counter_rebuilding(tenant.pk):
+        used = month_tokens_used(tenant=tenant, api_key=api_key, since=month_start)
+        counter_rebuild(name=name, settled=used)
 
 
 def _month_start(now: float) -> datetime:

@@ -25,7 +25,7 @@ and the drop were two steps: its tokens stayed on the counter with no lease to t
 
 Public API: ``counter_seed``; ``reservation_add`` -> (``Reservation``, the counter's new
 value); ``reservation_settle``; ``counter_value`` (the counter once the expired reservations
-are off it); ``counter_held`` (what its live reservations hold); ``counter_forget``.
+are off it); ``counter_held`` (what its live reservations hold); ``counter_rebuild``.
 """
 
 import time
@@ -78,6 +78,25 @@ return value
 
 # Returns the counter's value (false when it has none).
 _VALUE = Script(None, _EXPIRE + b"return redis.call('GET', KEYS[1])")
+
+# ARGV: the settled tokens. Sets an existing counter to them plus what its live reservations
+# hold (a counter that is missing stays missing: the next admission seeds it). Returns 1 when
+# it was there.
+_REBUILD = Script(
+    None,
+    _EXPIRE
+    + b"""
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+local held = 0
+for _, tokens in ipairs(redis.call('HVALS', KEYS[3])) do
+  held = held + tonumber(tokens)
+end
+redis.call('SET', KEYS[1], tonumber(ARGV[1]) + held, 'KEEPTTL')
+return 1
+""",
+)
 
 # Returns the tokens the live reservations hold.
 _HELD = Script(
@@ -198,8 +217,8 @@ class _RedisStore(slots._StoreIdentity):
     def held(self, key: str) -> int:
         return int(_HELD(keys=self._keys(key), client=self._client()))
 
-    def forget(self, key: str) -> None:
-        self._client().delete(key)
+    def rebuild(self, key: str, settled: int) -> bool:
+        return bool(_REBUILD(keys=self._keys(key), args=[settled], client=self._client()))
 
     def seed(self, key: str, value: int, ttl: int) -> bool:
         return bool(_SEED(keys=self._keys(key), args=[value, ttl], client=self._client()))
@@ -261,9 +280,15 @@ class _LocalStore(slots._StoreIdentity):
         with slots._LocalStore._lock:
             return sum(tokens for _, tokens in self._expire(key).values())
 
-    def forget(self, key: str) -> None:
+    def rebuild(self, key: str, settled: int) -> bool:
         with slots._LocalStore._lock:
-            self._backend.delete(key)
+            leases = self._expire(key)
+            if not self._backend.has_key(key):
+                return False
+            held = sum(tokens for _, tokens in leases.values())
+            # by its difference: ``incr`` keeps the counter's time to live
+            self._backend.incr(key, settled + held - self._backend.get(key))
+            return True
 
     def seed(self, key: str, value: int, ttl: int) -> bool:
         with slots._LocalStore._lock:
@@ -355,11 +380,11 @@ def counter_held(*, name: str) -> int:
     return store.held(store.key_for(name))
 
 
-def counter_forget(*, name: str) -> None:
-    """Drop the counter ``name``: the next ``counter_seed`` makes it again (and drops its
-    leases then; a reservation settled meanwhile changes no counter)."""
+def counter_rebuild(*, name: str, settled: int) -> bool:
+    """Set the counter ``name`` to ``settled`` plus what its live reservations hold, in one
+    step, if it exists (True then); a missing one stays missing."""
     store = _store()
-    store.forget(store.key_for(name))
+    return store.rebuild(store.key_for(name), settled)
 
 
 def counter_seed(*, name: str, value: int, ttl: int) -> bool:

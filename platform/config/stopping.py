@@ -32,12 +32,16 @@ async def as_disconnect_when_cancelled(
             return disconnect
         message = asyncio.ensure_future(receive())
         stop = asyncio.ensure_future(stopping.wait())
-        await asyncio.wait((message, stop), return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if message.done():
-            return message.result()
-        message.cancel()
-        return disconnect
+        try:
+            await asyncio.wait((message, stop), return_when=asyncio.FIRST_COMPLETED)
+            if message.done():
+                return message.result()
+            return disconnect
+        finally:
+            # also when this wait is cancelled (Django cancels its disconnect listener after
+            # every response): a task left pending is logged as destroyed, twice a request
+            stop.cancel()
+            message.cancel()
 
     running = asyncio.ensure_future(run(receive_until_stopping))
     try:

@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 SERVICE_UNAVAILABLE = "The server could not check your API key; try again."
+UNAVAILABLE_RETRY_AFTER_SECONDS = 5  # as the API's own service_unavailable (serving.runs)
 
 
 def max_body_bytes() -> int:
@@ -101,7 +102,8 @@ class RawBodyRequest(http_protocol.WebRequest):
         super().__init__(channel, *args, parsePOSTFormSubmission=False, **kwargs)
         self.body_limit = max_body_bytes()
         self.num_body_bytes = 0
-        self.refusal: tuple[int, bytes] | None = None  # (status, OpenAI's error object)
+        # (status, OpenAI's error object, further headers)
+        self.refusal: tuple[int, bytes, list[tuple[bytes, bytes]]] | None = None
         self.upload_check: asyncio.Future | None = None
         self.upload_limit = 0
         self.is_reading_paused = False
@@ -150,7 +152,7 @@ class RawBodyRequest(http_protocol.WebRequest):
         if self.refusal is None:
             super().process()
             return
-        status, body = self.refusal
+        status, body, headers = self.refusal
         self.handle_reply(
             {
                 "type": "http.response.start",
@@ -159,6 +161,7 @@ class RawBodyRequest(http_protocol.WebRequest):
                     (b"Content-Type", b"application/json"),
                     (b"x-request-id", _new_request_id().encode()),
                     (b"Connection", b"close"),
+                    *headers,
                 ],
             }
         )
@@ -175,7 +178,13 @@ class RawBodyRequest(http_protocol.WebRequest):
         if check.cancelled() or check.exception() is not None:
             if not check.cancelled():
                 logger.error("Checking an upload's API key failed", exc_info=check.exception())
-            self._refuse(503, SERVICE_UNAVAILABLE, "service_unavailable", "service_unavailable")
+            self._refuse(
+                503,
+                SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "service_unavailable",
+                headers=[(b"Retry-After", str(UNAVAILABLE_RETRY_AFTER_SECONDS).encode())],
+            )
         elif (refusal := check.result()) is not None:
             body = refusal.body().error
             self._refuse(refusal.status, body.message, body.code, body.type)
@@ -183,7 +192,8 @@ class RawBodyRequest(http_protocol.WebRequest):
             self.body_limit = self.upload_limit
             if self.num_body_bytes > self.body_limit:
                 self._refuse_body(413)
-        if self.is_reading_paused and not self.is_body_received:
+        if self.is_reading_paused and not self.is_body_received and self.channel is not None:
+            # (a connection lost meanwhile has no channel left to read from)
             self.is_reading_paused = False
             self.channel._networkProducer.resumeProducing()
         if self.is_process_waiting and not self._disconnected:
@@ -200,11 +210,16 @@ class RawBodyRequest(http_protocol.WebRequest):
         self._refuse(status, message, "request_too_large")
 
     def _refuse(
-        self, status: int, message: str, code: str | None, error_type: str = "invalid_request_error"
+        self,
+        status: int,
+        message: str,
+        code: str | None,
+        error_type: str = "invalid_request_error",
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """Answer ``status`` once the body is in, and store none of it."""
         if self.refusal is None:
-            self.refusal = (status, _error_body(message, code, error_type))
+            self.refusal = (status, _error_body(message, code, error_type), headers or [])
         if self.content is not None:
             self.content.close()
         self.content = io.BytesIO()

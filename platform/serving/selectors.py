@@ -15,7 +15,12 @@ def deployments_for_tenant(*, tenant: Tenant) -> QuerySet[ModelDeployment]:
     )
     allowed = tenant.plan.allowed_models
     if allowed:
-        deployments = deployments.filter(name__in=allowed)
+        # a list of names (``validate_model_names``); anything else, stored before the plan
+        # form checked it, opens no model (a number failed every request with a 500)
+        names = (
+            [name for name in allowed if isinstance(name, str)] if isinstance(allowed, list) else []
+        )
+        deployments = deployments.filter(name__in=names)
     return deployments.distinct().order_by("name")
 
 

@@ -174,7 +174,31 @@ async def test_a_check_that_fails_is_a_503_and_stores_nothing(settings, monkeypa
 
     status, error = _answer(request)
     assert status == 503 and error["error"]["type"] == "service_unavailable"
+    assert dict(request.replies[0]["headers"])[b"Retry-After"] == b"5"
     assert request.content.tell() == 0
+
+
+async def test_a_connection_lost_while_the_key_is_checked_is_let_go(settings, checked_keys):
+    """The check's end resumed reading on the channel, which a lost connection no longer
+    has: an error in the check's callback."""
+    from twisted.internet.error import ConnectionDone
+    from twisted.python.failure import Failure
+    from twisted.web import http
+
+    settings.FILES_MAX_BYTES = 5000
+    checked_keys.gate.clear()
+    request = _request(b"POST", b"/v1/files", b"Bearer sk-good")
+    request.gotLength(None)
+    request.handleContentChunk(b"x" * 1600)  # past the API's limit: reading paused
+    http.Request.connectionLost(request, Failure(ConnectionDone()))
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+
+    checked_keys.gate.set()
+    await _checked(request)
+    await asyncio.sleep(0)
+
+    assert errors == [] and request.replies == []
 
 
 def test_an_upload_within_the_api_limit_is_left_to_the_view(settings):

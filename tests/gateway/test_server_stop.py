@@ -70,3 +70,36 @@ async def test_a_stopping_web_server_meters_its_requests_in_flight(run_world, st
         assert run_world.fake.aborted()  # the engine stops generating for it
     finally:
         engine.cancel()
+
+
+async def test_a_request_served_leaves_no_task_behind():
+    """Each request left two tasks pending (the wait for the client's next message, and for
+    the server's stop), each logged as destroyed pending when collected."""
+    import gc
+
+    from config.asgi import application
+
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+        "scheme": "http", "path": "/health/live", "raw_path": b"/health/live",
+        "query_string": b"", "root_path": "", "headers": [(b"host", b"testserver")],
+        "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+    }  # fmt: skip
+    queue = asyncio.Queue()  # as Daphne's application queue
+    queue.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+    sent = []
+    before = asyncio.all_tasks()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await application(scope, queue.get, send)
+    await asyncio.sleep(0.05)
+    gc.collect()
+    await asyncio.sleep(0.05)
+
+    assert sent[0]["status"] == 200
+    assert [task for task in asyncio.all_tasks() - before if not task.done()] == []
+    assert errors == []

@@ -53,6 +53,36 @@ def test_plans_and_allowed_models_both_gate_access():
     assert deployment_for_tenant(tenant=pro_tenant, name="open") == open_model
 
 
+@pytest.mark.parametrize("stored", [5, "open", {"x": 1}, [1, 2]])
+def test_allowed_models_stored_before_they_were_checked_open_no_model(stored):
+    """A number failed every request of the plan's tenants (a 500); now it opens no model
+    until an admin corrects it (the plan form refuses anything but a list of names)."""
+    plan = Plan.objects.create(slug="old", name="Old")
+    Plan.objects.filter(pk=plan.pk).update(allowed_models=stored)
+    tenant = services.tenant_create(slug="a", plan=Plan.objects.get(pk=plan.pk))
+    ModelDeployment.objects.create(name="open", endpoints=["tcp://h:1"])
+
+    assert list(deployments_for_tenant(tenant=tenant)) == []
+
+
+@pytest.mark.parametrize(
+    ("stored", "migrated"),
+    [("open", ["open"]), (["open", 1], ["open"]), ([1, 2], [1, 2]), (5, 5), ([], [])],
+)
+def test_the_migration_makes_stored_names_lists(stored, migrated):
+    import importlib
+
+    from django.apps import apps
+
+    migration = importlib.import_module("tenants.migrations.0012_plan_allowed_models_as_names")
+    plan = Plan.objects.create(slug="old", name="Old")
+    Plan.objects.filter(pk=plan.pk).update(allowed_models=stored)
+
+    migration.names_as_lists(apps, None)
+
+    assert Plan.objects.get(pk=plan.pk).allowed_models == migrated
+
+
 def test_each_tenant_has_its_own_prefix_cache_unless_the_deployment_shares_it():
     first, second = services.tenant_create(slug="acme"), services.tenant_create(slug="globex")
     deployment = ModelDeployment.objects.create(name="m", endpoints=["ipc:///tmp/m.sock"])

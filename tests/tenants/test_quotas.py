@@ -514,3 +514,53 @@ def test_a_budget_taken_off_and_set_again_counts_what_was_used_meanwhile(
         _admit(tenant, api_key, tokens=800)
     assert refused.value.kind == "monthly_tokens"
     assert quotas.quota_usage(tenant=tenant, api_key=scope).month_tokens == 5100
+
+
+@pytest.mark.parametrize("change", ["rename the tenant", "raise its budget", "rename its plan"])
+def test_a_save_while_a_request_is_in_flight_lets_no_second_past_the_budget(
+    clock, change, django_capture_on_commit_callbacks
+):
+    """Any save dropped the month's counter; rebuilt from the records, it no longer held what
+    the requests in flight had reserved, and a second one of the same size got in."""
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant(monthly_token_budget=1000)
+    in_flight = _admit(tenant, tokens=900)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        if change == "rename the tenant":
+            tenant.name = "Acme Corp"
+            tenant.save()
+        elif change == "raise its budget":
+            tenant.monthly_token_budget = 1200
+            tenant.save()
+        else:
+            tenant.plan.name = "Unlimited (2026)"
+            tenant.plan.save()
+
+    assert quotas.quota_usage(tenant=tenant).month_tokens == 900
+    with pytest.raises(quotas.QuotaExceeded):
+        _admit(tenant, tokens=900)
+    quotas.admission_release(ticket=in_flight, actual_tokens=900)
+
+
+def test_a_budget_set_again_counts_the_records_and_the_requests_in_flight(
+    clock, django_capture_on_commit_callbacks
+):
+    clock.now = timezone.now().timestamp()
+    tenant = _tenant(monthly_token_budget=1000)
+    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+    in_flight = _admit(tenant, api_key, tokens=300)  # counted under the budget, running on
+    with django_capture_on_commit_callbacks(execute=True):
+        tenant.monthly_token_budget = None
+        tenant.save()
+    _recorded_earlier(api_key, prompt_tokens=500, completion_tokens=0)  # used meanwhile
+
+    with django_capture_on_commit_callbacks(execute=True):
+        tenant.monthly_token_budget = 1000
+        tenant.save()
+
+    assert quotas.quota_usage(tenant=tenant).month_tokens == 800  # 500 used, 300 held
+    with pytest.raises(quotas.QuotaExceeded):
+        _admit(tenant, api_key, tokens=250)
+    quotas.admission_release(ticket=in_flight, actual_tokens=100)
+    assert quotas.quota_usage(tenant=tenant).month_tokens == 600
