@@ -207,6 +207,13 @@ class Responder:
             return schemas.ChatCompletionChunk(object="chat.completion.chunk", **fields)
         return schemas.ChatCompletion(object="chat.completion", **fields)
 
+    async def _free_admission(self) -> None:
+        """The run's slots, freed before the client reads the end of its answer."""
+        try:
+            await self.run.meter.free_admission()
+        except Exception:  # the settlement frees them (or their leases run out)
+            logger.exception("freeing the admission of %s failed", self.run.spec.request_id)
+
     async def sse(self) -> AsyncIterator[bytes]:
         """The response as server-sent events, ending with ``data: [DONE]``, or with an error
         event where the run fails."""
@@ -240,6 +247,7 @@ class Responder:
             if self.plan.include_usage:
                 events.append(self._usage_event())
             events.append(b"data: [DONE]\n\n")
+            await self._free_admission()
             yield b"".join(events)
         except RunError as exc:
             yield b"".join([*events, _event(from_run_error(exc).body())])

@@ -42,6 +42,17 @@ class Meter:
     status: str = UsageRecord.Status.OK
     error_code: str = ""
     windows: dict[str, quotas.Window] = field(default_factory=dict)  # where the limits stand
+    # the admission this meter counts, for ``free_admission`` (set by ``metered``)
+    ticket: quotas.AdmissionTicket | None = field(default=None, repr=False)
+
+    async def free_admission(self) -> None:
+        """Free the run's concurrency slots and correct its per-minute counters now, with the
+        tokens counted so far: for a stream whose last tokens are in, before its client reads
+        the end (and sends its next request; the settlement, which frees them otherwise,
+        runs as the stream's last event goes out, and lost that race under load). The
+        settlement does the rest; this happens once, whoever asks first."""
+        if self.ticket is not None and not self.ticket.is_freed:
+            await _admission_free(self.ticket, self.total_tokens)
 
     def mark_first_token(self) -> None:
         if self.first_token_at is None:
@@ -109,7 +120,9 @@ async def metered(
         )
         admission.add_done_callback(settle_orphan)
         raise
-    meter = Meter(request_id=request_id, started_at=started_at, windows=ticket.windows)
+    meter = Meter(
+        request_id=request_id, started_at=started_at, windows=ticket.windows, ticket=ticket
+    )
     try:
         yield meter
     except asyncio.CancelledError:
@@ -128,6 +141,11 @@ async def metered(
         )
         if on_finish is not None:
             on_finish(meter)
+
+
+@database_worker
+def _admission_free(ticket: quotas.AdmissionTicket, actual_tokens: int) -> None:
+    quotas.admission_free(ticket=ticket, actual_tokens=actual_tokens)
 
 
 def _settle_orphan(
