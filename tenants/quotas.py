@@ -250,7 +250,8 @@ class _Admission:
         used = previous * self.previous_weight + current
         until_next_window = WINDOW_SECONDS - self.elapsed
         if used > limit:
-            retry = self._seconds_until_fits(previous, current - amount, amount, limit)
+            # when what it needs fits (a request that may need more holds what is left then)
+            retry = self._seconds_until_fits(previous, current - amount, needed, limit)
             raise self._refuse(kind, scope, limit, max(1, math.ceil(retry)))
         self._record_window(kind, limit, limit - used, limit - used + amount, until_next_window)
         return key, amount

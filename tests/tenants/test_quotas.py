@@ -564,3 +564,26 @@ def test_a_budget_set_again_counts_the_records_and_the_requests_in_flight(
         _admit(tenant, api_key, tokens=250)
     quotas.admission_release(ticket=in_flight, actual_tokens=100)
     assert quotas.quota_usage(tenant=tenant).month_tokens == 600
+
+
+def test_a_request_refused_in_a_race_for_what_is_left_waits_for_what_it_needs(clock, monkeypatch):
+    """Two requests that may need more than is left both read what is left and hold it: the
+    one refused was told to wait until its whole hold fit, where its likely need fits
+    sooner (and a try then holds what is left again)."""
+    tenant = _tenant(tokens_per_minute=1000)
+    clock.now = MINUTE_START - 60 + 1
+    quotas.admission_release(ticket=_admit(tenant, tokens=900), actual_tokens=900)
+    clock.now = MINUTE_START + 1  # last minute's 900 weigh 885, 15 less each second
+    _admit(tenant, tokens=400, likely=50)  # holds what is left: 115
+    previous_minute = f":tokens:{int(MINUTE_START // 60) - 1}"
+    real_get_many = quotas.cache.get_many
+
+    def read_before_the_first_took_it(keys):
+        return {k: v for k, v in real_get_many(keys).items() if k.endswith(previous_minute)}
+
+    monkeypatch.setattr(quotas.cache, "get_many", read_before_the_first_took_it)
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        _admit(tenant, tokens=400, likely=50)
+
+    # 885 + 115 held + its 50: 50 over, gone in 50 / 15 s (its 115: 115 over, 7.7 s)
+    assert refused.value.retry_after == 4
