@@ -25,23 +25,31 @@ async def as_disconnect_when_cancelled(
 ) -> None:
     """Await ``run(receive)``, with ``receive`` answering ``disconnect`` once this is
     cancelled; then re-raise the cancel."""
-    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    stopping = loop.create_future()  # done once the instance is cancelled
 
     async def receive_until_stopping() -> dict:
-        if stopping.is_set():
+        if stopping.done():
             return disconnect
         message = asyncio.ensure_future(receive())
-        stop = asyncio.ensure_future(stopping.wait())
+        woken = loop.create_future()
+
+        def wake(_: asyncio.Future) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        message.add_done_callback(wake)
+        stopping.add_done_callback(wake)
         try:
-            await asyncio.wait((message, stop), return_when=asyncio.FIRST_COMPLETED)
+            await woken
             if message.done():
                 return message.result()
             return disconnect
         finally:
             # also when this wait is cancelled (Django cancels its disconnect listener after
             # every response): a task left pending is logged as destroyed, twice a request
-            stop.cancel()
             message.cancel()
+            stopping.remove_done_callback(wake)
 
     running = asyncio.ensure_future(run(receive_until_stopping))
     try:
@@ -49,7 +57,7 @@ async def as_disconnect_when_cancelled(
     except asyncio.CancelledError:
         if running.done():
             raise
-        stopping.set()
+        stopping.set_result(None)
         await asyncio.wait((running,), timeout=grace)
         running.cancel()
         raise

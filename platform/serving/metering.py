@@ -143,9 +143,11 @@ async def metered(
             on_finish(meter)
 
 
-@database_worker
-def _admission_free(ticket: quotas.AdmissionTicket, actual_tokens: int) -> None:
-    quotas.admission_free(ticket=ticket, actual_tokens=actual_tokens)
+async def _admission_free(ticket: quotas.AdmissionTicket, actual_tokens: int) -> None:
+    # the cache only, no database: a thread of the loop's executor without the database
+    # worker's connection checks before and after (a round trip each, on the stream's end)
+    free = functools.partial(quotas.admission_free, ticket=ticket, actual_tokens=actual_tokens)
+    await asyncio.get_running_loop().run_in_executor(None, free)
 
 
 def _settle_orphan(
