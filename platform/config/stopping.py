@@ -58,6 +58,8 @@ async def as_disconnect_when_cancelled(
         if running.done():
             raise
         stopping.set_result(None)
-        await asyncio.wait((running,), timeout=grace)
-        running.cancel()
+        try:
+            await asyncio.wait((running,), timeout=grace)
+        finally:  # also when cancelled again meanwhile: nothing is left running
+            running.cancel()
         raise
