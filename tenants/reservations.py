@@ -79,6 +79,14 @@ return value
 # Returns the counter's value (false when it has none).
 _VALUE = Script(None, _EXPIRE + b"return redis.call('GET', KEYS[1])")
 
+# Sums what the live reservations hold into ``held`` (KEYS[3]: the reservations' hash).
+_HELD_SUM = b"""
+local held = 0
+for _, tokens in ipairs(redis.call('HVALS', KEYS[3])) do
+  held = held + tonumber(tokens)
+end
+"""
+
 # ARGV: the settled tokens. Sets an existing counter to them plus what its live reservations
 # hold (a counter that is missing stays missing: the next admission seeds it). Returns 1 when
 # it was there.
@@ -89,10 +97,9 @@ _REBUILD = Script(
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end
-local held = 0
-for _, tokens in ipairs(redis.call('HVALS', KEYS[3])) do
-  held = held + tonumber(tokens)
-end
+"""
+    + _HELD_SUM
+    + b"""
 redis.call('SET', KEYS[1], tonumber(ARGV[1]) + held, 'KEEPTTL')
 return 1
 """,
@@ -101,14 +108,7 @@ return 1
 # Returns the tokens the live reservations hold.
 _HELD = Script(
     None,
-    _EXPIRE
-    + b"""
-local held = 0
-for _, tokens in ipairs(redis.call('HVALS', KEYS[3])) do
-  held = held + tonumber(tokens)
-end
-return held
-""",
+    _EXPIRE + _HELD_SUM + b"return held\n",
 )
 
 # ARGV: the seed, the keys' TTL (s). Returns 1 when it created the counter, 0 when it was there.
