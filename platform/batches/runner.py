@@ -197,7 +197,10 @@ class BatchRun:
                 if not self.has_lease or (self.is_stopping and not is_owed):
                     await _unclaim(request)
                     return
-                if exc.request_id is not None:  # admitted and metered: the next try is new
+                # admitted and metered, the next try is a request of its own; but a line owed
+                # its answer stays under the id it paid for (its failed try's record was
+                # dropped as that id's second: nothing more was charged)
+                if exc.request_id is not None and not is_owed:
                     request.request_id = new_response_id(self.kind)
                     await _rename(request, request.request_id)
         await _finish(request, response)

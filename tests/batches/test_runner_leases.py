@@ -253,3 +253,33 @@ def test_a_runner_is_marked_queued_before_a_worker_can_claim_it(world):
     with pytest.raises(ConnectionError):
         batch_services.batch_queue_run(batch_id=batch.id, queue=broker_down)
     assert Batch.objects.get(pk=batch.pk).queued_at is None  # not queued: the sweep retries
+
+
+def test_an_owed_line_whose_rerun_failed_after_admission_keeps_its_paid_request_id(
+    world, monkeypatch
+):
+    """The rerun of a line a dead runner had metered whole was admitted and then lost (its
+    record dropped as a second record of the paid id): the next try ran under a new id,
+    metered again, so the tenant paid twice for one answer."""
+    from serving.runs import RunError
+
+    tenant, api_key, answered = world
+    tries: list[str] = []
+
+    async def lost_once_after_admission(self, request):
+        tries.append(request.request_id)
+        if len(tries) == 1:
+            lost = RunError("engine_unavailable", "lost", retry_after=0)
+            lost.request_id = request.request_id  # admitted: the run's record was written
+            raise lost
+        answered.append(request.custom_id)
+        return _ok(request)
+
+    monkeypatch.setattr(batch_runner.BatchRun, "_answer", lost_once_after_admission)
+    batch = _left_by_a_dead_runner(tenant, api_key, _batch(tenant, api_key, n=1))
+
+    assert batch_runner.batch_run(batch_id=batch.id) == "completed"
+
+    assert tries == ["chatcmpl-dead0", "chatcmpl-dead0"]
+    r0 = BatchRequest.objects.get(batch=batch, custom_id="r0")
+    assert r0.request_id == "chatcmpl-dead0" and r0.status == BatchRequest.Status.COMPLETED
