@@ -236,6 +236,10 @@ BATCH_LEASE_SECONDS = float(os.environ.get("BATCH_LEASE_SECONDS", "60"))
 # that health polls, roll-ups, model loads and the sweep never wait behind them.
 BATCH_QUEUE = "batches"
 CELERY_TASK_ROUTES = {"batches.run_batch": {"queue": BATCH_QUEUE}}
+# A worker reserves one task per process beyond those it runs (Celery's default is four): a
+# busy batch worker holding queued runs would keep them from another host's idle one until
+# the sweep takes them for lost (10 minutes: batches.selectors.REQUEUE_AFTER).
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Daphne processes `make run` starts on one listening socket. More than one needs REDIS_URL:
 # quotas, the chat's channel layer and the API's auth generation must be shared.
 WEB_PROCESSES = int(os.environ.get("WEB_PROCESSES", "1"))

@@ -55,6 +55,14 @@ def test_every_queue_has_a_worker_and_one_worker_has_beat():
         assert sum("--beat" in line for line in workers) == 1, where
 
 
+def test_a_worker_reserves_no_more_than_one_task_beyond_those_it_runs():
+    """With Celery's default (four a process), a busy batch worker held queued runs that
+    another host's idle worker could have started, for the sweep's ten minutes."""
+    from config import celery_app
+
+    assert celery_app.conf.worker_prefetch_multiplier == 1
+
+
 def _seconds(value: str) -> float:
     return float(value.rstrip("s"))
 
