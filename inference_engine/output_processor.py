@@ -187,9 +187,8 @@ class OutputProcessor:
             else None
         )
         if stop_at is not None:
-            if state.include_stop:
-                stop_at += next(len(s) for s in state.stop if state.text.startswith(s, stop_at))
-            state.text = state.text[:stop_at]
+            start, end = stop_at
+            state.text = state.text[: end if state.include_stop else start]
         if stop_at is not None or output.is_finished:
             send_upto = len(state.text)
         else:

@@ -154,11 +154,16 @@ class IncrementalDetokenizer:
         return delta
 
 
-def find_stop_string(text: str, stop: list[str], num_new_chars: int) -> int | None:
-    """Index where the earliest stop string starts in ``text``, looking only where the last
-    ``num_new_chars`` characters could complete one; None when there is none."""
+def find_stop_string(text: str, stop: list[str], num_new_chars: int) -> tuple[int, int] | None:
+    """Where (start, end) in ``text`` the stop string completed first lies, looking only where
+    the last ``num_new_chars`` characters could complete one; None when there is none. Of
+    several completed by the same characters, the one whose last character comes first (as if
+    the text came a character at a time), then the longest, whatever their order in ``stop``."""
     old_end = len(text) - num_new_chars  # each stop string is searched from where it could
     hits = [  # end past the old text: one found wholly in it was not completed now
-        i for s in stop if (i := text.find(s, max(0, old_end - len(s) + 1))) >= 0
+        (i + len(s), i) for s in stop if (i := text.find(s, max(0, old_end - len(s) + 1))) >= 0
     ]
-    return min(hits) if hits else None
+    if not hits:
+        return None
+    end, start = min(hits)
+    return start, end

@@ -91,6 +91,28 @@ def test_a_stop_string_spanning_tokens_ends_the_text_inside_a_token(llm_cache, i
     assert not llm.core.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("longer_first", [False, True])
+def test_of_stop_strings_completed_by_one_token_the_first_completed_ends_the_text(
+    llm_cache, include_stop, longer_first
+):
+    """A stop string and its own prefix, both completed by one token: the prefix was
+    complete first (its last character comes first), so it ends the text, whichever of
+    them is listed first. With the longer one first, its text was kept whole."""
+    llm = llm_cache("llama")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    [full] = llm.generate([[5, 6, 7]], params)
+    longer, _ = stop_spanning_tokens(llm.tokenizer, full.token_ids, full.text)
+    shorter = longer[:3]  # its last character is the completing token's first
+    stop = [longer, shorter] if longer_first else [shorter, longer]
+    [stopped] = llm.generate(
+        [[5, 6, 7]],
+        msgspec.structs.replace(params, stop=stop, include_stop_str_in_output=include_stop),
+    )
+    cut = full.text.index(shorter) + (len(shorter) if include_stop else 0)
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[:cut]
+
+
 def test_eos_stops_unless_ignored(eos_llama_dir):
     llm = LLM(eos_llama_dir, dtype="float32")
     prompts = [[i, i + 1, i + 2] for i in range(5, 200, 3)]

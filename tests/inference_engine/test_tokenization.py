@@ -55,14 +55,23 @@ def test_a_prompt_ending_inside_a_character_lends_none_of_its_text_to_the_output
 
 
 def test_stop_strings_find_the_earliest_new_hit():
-    assert find_stop_string("abc###def", ["###"], 9) == 3
+    assert find_stop_string("abc###def", ["###"], 9) == (3, 6)
     assert find_stop_string("abc##", ["###"], 1) is None
-    assert find_stop_string("abc###", ["###"], 1) == 3  # completed by the last char
-    assert find_stop_string("a STOP b END", ["END", "STOP"], 12) == 2
+    assert find_stop_string("abc###", ["###"], 1) == (3, 6)  # completed by the last char
+    assert find_stop_string("a STOP b END", ["END", "STOP"], 12) == (2, 6)
     assert find_stop_string("anything", [], 3) is None
     # each stop string is looked for only where the new characters could complete it
     assert find_stop_string("xab" + "c", ["ab", "zzzzzz"], 1) is None
-    assert find_stop_string("xa" + "b", ["ab", "zzzzzz"], 1) == 1
+    assert find_stop_string("xa" + "b", ["ab", "zzzzzz"], 1) == (1, 3)
+
+
+def test_of_stop_strings_completed_at_once_the_one_that_ends_first_is_found():
+    # a prefix of another, listed after it
+    assert find_stop_string("x" + "abc", ["abc", "ab"], 3) == (1, 3)
+    # inside another that starts earlier: its last character comes first
+    assert find_stop_string("abcd", ["abcd", "bc"], 4) == (1, 3)
+    # ending together, the one that starts first is cut whole
+    assert find_stop_string("xabc", ["bc", "abc"], 4) == (1, 4)
 
 
 def test_chat_template_renders_for_generation(tokenizer):
