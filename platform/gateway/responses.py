@@ -109,6 +109,9 @@ class Responder:
         self.outputs = [_Output() for _ in run.choices]
         # a chat that may call tools reads each choice's text back through one of these
         self.readers: list[ToolCallReader] | None = None
+        # streamed choices of an auto-mode chat whose role chunk waits for the reader: it
+        # opens a call without content, text with "", as OpenAI's
+        self.unopened: set[int] = set()
 
     async def _start_reading_tool_calls(self) -> None:
         plan = self.plan.tool_plan
@@ -223,9 +226,11 @@ class Responder:
         events: list[bytes] = []
         try:
             await self._start_reading_tool_calls()
-            if self.kind == "chat":
+            tool_plan = self.plan.tool_plan
+            if self.kind == "chat" and tool_plan is not None and tool_plan.mode == "auto":
+                self.unopened = {choice.index for choice in self.run.choices}
+            elif self.kind == "chat":
                 # a forced call's message has no content (null, as unstreamed), another's ""
-                tool_plan = self.plan.tool_plan
                 is_call = tool_plan is not None and tool_plan.mode in ("required", "named")
                 first = schemas.ChunkDelta(role="assistant", content=None if is_call else "")
                 events += [self._chat_chunk(choice, first) for choice in self.run.choices]
@@ -292,14 +297,28 @@ class Responder:
         events = []
         for piece in pieces:
             if isinstance(piece, str):
+                events += self._opening(choice)
                 events.append(self._text_event(choice, piece, None))
+            elif choice.index in self.unopened:  # the call's first piece opens the message
+                self.unopened.discard(choice.index)
+                delta = schemas.ChunkDelta(role="assistant", tool_calls=[_call(piece)])
+                events.append(self._chat_chunk(choice, delta))
             else:
                 delta = schemas.ChunkDelta(tool_calls=[_call(piece)])
                 events.append(self._chat_chunk(choice, delta))
+        if is_last or (logprobs and self.plan.logprobs is not None):
+            events[:0] = self._opening(choice)  # nothing read yet: opened as text
         if logprobs and self.plan.logprobs is not None:
             chunk_logprobs = _chat_logprobs(logprobs)
             events.append(self._chat_chunk(choice, schemas.ChunkDelta(), None, chunk_logprobs))
         return events
+
+    def _opening(self, choice: Choice) -> list[bytes]:
+        """The role chunk of an auto-mode choice not yet opened, as text (none otherwise)."""
+        if choice.index not in self.unopened:
+            return []
+        self.unopened.discard(choice.index)
+        return [self._chat_chunk(choice, schemas.ChunkDelta(role="assistant", content=""))]
 
     def _text_template(self, choice: Choice) -> tuple[bytes, bytes]:
         """The bytes of a plain text event of ``choice`` before and after its JSON-encoded

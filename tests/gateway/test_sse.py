@@ -295,6 +295,49 @@ async def test_a_named_tool_call_finishes_with_stop(
     assert choices[-1]["finish_reason"] == finish
 
 
+@pytest.mark.parametrize(
+    ("text", "first_delta"),
+    [
+        # OpenAI's: a call's first chunk has no content, and carries the call's opening
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+            {"role": "assistant", "tool_calls": [{"index": 0, "type": "function"}]},
+        ),
+        ("Sunny.", {"role": "assistant", "content": ""}),  # text: its first chunk as ever
+        ("", {"role": "assistant", "content": ""}),
+    ],
+)
+async def test_an_auto_mode_stream_opens_with_content_only_where_it_is_text(
+    run_world,  # noqa: F811
+    monkeypatch,
+    text,
+    first_delta,
+):
+    """The role chunk went out before the reader knew what the reply was: a call opened with
+    ``content: ""``, which the SDK's accumulated message kept (unstreamed: null)."""
+    from serving.pool import EnginePool
+
+    async def hermes(self, endpoints):
+        return "hermes"
+
+    monkeypatch.setattr(EnginePool, "tool_call_parser", hermes)
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL]}
+    delta = GenerateDelta(
+        "", text, [1, 2], finish_reason=FinishReason.STOP, usage=Usage(prompt_tokens=3)
+    )
+    choices = await _answer("chat", body, run_world, delta, stream=True)
+
+    first = choices[0]["delta"]
+    assert {k: v for k, v in first.items() if k != "tool_calls"} == {
+        k: v for k, v in first_delta.items() if k != "tool_calls"
+    }
+    if "tool_calls" in first_delta:
+        [call] = first["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert sum("role" in choice["delta"] for choice in choices) == 1
+    assert all("content" not in c["delta"] for c in choices) == ("tool_calls" in first_delta)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     ("logprobs", "entries", "top_logprobs"),
