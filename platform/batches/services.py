@@ -134,6 +134,49 @@ def file_bytes_remove(*, file: File) -> None:
         transaction.on_commit(lambda: file_storage().delete(storage_name))
 
 
+# Bytes with no file row this old are left by a write whose transaction never committed
+# (a worker killed inside ``batch_finish``); anything younger may be an upload or a batch's
+# result being written now, its row not yet committed.
+ORPHANED_FILE_AGE = timedelta(hours=1)
+
+
+def files_orphaned_purge(*, older_than: timedelta = ORPHANED_FILE_AGE) -> int:
+    """Remove the stored bytes that no file row names and that are older than
+    ``older_than``; how many were removed."""
+    storage = file_storage()
+    cutoff = timezone.now() - older_than
+    removed = 0
+    names = _stored_names(storage, "")
+    while chunk := [name for _, name in zip(range(500), names, strict=False)]:
+        known = set(
+            File.objects.filter(storage_name__in=chunk).values_list("storage_name", flat=True)
+        )
+        for name in chunk:
+            if name in known:
+                continue
+            try:
+                is_old = storage.get_modified_time(name) < cutoff
+            except (FileNotFoundError, NotImplementedError):
+                continue  # gone meanwhile, or a storage that cannot tell its age
+            if is_old:
+                storage.delete(name)
+                logger.info("removed the orphaned file bytes %s", name)
+                removed += 1
+    return removed
+
+
+def _stored_names(storage, folder: str):
+    """Every name under ``folder`` of ``storage``, depth first."""
+    try:
+        folders, names = storage.listdir(folder)
+    except FileNotFoundError:  # nothing stored yet
+        return
+    for name in names:
+        yield f"{folder}/{name}" if folder else name
+    for sub in folders:
+        yield from _stored_names(storage, f"{folder}/{sub}" if folder else sub)
+
+
 def _check_metadata(metadata: object) -> dict[str, str] | None:
     if metadata is None:
         return None

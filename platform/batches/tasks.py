@@ -19,3 +19,9 @@ def sweep_batches() -> list[str]:
     for batch_id in batch_ids:
         services.batch_queue_run(batch_id=batch_id, queue=run_batch.delay)
     return batch_ids
+
+
+@shared_task(name="batches.purge_orphaned_files")
+def purge_orphaned_files() -> int:
+    """Daily: remove stored bytes no file row names (``services.files_orphaned_purge``)."""
+    return services.files_orphaned_purge()

@@ -225,6 +225,7 @@ CELERY_BEAT_SCHEDULE = {
     "purge-old-conversations": {"task": "chat.purge_old_conversations", "schedule": 24 * 3600.0},
     "purge-empty-conversations": {"task": "chat.purge_empty_conversations", "schedule": 3600.0},
     "sweep-batches": {"task": "batches.sweep_batches", "schedule": BATCH_SWEEP_SECONDS},
+    "purge-orphaned-files": {"task": "batches.purge_orphaned_files", "schedule": 24 * 3600.0},
 }
 # The Batch API's runner: lines of one batch in flight at once, and how long a worker's hold
 # on a batch lasts unrenewed (a killed worker's batch is resumed that long after, at most

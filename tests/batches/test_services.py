@@ -102,6 +102,42 @@ def test_a_deletion_rolled_back_keeps_the_files_bytes(tenant, file_storage_dir):
     assert len(list(file_storage_dir.rglob("*.jsonl"))) == 1
 
 
+def test_bytes_whose_file_row_was_rolled_back_are_purged_once_old(
+    tenant, other_tenant, file_storage_dir
+):
+    """A worker killed inside ``batch_finish`` (its result files' rows rolled back with the
+    batch's end) left their bytes in storage for good, as does any transaction that fails
+    after a file is stored. Bytes with no row are purged once older than any upload or
+    result write in progress; files with rows, and recent bytes, stay."""
+    import os
+    import time
+    from datetime import timedelta
+
+    from django.db import transaction
+
+    from batches import tasks
+
+    kept = _upload(tenant, [request_line("a")])
+    with pytest.raises(RuntimeError), transaction.atomic():
+        services.file_create_generated(
+            tenant=other_tenant, purpose="batch_output", filename="x_output.jsonl", content=b"{}\n"
+        )
+        raise RuntimeError("the worker dies before the batch's end commits")
+    stray = [p for p in file_storage_dir.rglob("*.jsonl") if p.name != f"{kept.id}.jsonl"]
+    assert len(stray) == 1  # what the rolled-back write left
+    recent = stray[0].with_name("file-recent.jsonl")
+    recent.write_bytes(b"{}\n")  # an upload stored, its row not yet committed
+    hour_ago = time.time() - 3600 - 60
+    for path in (stray[0], file_storage_dir / kept.storage_name):
+        os.utime(path, (hour_ago, hour_ago))
+
+    assert services.files_orphaned_purge(older_than=timedelta(hours=1)) == 1
+    assert sorted(p.name for p in file_storage_dir.rglob("*.jsonl")) == sorted(
+        [f"{kept.id}.jsonl", "file-recent.jsonl"]
+    )
+    assert tasks.purge_orphaned_files() == 0  # the daily task: nothing more to purge
+
+
 def test_another_tenants_ids_do_not_exist(tenant, other_tenant, file_storage_dir):
     file = _upload(tenant, [request_line("a")])
     batch = _batch(tenant, file)
