@@ -2,6 +2,7 @@
 the console and the admin, is one event with its actor, address and changes; a change that
 does not happen (refused, rolled back, a no-op) leaves none."""
 
+import io
 import json
 from datetime import timedelta
 
@@ -377,3 +378,24 @@ def test_what_start_up_makes_is_the_platforms_doing(settings, tmp_path):
     events = {(event.action, event.target_name) for event in AuditEvent.objects.all()}
     assert {("user.created", "admin"), ("plan.created", "Default")} <= events
     assert {event.actor_name for event in AuditEvent.objects.all()} == {""}
+
+
+def test_djangos_user_commands_are_in_the_platform_audit_log(django_user_model, monkeypatch):
+    """``createsuperuser`` (the README's way to the first admin with PostgreSQL) and
+    ``changepassword`` are Django's own commands: they made a superuser and set passwords
+    with no event, where the console, the admin and the demo bootstrap all write one."""
+    from django.core.management import call_command
+
+    monkeypatch.setenv("DJANGO_SUPERUSER_PASSWORD", "pw-root-12345")
+    call_command("createsuperuser", username="root", email="", interactive=False, verbosity=0)
+    root = django_user_model.objects.get(username="root")
+    [created] = _events(action=Action.USER_CREATED, target_id=str(root.pk))
+    assert created.actor is None and created.tenant is None
+    assert created.changes["is_superuser"] == [None, True]
+
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": "pw-new-678910")
+    call_command("changepassword", "root", verbosity=0, stdout=io.StringIO())
+    [changed] = _events(action=Action.USER_UPDATED, target_id=str(root.pk))
+    assert changed.changes == {"password": [HIDDEN_VALUE, HIDDEN_VALUE]}
+    root.refresh_from_db()
+    assert root.check_password("pw-new-678910")
