@@ -230,7 +230,7 @@ class Run:
         except BaseException as exc:
             await self.aclose(exc)
             if isinstance(exc, RunError) and self.meter is not None:
-                exc.request_id = self.spec.request_id
+                self._admitted(exc)
             elif isinstance(exc, RunError):  # refused before admission: no usage record
                 await _count_refusal(self.caller, exc.code)
             raise
@@ -440,8 +440,10 @@ class Run:
         )
 
     def _admitted(self, error: RunError) -> RunError:
-        """``error`` of this admitted run: its answer names the usage record it is under."""
+        """``error`` of this admitted run: its answer names the usage record it is under,
+        and says where the limits stand, as a successful answer does."""
         error.request_id = self.spec.request_id
+        error.windows = error.windows or self.meter.windows
         return error
 
     # --- settle --------------------------------------------------------------------------

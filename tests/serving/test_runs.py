@@ -309,6 +309,30 @@ async def test_an_engine_error_mid_stream(run_world):  # noqa: F811
     await assert_released(run_world)
 
 
+@pytest.mark.tenant_limits(requests_per_minute=60, tokens_per_minute=10_000)
+async def test_a_run_that_fails_after_admission_says_where_the_limits_stand(run_world):  # noqa: F811
+    """A successful answer carries the ``x-ratelimit-*`` headers; a failed one after its
+    admission (counted in the window as much) carried none."""
+    from gateway.errors import from_run_error
+
+    run = Run(spec(), run_world.caller())
+    identity = await started(run_world, run)
+    failure = GenerateDelta(
+        "run-1-0", "", [], finish_reason=FinishReason.ERROR, error=ErrorCode.ENGINE_ERROR
+    )
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [failure])
+    with pytest.raises(RunError) as raised:
+        async for _ in run.deltas():
+            pass
+    await run.aclose(raised.value)
+
+    response = from_run_error(raised.value).response()
+    assert response["x-ratelimit-limit-requests"] == "60"
+    assert response["x-ratelimit-remaining-requests"] == "59"
+    assert response["x-ratelimit-limit-tokens"] == "10000"
+    assert response["x-request-id"] == "run-1"
+
+
 @pytest.mark.tenant_limits(max_concurrent_requests=1)
 async def test_the_engine_lost_mid_stream(run_world, monkeypatch):  # noqa: F811
     monkeypatch.setattr(runs, "FINAL_USAGE_TIMEOUT_SECONDS", 0.2)
