@@ -20,6 +20,9 @@ MAX_TITLE_CHARS = 200
 MAX_CONTENT_CHARS = 32_000
 MAX_SYSTEM_PROMPT_CHARS = 16_000
 MAX_TOKENS_LIMIT = 32_768
+# empty conversations a user keeps in a tenant (new chats opened and not written in yet):
+# past this, a new chat reopens the newest of them (the hourly purge takes the rest)
+MAX_EMPTY_CONVERSATIONS = 10
 TITLE_FROM_MESSAGE_CHARS = 60
 INTERRUPTED_MESSAGE = "The reply was interrupted: the server stopped while writing it."
 
@@ -61,12 +64,22 @@ def conversation_create(
     models = chat_models(tenant=tenant)
     if model and model not in models:
         raise ValidationError(f"The model '{model}' is not available to your organization.")
-    return Conversation.objects.create(
-        tenant=tenant,
-        user=user,
-        model=model or (models[0] if models else ""),
-        title=title.strip()[:MAX_TITLE_CHARS],
-    )
+    fields = {
+        "model": model or (models[0] if models else ""),
+        "title": title.strip()[:MAX_TITLE_CHARS],
+    }
+    empty = Conversation.objects.filter(tenant=tenant, user=user, messages__isnull=True)
+    if empty.count() >= MAX_EMPTY_CONVERSATIONS:
+        # as many as anyone opens at once: the newest is new again, on the model asked for
+        newest = empty.order_by("-created_at", "-pk").values("pk")[:1]
+        conversation = Conversation.objects.select_for_update().filter(pk__in=newest).first()
+        if conversation is not None:
+            now = timezone.now()
+            for name, value in {**fields, "created_at": now, "updated_at": now}.items():
+                setattr(conversation, name, value)
+            conversation.save(update_fields=["model", "title", "created_at", "updated_at"])
+            return conversation
+    return Conversation.objects.create(tenant=tenant, user=user, **fields)
 
 
 @transaction.atomic

@@ -2,10 +2,12 @@
 another user's or another tenant's conversations."""
 
 import json
+from datetime import timedelta
 
 import pytest
 from django.core.cache import cache
 from django.test import Client
+from django.utils import timezone
 
 from chat import claims, selectors, services
 from chat.models import Conversation, Message
@@ -135,6 +137,32 @@ def test_new_rename_search_and_delete(alice, acme):
     assert client.post(f"/chat/{first.pk}/delete/").status_code == 302
     assert not Conversation.objects.filter(pk=first.pk).exists()
     assert client.get(f"/chat/{first.pk}/").status_code == 404
+
+
+def test_new_chats_never_written_in_are_few_whatever_is_posted(alice, acme):
+    """Each ``POST /chat/new`` made a row, so a script signed in as any user could fill the
+    database with empty conversations (the hourly purge takes only those an hour old).
+    Past a few, the newest empty one is opened as new again, on the model asked for."""
+    client = login(alice)
+    ids = [client.post("/chat/new/", HTTP_ACCEPT="application/json").json()["id"] for _ in range(3)]
+    assert len(set(ids)) == 3  # a few new chats at once, in tabs of their own, as ever
+    for _ in range(services.MAX_EMPTY_CONVERSATIONS + 5):
+        response = client.post(
+            "/chat/new/", {"model": "small-chat"}, HTTP_ACCEPT="application/json"
+        )
+        assert response.status_code == 201
+    assert Conversation.objects.filter(user=alice).count() == services.MAX_EMPTY_CONVERSATIONS
+    reused = Conversation.objects.get(pk=response.json()["id"])
+    assert reused.model == "small-chat" and reused.created_at > timezone.now() - timedelta(
+        minutes=1
+    )
+
+    written = Conversation.objects.get(pk=ids[0])
+    services.message_send(conversation=written, content="hello")  # no longer empty: a new one
+    fresh = client.post("/chat/new/", HTTP_ACCEPT="application/json").json()["id"]
+    assert (
+        fresh not in ids and Conversation.objects.filter(pk=fresh, messages__isnull=True).exists()
+    )
 
 
 def test_only_models_the_plan_allows_are_offered(alice, acme, plan):
