@@ -11,6 +11,9 @@ address does not lock the account's owner out; guessing from many addresses stil
 
 Each sign-in, and each wrong password, is an event in the platform's audit log, with its
 address (a refused attempt is not: no password was tried).
+
+The page that changes a signed-in user's password checks the current one the same way (a
+stolen session tries no more passwords there than at the sign-in), and a change is an event.
 """
 
 import contextlib
@@ -20,13 +23,13 @@ import time
 
 from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
-from django.contrib.auth.forms import AuthenticationForm
-from django.contrib.auth.views import LoginView
+from django.contrib.auth.forms import AuthenticationForm, PasswordChangeForm
+from django.contrib.auth.views import LoginView, PasswordChangeView
 from django.core.cache import cache
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
 
-from tenants.audit import audit_record, client_ip
+from tenants.audit import HIDDEN_VALUE, audit_record, client_ip
 from tenants.models import AuditEvent
 
 THROTTLED = "throttled"
@@ -145,4 +148,45 @@ class SignInView(LoginView):
         if throttled:
             response.status_code = 429
             response["Retry-After"] = str(throttled[0].retry_after)
+        return response
+
+
+class ThrottledPasswordChangeForm(PasswordChangeForm):
+    """Django's password change, its current password checked as a throttled sign-in."""
+
+    def __init__(self, user, *args, address: str | None = None, **kwargs) -> None:
+        super().__init__(user, *args, **kwargs)
+        self.address = address
+
+    def clean_old_password(self) -> str:
+        username = self.user.get_username()
+        sign_in_begin(username=username, address=self.address)
+        try:
+            old_password = super().clean_old_password()
+        except ValidationError:
+            sign_in_end(username=username, address=self.address, was_password_right=False)
+            audit_record(
+                action=AuditEvent.Action.USER_SIGN_IN_FAILED, actor=None, target_name=username
+            )
+            raise
+        sign_in_end(username=username, address=self.address, was_password_right=True)
+        return old_password
+
+
+class AuditedPasswordChangeView(PasswordChangeView):
+    """Django's password change page: throttled, and each change in the audit log."""
+
+    form_class = ThrottledPasswordChangeForm
+
+    def get_form_kwargs(self) -> dict:
+        return {**super().get_form_kwargs(), "address": client_ip(self.request.META)}
+
+    def form_valid(self, form: ThrottledPasswordChangeForm) -> HttpResponse:
+        response = super().form_valid(form)
+        audit_record(
+            action=AuditEvent.Action.USER_UPDATED,
+            actor=self.request.user,
+            target=self.request.user,
+            changes={"password": [HIDDEN_VALUE, HIDDEN_VALUE]},
+        )
         return response

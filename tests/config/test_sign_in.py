@@ -152,3 +152,51 @@ def test_a_right_password_refused_by_the_admin_is_no_failure(client, user):
     for _ in range(6):
         client.post(reverse("admin:login"), {"username": "alice", "password": PASSWORD})
     assert _sign_in(client, PASSWORD, address="127.0.0.1").status_code == 302
+
+
+def test_the_password_reset_pages_are_not_served(client):
+    """Django's reset pages were served (``django.contrib.auth.urls``) though the platform
+    sends no mail: anybody could have any user's address sent reset mails, unthrottled."""
+    for path in ("/accounts/password_reset/", "/accounts/reset/done/"):
+        assert client.get(path).status_code == 404
+        assert client.post(path, {"email": "alice@example.com"}).status_code == 404
+
+
+def _change(client, old: str, new: str = "a new horse battery", address: str = "203.0.113.5"):
+    return client.post(
+        reverse("password_change"),
+        {"old_password": old, "new_password1": new, "new_password2": new},
+        REMOTE_ADDR=address,
+    )
+
+
+def test_a_password_change_is_throttled_as_a_sign_in_and_audited(client, user):
+    """A stolen session could try every current password on the change page, unthrottled,
+    and a change left no event in the audit log."""
+    from tenants.audit import HIDDEN_VALUE
+    from tenants.models import AuditEvent
+
+    client.force_login(user)
+    for _ in range(5):
+        assert "old password was entered incorrectly" in _change(client, "wrong").content.decode()
+    refused = _change(client, PASSWORD)
+    assert "Too many failed sign-ins" in refused.content.decode()
+    user.refresh_from_db()
+    assert user.check_password(PASSWORD)
+
+    cache.clear()
+    assert _change(client, PASSWORD).status_code == 302
+    user.refresh_from_db()
+    assert user.check_password("a new horse battery")
+    [event] = AuditEvent.objects.filter(action=AuditEvent.Action.USER_UPDATED)
+    assert (event.actor, event.target_id) == (user, str(user.pk))
+    assert event.changes == {"password": [HIDDEN_VALUE, HIDDEN_VALUE]}
+    assert AuditEvent.objects.filter(action=AuditEvent.Action.USER_SIGN_IN_FAILED).count() == 5
+
+
+def test_the_chat_and_the_console_link_to_the_password_page(client, user, admin_user):
+    client.force_login(user)
+    assert client.get(reverse("password_change")).status_code == 200
+    assert reverse("password_change") in client.get("/chat/", follow=True).content.decode()
+    client.force_login(admin_user)
+    assert reverse("password_change") in client.get("/console/", follow=True).content.decode()
