@@ -67,6 +67,11 @@ if not SECRET_KEY:
     if not DEBUG:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is off.")
     SECRET_KEY = _embedded_secret_key()
+if SECRET_KEY.startswith("replace-with-"):  # deploy/llm-platform.env.example's, published
+    raise ImproperlyConfigured(
+        "SECRET_KEY is the example's placeholder: set it to the output of "
+        "python3 -c 'import secrets; print(secrets.token_urlsafe(50))'."
+    )
 
 ALLOWED_HOSTS = env_list(
     "ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"] if DEBUG else []
@@ -289,6 +294,11 @@ if not DEBUG:
     SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", default=not IS_EMBEDDED)
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # behind TLS, browsers keep to HTTPS for a year (sent on HTTPS answers only)
+    SECURE_HSTS_SECONDS = int(
+        os.environ.get("SECURE_HSTS_SECONDS", "31536000" if SESSION_COOKIE_SECURE else "0")
+    )
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
 
 # --- The engine that `make run` starts beside Daphne -----------------------------------------
 

@@ -100,3 +100,22 @@ def test_the_beat_schedule_outlives_a_recreated_worker_container():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     folder = schedule_file.rsplit("/", 1)[0].removeprefix("/srv/llm-platform/")
     assert folder in dockerfile  # made by the image, so a new volume is the platform user's
+
+
+def test_under_compose_the_web_port_is_the_proxys_and_its_forwarded_client_is_trusted():
+    """The web container is reached by the host's TLS proxy from the Docker bridge: with
+    FORWARDED_ALLOW_IPS left to loopback, every client was the proxy's address, so 50 failed
+    sign-ins by anybody refused everybody's for 15 minutes. And the plain-HTTP port was
+    published on every interface, past the proxy."""
+    import ipaddress
+
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    assert all(port.startswith("127.0.0.1:") for port in services["web"]["ports"])
+    env = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "llm-platform.env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    trusted = [ipaddress.ip_network(n, strict=False) for n in env["FORWARDED_ALLOW_IPS"].split(",")]
+    for bridge_gateway in ("172.17.0.1", "172.18.0.1", "127.0.0.1"):
+        assert any(ipaddress.ip_address(bridge_gateway) in network for network in trusted)

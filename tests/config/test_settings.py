@@ -29,6 +29,7 @@ print(json.dumps({
     "allowed_hosts": settings.ALLOWED_HOSTS,
     "csrf_trusted_origins": settings.CSRF_TRUSTED_ORIGINS,
     "secret_key": settings.SECRET_KEY,
+    "hsts_seconds": getattr(settings, "SECURE_HSTS_SECONDS", 0),
 }))
 """
 
@@ -101,6 +102,30 @@ def test_secret_key_is_required_when_debug_is_off(tmp_path):
         _settings(tmp_path, **env)
     with pytest.raises(AssertionError, match="SECRET_KEY must be set"):
         _settings(tmp_path, DEBUG="0")
+
+
+def test_the_example_secret_key_is_refused(tmp_path):
+    """``cp deploy/llm-platform.env.example`` kept its published placeholder as the key that
+    signs sessions, password resets and messages; Django's own check passes it (long enough)."""
+    example = (ROOT / "deploy" / "llm-platform.env.example").read_text()
+    placeholder = next(
+        line.split("=", 1)[1] for line in example.splitlines() if line.startswith("SECRET_KEY=")
+    )
+    with pytest.raises(AssertionError, match="SECRET_KEY is the example's placeholder"):
+        _settings(tmp_path, **{**PRODUCTION_ENV, "SECRET_KEY": placeholder})
+
+
+def test_behind_tls_browsers_are_told_to_keep_to_https(tmp_path):
+    """No ``Strict-Transport-Security``: a network attacker could strip TLS from a first
+    visit. On by default where cookies are secure (behind TLS), a year, as Django advises."""
+    assert _settings(tmp_path, **PRODUCTION_ENV)["hsts_seconds"] == 31_536_000
+    insecure = {**PRODUCTION_ENV, "SECURE_COOKIES": "0"}
+    assert _settings(tmp_path, **insecure)["hsts_seconds"] == 0
+    assert (
+        _settings(tmp_path, **{**PRODUCTION_ENV, "SECURE_HSTS_SECONDS": "600"})["hsts_seconds"]
+        == 600
+    )
+    assert _settings(tmp_path)["hsts_seconds"] == 0  # embedded: plain HTTP on localhost
 
 
 def test_malformed_boolean_is_refused(tmp_path):
