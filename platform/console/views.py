@@ -172,8 +172,21 @@ def usage_csv(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     writer = csv.writer(response)
     writer.writerow(selectors.USAGE_CSV_HEADER)
-    writer.writerows(usage.usage_csv_rows(date_range=date_range, tenant=tenant, end_user=end_user))
+    rows = usage.usage_csv_rows(date_range=date_range, tenant=tenant, end_user=end_user)
+    writer.writerows([_spreadsheet_cell(cell) for cell in row] for row in rows)
     return response
+
+
+# what a spreadsheet reads as the start of a formula (OWASP's CSV injection)
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _spreadsheet_cell(cell: object) -> object:
+    """A text cell a spreadsheet would run as a formula (a key's name is the tenant's to
+    choose), kept text by a leading quote; other cells as they are."""
+    if isinstance(cell, str) and cell.startswith(_FORMULA_STARTS):
+        return "'" + cell
+    return cell
 
 
 @tenant_page
@@ -190,14 +203,14 @@ def keys(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             messages.error(request, "That key was created already (its secret is shown only once).")
             return redirect("console:keys", slug=tenant.slug)
         if form.is_valid():
-            _, new_key = services.api_key_issue(
+            api_key, new_key = services.api_key_issue(
                 tenant=tenant,
                 name=form.cleaned_data["name"],
                 created_by=request.user,
                 expires_in_days=form.cleaned_data["expires_in_days"],
             )
             form = forms.ApiKeyCreateForm()
-            messages.success(request, f"Created the key {new_key[:12]}…: copy it below.")
+            messages.success(request, f"Created the key {api_key.display_prefix}: copy it below.")
         else:
             status = 400
     elif action == "revoke":

