@@ -2,7 +2,8 @@
 
 Every field of ``EngineConfig`` and ``ServerConfig`` is a flag, with the field's default and
 help: ``max_num_seqs`` is ``--max-num-seqs``, and a bool field ``x`` is ``--x`` / ``--no-x``.
-``--threads`` and ``--log-level`` are the process's own.
+``--threads`` and ``--log-level`` are the process's own. The link's token is the environment's
+``ENGINE_TOKEN`` (``protocol.link_keys``), required on an endpoint other hosts can reach.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import MISSING, fields
 from typing import Any, TypeVar
 
 from inference_engine.config import EngineConfig, ServerConfig
+from inference_engine.protocol import ENGINE_TOKEN_ENV, link_check, link_keys
 
 Config = TypeVar("Config", EngineConfig, ServerConfig)
 
@@ -81,9 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    token = os.environ.get(ENGINE_TOKEN_ENV) or None
     try:
         engine_config = config_from(EngineConfig, args)
         server_config = config_from(ServerConfig, args)
+        link_check(server_config.endpoint, token)
+        if token:
+            link_keys(token)  # this libzmq can secure the link
     except ValueError as exc:
         raise SystemExit(f"python -m inference_engine: error: {exc}") from None
     import torch
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     from inference_engine.server import EngineServer
 
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    EngineServer(engine_config, server_config).run()
+    EngineServer(engine_config, server_config, token=token).run()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from inference_engine.protocol import (
+    ENGINE_TOKEN_ENV,
     AbortRequest,
     ControlRequest,
     ControlResponse,
@@ -49,6 +51,7 @@ from inference_engine.protocol import (
     RequestType,
     ResponseType,
     StatsResponse,
+    link_keys,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,8 +83,11 @@ class AsyncEngineClient:
         heartbeat_timeout: float = 5.0,
         send_hwm: int = SEND_HWM,
         send_wait: float = SEND_WAIT_SECONDS,
+        token: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        # the link's token (``protocol.link_keys``): the environment's ENGINE_TOKEN if not given
+        self.token = token or os.environ.get(ENGINE_TOKEN_ENV) or None
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.send_hwm = send_hwm
@@ -308,6 +314,11 @@ class AsyncEngineClient:
         socket.setsockopt(zmq.SNDHWM, self.send_hwm)
         # a fixed routing id survives reconnects, so the engine's replies still find us
         socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        if self.token:
+            keys = link_keys(self.token)
+            socket.curve_secretkey = keys.client_secret
+            socket.curve_publickey = keys.client_public
+            socket.curve_serverkey = keys.server_public
         self._monitor = socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )

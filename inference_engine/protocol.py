@@ -570,3 +570,66 @@ class ControlRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 class ControlResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ok: bool
     message: str = ""
+
+
+# --- the link's security ---------------------------------------------------------------------
+#
+# An engine reached over the network serves only clients that hold its token (``ENGINE_TOKEN``
+# in both processes' environments, never a flag: flags show in ``ps``). Both ends derive
+# CurveZMQ key pairs from it: the link is encrypted, the engine knows its server key only to
+# clients holding the token, and its ZAP handler admits the client key alone, so a client
+# without the token completes no handshake and reaches nothing. Without a token the link is
+# plain, which only a local endpoint (ipc, or tcp on loopback) may be.
+
+ENGINE_TOKEN_ENV = "ENGINE_TOKEN"
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
+
+
+class LinkKeys(msgspec.Struct, frozen=True):
+    """The CurveZMQ keys (Z85) both ends of a link derive from its token."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def link_keys(token: str) -> LinkKeys:
+    """The key pairs of the link that ``token`` secures (the same at both ends)."""
+    import hashlib
+
+    import zmq
+    from zmq.utils import z85
+
+    if not zmq.has("curve"):
+        raise ValueError(f"{ENGINE_TOKEN_ENV} is set, but this libzmq has no CURVE security")
+
+    def secret(role: bytes) -> bytes:
+        return z85.encode(
+            hashlib.sha256(b"llm-platform engine link\0" + role + token.encode()).digest()
+        )
+
+    server_secret, client_secret = secret(b"server"), secret(b"client")
+    return LinkKeys(
+        server_public=zmq.curve_public(server_secret),
+        server_secret=server_secret,
+        client_public=zmq.curve_public(client_secret),
+        client_secret=client_secret,
+    )
+
+
+def link_check(endpoint: str, token: str | None) -> None:
+    """Refuse (``ValueError``) to serve a network endpoint without a token: anyone who could
+    reach it would generate unmetered, as any tenant, and load or unload models."""
+    if token is not None and token.startswith("replace-with-"):
+        raise ValueError(
+            f"{ENGINE_TOKEN_ENV} is the example's placeholder: set a secret of your own"
+        )
+    if token or not endpoint.startswith("tcp://"):
+        return
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    if host not in _LOOPBACK_HOSTS:
+        raise ValueError(
+            f"{endpoint} is reachable from other hosts: set {ENGINE_TOKEN_ENV} (the same secret "
+            f"in the engine's and the web tier's environments), or bind to 127.0.0.1 or ipc://"
+        )

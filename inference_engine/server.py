@@ -56,6 +56,8 @@ from inference_engine.protocol import (
     RequestType,
     ResponseType,
     StatsResponse,
+    link_check,
+    link_keys,
 )
 from inference_engine.queues import InputKind, InputQueue, QueuedAdd, QueuedInput, StepOutputs
 from inference_engine.tokenization import render_chat, tool_call_parser
@@ -81,9 +83,15 @@ class _Snapshot:
 
 
 class EngineServer:
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, server_config: ServerConfig, token: str | None = None
+    ) -> None:
+        """``token`` secures the link (``protocol.link_keys``): only clients holding it are
+        served; a network endpoint needs one (``protocol.link_check``)."""
+        link_check(server_config.endpoint, token)
         self.engine_config = engine_config
         self.config = server_config
+        self.token = token
         self.model_name = server_config.served_model_name or engine_config.model
         self.engine_id = uuid.uuid4().hex
         self.core: EngineCore | None = None
@@ -124,6 +132,7 @@ class EngineServer:
         # inputs taken between a step's layers that wait for its end (aborts, switches)
         self._deferred_inputs: list[QueuedInput] = []
         self.ctx = zmq.Context()
+        self._authenticator = None  # the ZAP handler of a secured link
         self._outputs_endpoint = f"inproc://engine-outputs-{id(self)}"
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -357,6 +366,18 @@ class EngineServer:
 
     # -- I/O thread --------------------------------------------------------------------------
 
+    def _secure(self, router: zmq.Socket, keys) -> None:
+        """Serve over CurveZMQ, to the client key of the link's token alone (a ZAP handler
+        on a thread of its own refuses any other at the handshake)."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._authenticator = ThreadAuthenticator(self.ctx, log=logger)
+        self._authenticator.start()
+        self._authenticator.configure_curve_callback("*", _OnlyKey(keys.client_public))
+        router.curve_server = True
+        router.curve_secretkey = keys.server_secret
+        router.curve_publickey = keys.server_public
+
     def _io_loop(self) -> None:
         try:
             router = self.ctx.socket(zmq.ROUTER)
@@ -365,6 +386,8 @@ class EngineServer:
             router.setsockopt(zmq.LINGER, 2000)
             # a client that reconnects under its routing id gets its streams back
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if self.token:
+                self._secure(router, link_keys(self.token))
             router.bind(self.config.endpoint)
             pull = self.ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.RCVHWM, 0)
@@ -398,6 +421,8 @@ class EngineServer:
         finally:
             pull.close(linger=0)
             router.close()
+            if self._authenticator is not None:
+                self._authenticator.stop()
 
     def _handle_frames(self, router: zmq.Socket, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -634,3 +659,18 @@ def _mark_shutdown_aborts(outputs: list[EngineOutput], shutdown_aborted: set[str
             output.finish_reason = FinishReason.ERROR
             output.error_code = ErrorCode.ENGINE_ERROR
             output.error_message = "the engine shut down before the request finished"
+
+
+class _OnlyKey:
+    """A ZAP credentials provider that admits one CURVE client key."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        import hmac
+
+        is_known = hmac.compare_digest(client_key, self.client_public)
+        if not is_known:
+            logger.warning("refused a client without the engine's token (CURVE key unknown)")
+        return is_known

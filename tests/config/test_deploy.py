@@ -119,3 +119,17 @@ def test_under_compose_the_web_port_is_the_proxys_and_its_forwarded_client_is_tr
     trusted = [ipaddress.ip_network(n, strict=False) for n in env["FORWARDED_ALLOW_IPS"].split(",")]
     for bridge_gateway in ("172.17.0.1", "172.18.0.1", "127.0.0.1"):
         assert any(ipaddress.ip_address(bridge_gateway) in network for network in trusted)
+
+
+def test_every_engine_listening_beyond_loopback_and_its_clients_share_a_token():
+    """The engine bound tcp://0.0.0.0:5555 in plain: anybody reaching the port generated
+    unmetered or unloaded the model. Each deployment's engine now reads ENGINE_TOKEN, from
+    the environment file its web tier and workers read too."""
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    platform = [name for name, s in services.items() if "llm-platform.env" in s.get("env_file", "")]
+    assert {"engine", "web", "worker", "batch-worker"} <= set(platform)
+    example = (DEPLOY / "llm-platform.env.example").read_text()
+    assert re.search(r"^ENGINE_TOKEN=replace-with-", example, re.M)  # refused until set
+    units = {path.name: path.read_text() for path in (DEPLOY / "systemd").glob("*.service")}
+    for name, text in units.items():
+        assert "EnvironmentFile=/etc/llm-platform/env" in text, name
