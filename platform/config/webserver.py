@@ -45,6 +45,7 @@ import logging
 import os
 import sys
 import uuid
+from http import HTTPStatus
 
 from daphne import http_protocol
 from daphne.cli import CommandLineInterface
@@ -55,6 +56,11 @@ from config import access_log
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+# Twisted's reason phrases lack 422, 429 and 431 ("429 Unknown Status" on every rate limit):
+# the standard library's fill the gaps, Twisted's own stay
+for _status in HTTPStatus:
+    http.RESPONSES.setdefault(_status.value, _status.phrase.encode())
 SERVICE_UNAVAILABLE = "The server could not check your API key; try again."
 UNAVAILABLE_RETRY_AFTER_SECONDS = 5  # as the API's own service_unavailable (serving.runs)
 

@@ -129,3 +129,14 @@ def test_the_web_server_builds_head_limited_channels():
     use_raw_body_requests()
     factory = http_protocol.HTTPFactory(server=None)
     assert isinstance(factory.buildProtocol(None)._channel, HeadLimitedChannel)
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [(429, b"Too Many Requests"), (422, b"Unprocessable Entity"), (413, b"Request Entity Too Large")],
+)
+def test_every_status_the_api_answers_has_its_reason_phrase(status, reason):
+    """Twisted knows no 429: every rate-limited answer went out as "429 Unknown Status"."""
+    request = _request(limit=1000)
+    request.setResponseCode(status)
+    assert request.code_message == reason
