@@ -75,6 +75,7 @@ def max_body_bytes() -> int:
         return int(os.environ.get("GATEWAY_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
 
 
+API_PREFIX = b"/v1/"
 FILES_UPLOAD_TARGET = b"/v1/files"
 MULTIPART_FRAMING_BYTES = 64 * 1024
 
@@ -102,7 +103,9 @@ class RawBodyRequest(http_protocol.WebRequest):
     would serve: the key is checked (on the API's database threads) as soon as the head is in,
     while the body starts to arrive. Past the API's limit the body waits (the socket is no
     longer read) until the check is done; a refused key's body is read to its end and thrown
-    away, and answered as the API answers that key."""
+    away, and answered as the API answers that key. So is any other API request's body past
+    the limit: a wrong key is the API's 401 whatever follows, as the API checks the key before
+    the body; a right one gets the 413."""
 
     def __init__(self, channel, *args, **kwargs) -> None:
         super().__init__(channel, *args, parsePOSTFormSubmission=False, **kwargs)
@@ -132,7 +135,7 @@ class RawBodyRequest(http_protocol.WebRequest):
                 return
             self._check_uploader()
         elif length is not None and length > self.body_limit:
-            self._refuse_body(413)
+            self._refuse_too_large()
             return
         super().gotLength(length)
 
@@ -142,7 +145,7 @@ class RawBodyRequest(http_protocol.WebRequest):
         self.num_body_bytes += len(data)
         if self.num_body_bytes > self.body_limit:
             if self.upload_check is None or self.upload_check.done():
-                self._refuse_body(413)
+                self._refuse_too_large()
                 return
             self._pause_reading()  # kept: at most what the channel had read already
         super().handleContentChunk(data)
@@ -173,6 +176,14 @@ class RawBodyRequest(http_protocol.WebRequest):
         )
         self.handle_reply({"type": "http.response.body", "body": body})
 
+    def _refuse_too_large(self) -> None:
+        """413 for a body past the limit; on the API, a key the API would refuse is answered
+        as the API answers it (its 401 or 403 comes before anything of the body, as there)."""
+        self._refuse_body(413)
+        target = getattr(self.channel, "_path", b"") if self.channel is not None else b""
+        if self.upload_check is None and target.startswith(API_PREFIX):
+            self._check_uploader()
+
     def _check_uploader(self) -> None:
         from gateway.auth import refusal_of_header  # the web tier's, once Django is set up
 
@@ -193,8 +204,9 @@ class RawBodyRequest(http_protocol.WebRequest):
             )
         elif (refusal := check.result()) is not None:
             body = refusal.body().error
+            self.refusal = None  # the key's refusal before a 413 for its body's size
             self._refuse(refusal.status, body.message, body.code, body.type)
-        else:
+        elif self.upload_limit:
             self.body_limit = self.upload_limit
             if self.num_body_bytes > self.body_limit:
                 self._refuse_body(413)

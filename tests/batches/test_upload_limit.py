@@ -215,13 +215,14 @@ def test_an_upload_within_the_api_limit_is_left_to_the_view(settings):
     ("method", "target"),
     [(b"POST", b"/v1/chat/completions"), (b"POST", b"/v1/files/file-1"), (b"PUT", b"/v1/files")],
 )
-def test_every_other_request_keeps_the_api_limit(settings, method, target):
+async def test_every_other_request_keeps_the_api_limit(settings, checked_keys, method, target):
     settings.FILES_MAX_BYTES = 5000
     request = _request(method, target, b"Bearer sk-good")
 
     request.gotLength(5000)
+    await _checked(request)  # its key is checked: a wrong one would be a 401
 
-    assert request.is_too_large and request.upload_check is None
+    assert request.is_too_large and request.upload_limit == 0
 
 
 async def test_a_file_larger_than_allowed_is_still_cut_off(settings, checked_keys):
@@ -275,3 +276,26 @@ async def test_the_check_answers_as_the_api_would(tenant, header, status, code):
         await sync_to_async(connections.close_all)()
 
     assert (refusal and (refusal.status, refusal.code)) == ((status, code) if status else None)
+
+
+@pytest.mark.parametrize("length", [5000, None])  # declared, or chunked past the limit
+async def test_a_wrong_key_is_a_401_whatever_the_body_on_any_api_path(checked_keys, length):
+    """The API checks the key before the body; the web server's 413 for a body past the
+    limit came first (a wrong key with a 9 MB chat request got 413, not 401). A right key
+    still gets its 413, and none of the body is stored."""
+    for key, status in ((b"Bearer sk-wrong", 401), (b"Bearer sk-good", 413)):
+        request = _request(b"POST", b"/v1/chat/completions", key)
+        request.gotLength(length)
+        request.handleContentChunk(b"x" * 5000)
+        await _checked(request)
+        request.handleContentChunk(b"x" * 5000)
+        request.requestReceived(b"POST", b"/v1/chat/completions", b"HTTP/1.1")
+
+        assert _answer(request)[0] == status and request.content.tell() == 0
+
+
+def test_a_body_past_the_limit_off_the_api_is_a_413_with_no_key_check(checked_keys):
+    request = _request(b"POST", b"/chat/new/")
+    request.gotLength(5000)
+    request.requestReceived(b"POST", b"/chat/new/", b"HTTP/1.1")
+    assert _answer(request)[0] == 413 and checked_keys.seen == []

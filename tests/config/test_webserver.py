@@ -133,7 +133,11 @@ def test_the_web_server_builds_head_limited_channels():
 
 @pytest.mark.parametrize(
     ("status", "reason"),
-    [(429, b"Too Many Requests"), (422, b"Unprocessable Entity"), (413, b"Request Entity Too Large")],
+    [
+        (429, b"Too Many Requests"),
+        (422, b"Unprocessable Entity"),
+        (413, b"Request Entity Too Large"),
+    ],
 )
 def test_every_status_the_api_answers_has_its_reason_phrase(status, reason):
     """Twisted knows no 429: every rate-limited answer went out as "429 Unknown Status"."""
