@@ -2,7 +2,6 @@
 roll-ups, the tenants, how fairly the tenants of each tier were served, where a tenant stands
 against its quotas, and the deployments with their replicas' state."""
 
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -15,8 +14,7 @@ from gateway.metrics import supervisor_status
 from serving.models import ModelDeployment
 from tenants.models import Tenant, UsageRollup
 from tenants.quotas import quota_usage
-from tenants.rollups import histogram_merge, histogram_percentile
-from tenants.selectors import tenant_limits, tenant_priority, tenant_share
+from tenants.selectors import tenant_limits
 
 MAX_SERIES = 5
 
@@ -131,64 +129,6 @@ def deployments_changing(*, deployments: Iterable[ModelDeployment]) -> bool:
         for deployment in deployments
         for state in (deployment.replicas or {}).values()
     )
-
-
-# Served tokens as the engine's fair scheduler counts them (a virtual token counter: an
-# output token costs twice a prompt token, after Sheng et al., OSDI 2024).
-PROMPT_TOKEN_COST = 1
-OUTPUT_TOKEN_COST = 2
-
-
-@dataclass(frozen=True)
-class FairnessRow:
-    """One tenant's service over a range, against what its plan entitles it to among the
-    tenants of its tier that were served in the range (fair sharing is within a tier)."""
-
-    tenant: Tenant
-    tier: str
-    weight: float
-    served: int  # prompt tokens + 2 × completion tokens
-    served_percent: float  # of its tier's served tokens
-    entitled_percent: float  # its weight over its tier's served tenants' weights
-    ttft_p50: float | None
-
-
-def fairness_rows(*, date_range: DateRange) -> list[FairnessRow]:
-    """Each tenant served in the range, by tier (highest priority first), then by service."""
-    rows = daily_rollups(date_range=date_range).select_related("tenant__plan")
-    served: dict[int, int] = defaultdict(int)
-    ttft: dict[int, list] = defaultdict(list)
-    tenants: dict[int, Tenant] = {}
-    for row in rows:
-        tenants[row.tenant_id] = row.tenant
-        served[row.tenant_id] += (
-            PROMPT_TOKEN_COST * row.prompt_tokens + OUTPUT_TOKEN_COST * row.completion_tokens
-        )
-        if row.ttft_histogram:
-            ttft[row.tenant_id].append(row.ttft_histogram)
-    by_tier: dict[int, list[int]] = defaultdict(list)
-    for tenant_id, tenant in tenants.items():
-        by_tier[tenant_priority(tenant=tenant)].append(tenant_id)
-    result = []
-    for priority in sorted(by_tier):
-        members = by_tier[priority]
-        tier_served = sum(served[t] for t in members) or 1
-        tier_weight = sum(tenant_share(tenant=tenants[t]) for t in members)
-        for tenant_id in sorted(members, key=lambda t: -served[t]):
-            tenant = tenants[tenant_id]
-            weight = tenant_share(tenant=tenant)
-            result.append(
-                FairnessRow(
-                    tenant=tenant,
-                    tier=tenant.plan.get_service_tier_display(),
-                    weight=weight,
-                    served=served[tenant_id],
-                    served_percent=100 * served[tenant_id] / tier_served,
-                    entitled_percent=100 * weight / tier_weight,
-                    ttft_p50=histogram_percentile(histogram_merge(ttft[tenant_id]), 0.5),
-                )
-            )
-    return result
 
 
 def deployment_exists(*, name: str) -> bool:

@@ -26,6 +26,7 @@ from tenants.rollups import (
     histogram_percentile,
     time_per_output_token_ms,
 )
+from tenants.selectors import tenant_priority, tenant_share
 
 GRANULARITIES = ("hour", "day")
 MAX_HOURLY_DAYS = 7  # 168 bars
@@ -457,3 +458,68 @@ def _top_series(
     if rest:
         top[names[_REST]] = [sum(values) for values in zip(*rest, strict=True)]
     return top
+
+
+# Served tokens as the engine's fair scheduler counts them (a virtual token counter: an
+# output token costs twice a prompt token, after Sheng et al., OSDI 2024).
+PROMPT_TOKEN_COST = 1
+OUTPUT_TOKEN_COST = 2
+
+
+@dataclass(frozen=True)
+class FairnessRow:
+    """One tenant's service over a range, against what its plan entitles it to among the
+    tenants of its tier that were served in the range (fair sharing is within a tier)."""
+
+    tenant: Tenant
+    tier: str
+    weight: float
+    served: int  # prompt tokens + 2 × completion tokens
+    served_percent: float  # of its tier's served tokens
+    entitled_percent: float  # its weight over its tier's served tenants' weights
+    ttft_p50: float | None
+
+
+def fairness_rows(*, date_range: DateRange) -> list[FairnessRow]:
+    """Each tenant served in the range, by tier (highest priority first), then by service:
+    the roll-ups up to the handover, the records after it, as the rest of the page."""
+    start, end = date_range.bounds
+    handover = handover_of(start, end, None)
+    by_tenant: dict[int, Totals] = defaultdict(Totals)
+    for row in rollups_before(_all_tenants, "day", start, handover):
+        by_tenant[row.tenant_id].add_rollup(row)
+    for record in raw_records(_all_tenants, handover, end, None):
+        by_tenant[record["tenant_id"]].add_record(record)
+    tenants = Tenant.objects.select_related("plan").in_bulk(list(by_tenant))
+    served = {
+        tenant_id: PROMPT_TOKEN_COST * totals.prompt_tokens
+        + OUTPUT_TOKEN_COST * totals.completion_tokens
+        for tenant_id, totals in by_tenant.items()
+    }
+    by_tier: dict[int, list[int]] = defaultdict(list)
+    for tenant_id, tenant in tenants.items():
+        by_tier[tenant_priority(tenant=tenant)].append(tenant_id)
+    result = []
+    for priority in sorted(by_tier):
+        members = by_tier[priority]
+        tier_served = sum(served[t] for t in members) or 1
+        tier_weight = sum(tenant_share(tenant=tenants[t]) for t in members)
+        for tenant_id in sorted(members, key=lambda t: -served[t]):
+            tenant = tenants[tenant_id]
+            weight = tenant_share(tenant=tenant)
+            result.append(
+                FairnessRow(
+                    tenant=tenant,
+                    tier=tenant.plan.get_service_tier_display(),
+                    weight=weight,
+                    served=served[tenant_id],
+                    served_percent=100 * served[tenant_id] / tier_served,
+                    entitled_percent=100 * weight / tier_weight,
+                    ttft_p50=by_tenant[tenant_id].percentile("ttft", 0.5),
+                )
+            )
+    return result
+
+
+def _all_tenants(queryset):
+    return queryset

@@ -328,7 +328,7 @@ def platform(request: HttpRequest) -> HttpResponse:
             tenant_rows=tenant_rows,
             model_load=by_model.rows,
             batch_usage=batches_selectors.batch_usage(date_range=date_range),
-            fairness=selectors.fairness_rows(date_range=date_range),
+            fairness=usage.fairness_rows(date_range=date_range),
             deployments=deployments,
             processes=processes,
             refresh_seconds=REFRESH_SECONDS if is_changing else None,

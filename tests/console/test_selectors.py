@@ -82,9 +82,13 @@ def test_no_deployments_or_no_replica_state_is_not_changing():
 
 
 @pytest.mark.django_db
-def test_fairness_compares_each_tenants_service_with_its_weight_within_its_tier():
+@pytest.mark.parametrize("is_rolled_up", [True, False])
+def test_fairness_compares_each_tenants_service_with_its_weight_within_its_tier(is_rolled_up):
+    """Not yet rolled up, the usage is read from its records, as on the rest of the page (the
+    panel read the roll-ups alone: "no usage" beside a page of it)."""
     from datetime import UTC, datetime
 
+    from console.usage import fairness_rows
     from tenants import rollups, services
     from tenants.models import Plan, UsageRecord
     from tests.usage_records import usage_record_add
@@ -106,9 +110,10 @@ def test_fairness_compares_each_tenants_service_with_its_weight_within_its_tier(
             prompt_tokens=prompt, completion_tokens=completion, time_to_first_token_ms=40.0,
         )  # fmt: skip
     services.tenant_create(slug="idle", plan=double)  # served nothing: not in the table
-    rollups.rollup_pending()
+    if is_rolled_up:
+        rollups.rollup_pending()
 
-    rows = selectors.fairness_rows(date_range=selectors.DateRange(now.date(), now.date()))
+    rows = fairness_rows(date_range=selectors.DateRange(now.date(), now.date()))
 
     assert [(r.tenant.slug, r.tier, r.weight, r.served) for r in rows] == [
         ("heavy", "Standard", 2.0, 600),  # prompt + 2 × completion
