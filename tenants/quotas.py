@@ -86,6 +86,22 @@ class Window:
     reset_seconds: float
 
 
+def format_wait(seconds: float) -> str:
+    """A wait as OpenAI writes one (850ms, 12s, 1m30s), and past an hour 1h1m, past a day
+    4d12h (a monthly refusal's)."""
+    if seconds < 1:
+        return f"{max(0, int(seconds * 1000))}ms"
+    seconds = math.ceil(seconds)
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours}h"
+    if hours:
+        return f"{hours}h{minutes}m"
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
 class QuotaExceeded(Exception):
     """A refusal: which limit, whose, and when to retry. Maps to HTTP 429, except a request
     that no wait would admit (``is_hopeless``: larger than a limit by itself), a 400."""
@@ -117,7 +133,8 @@ class QuotaExceeded(Exception):
         }[self.kind]
         if self.is_hopeless:
             return f"Rate limit reached for {owner} on {what}."
-        return f"Rate limit reached for {owner} on {what}. Please try again in {self.retry_after}s."
+        wait = format_wait(self.retry_after)
+        return f"Rate limit reached for {owner} on {what}. Please try again in {wait}."
 
     @property
     def is_hopeless(self) -> bool:

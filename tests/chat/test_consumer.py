@@ -349,7 +349,7 @@ async def test_a_quota_refusal_says_why_and_when_to_retry(chat_world, async_db):
     assert error["code"] == "rate_limited"
     assert error["retry_after"] >= 1
     assert "requests per minute" in error["message"]
-    assert f"try again in {error['retry_after']}s" in error["message"]
+    assert f"try again in {quotas.format_wait(error['retry_after'])}." in error["message"]
     assert error["message_id"] == frames[2]["message_id"]
     _, reply = await _messages(conversation)
     assert (reply.status, reply.error_code) == ("error", "rate_limited")

@@ -6,7 +6,7 @@ import pytest
 from django.core.cache import cache
 from django.utils import timezone
 
-from gateway.ratelimits import format_reset, ratelimit_headers
+from gateway.ratelimits import ratelimit_headers
 from tenants import quotas, services
 from tenants.models import UsageRecord
 from tests.tenants.racers import race_processes
@@ -407,7 +407,7 @@ def test_a_client_that_waits_retry_after_is_admitted_and_not_much_sooner(
     clock.now = MINUTE_START + second - 0.5
     refused = _admitted_until_refused(tenant)
     retry_after = refused.retry_after
-    assert headers_of(refused)["x-ratelimit-reset-requests"] == format_reset(retry_after)
+    assert headers_of(refused)["x-ratelimit-reset-requests"] == quotas.format_wait(retry_after)
 
     clock.now += retry_after - 1.5
     with pytest.raises(quotas.QuotaExceeded):
@@ -587,3 +587,26 @@ def test_a_request_refused_in_a_race_for_what_is_left_waits_for_what_it_needs(cl
 
     # 885 + 115 held + its 50: 50 over, gone in 50 / 15 s (its 115: 115 over, 7.7 s)
     assert refused.value.retry_after == 4
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.85, "850ms"),
+        (12, "12s"),
+        (59.2, "1m0s"),
+        (90, "1m30s"),
+        (3700, "1h1m"),
+        (388_895, "4d12h"),
+    ],
+)
+def test_waits_are_written_as_openai_writes_them_up_to_days(seconds, text):
+    """A monthly refusal said "Please try again in 388895s" (four and a half days)."""
+    assert quotas.format_wait(seconds) == text
+
+
+def test_a_monthly_refusal_says_its_wait_in_days():
+    refused = quotas.QuotaExceeded(
+        kind="monthly_tokens", scope="tenant", limit=300, retry_after=388_895, windows={}
+    )
+    assert refused.args[0].endswith("Please try again in 4d12h.")

@@ -54,12 +54,21 @@
 
   // --- banner (errors, quota refusals) --------------------------------------------------------
 
-  // A refusal's text ends "Please try again in 12s."; the banner counts down instead, and
-  // nothing else shows a second, frozen countdown.
-  const COUNTDOWN = /\s*Please try again in \d+s\.?$/;
+  // A refusal's text ends "Please try again in 12s." (or 1m30s, 4d12h); the banner counts
+  // down instead, and nothing else shows a second, frozen countdown.
+  const COUNTDOWN = /\s*Please try again in (?:\d+(?:ms|[dhms]))+\.?$/;
 
   function withoutCountdown(message) {
     return (message || "").replace(COUNTDOWN, "");
+  }
+
+  // A wait as the server writes it (tenants.quotas.format_wait): 12s, 1m30s, 1h1m, 4d12h.
+  function formatWait(seconds) {
+    const minutes = Math.floor(seconds / 60), hours = Math.floor(minutes / 60);
+    const days = Math.floor(hours / 24);
+    if (days) return days + "d" + (hours % 24) + "h";
+    if (hours) return hours + "h" + (minutes % 60) + "m";
+    return minutes ? minutes + "m" + (seconds % 60) + "s" : seconds + "s";
   }
 
   function showBanner(message, retryAfter, onRetry) {
@@ -75,7 +84,7 @@
       let left = retryAfter;
       const tick = function () {
         if (left > 0) {
-          text.textContent = withoutCountdown(message) + " You can retry in " + left + "s.";
+          text.textContent = withoutCountdown(message) + " You can retry in " + formatWait(left) + ".";
           left -= 1;
           return;
         }
