@@ -41,6 +41,13 @@ def exact_number(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
 
 
+def _tick_label(tick: float, unit: str, top: float) -> str:
+    """A tick's text: milliseconds in seconds on an axis that reaches a second."""
+    if unit == "ms" and top >= 1000:
+        return f"{short_number(tick / 1000)}s"
+    return f"{short_number(tick)}{unit}"
+
+
 def _frame(ticks: list[float], unit: str, label: str) -> list[str]:
     plot_h = HEIGHT - TOP - BOTTOM
     parts = [
@@ -52,7 +59,7 @@ def _frame(ticks: list[float], unit: str, label: str) -> list[str]:
         parts.append(
             f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
             f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" class="axis">'
-            f"{short_number(tick)}{escape(unit)}</text>"
+            f"{escape(_tick_label(tick, unit, ticks[-1]))}</text>"
         )
     return parts
 

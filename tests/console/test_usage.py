@@ -311,3 +311,13 @@ def test_a_key_named_other_is_not_lost_in_the_rest(tenant):
     assert tokens[f"other ({keys['other'].display_prefix})"] == 1000
     assert tokens["other (the rest)"] == 10 - len(names) + 1
     assert sum(sum(series) for series in report.tokens_by.values()) == sum(tokens.values())
+
+
+def test_a_latency_axis_past_a_second_is_in_seconds():
+    """Its ticks read "1kms", "1.5kms", "2kms"."""
+    svg = charts.lines(["a", "b"], {"p50": [400.0, 1500.0]}, "ms")
+    assert "kms" not in svg
+    assert all(f">{tick}<" in svg for tick in ("0s", "0.5s", "1s", "1.5s"))
+    short = charts.lines(["a"], {"p50": [400.0]}, "ms")
+    assert ">400ms<" in short and ">0ms<" in short
+
