@@ -35,3 +35,15 @@ class QuietAccessLog(AccessLogGenerator):
 def install() -> None:
     """Make Daphne's command line build ``QuietAccessLog`` for its access log."""
     cli.AccessLogGenerator = QuietAccessLog
+
+
+class ProbeAnswersFilter(logging.Filter):
+    """Drops Django's request error for a health probe's own answer: a 503 from
+    ``/health/ready`` says "not ready" (the engine loading, a database away), which the probe
+    reads, and the access log shows; it is not a server error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request = getattr(record, "request", None)
+        path = getattr(request, "path", "") if request is not None else ""
+        return not (path.startswith("/health/") and getattr(record, "status_code", 0) == 503)
+

@@ -332,6 +332,12 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "filters": {"probe_answers": {"()": "config.access_log.ProbeAnswersFilter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {
+        # the root's handler alone (with DEBUG on, Django's own printed each error twice)
+        "django": {"handlers": [], "level": "INFO"},
+        "django.request": {"handlers": [], "filters": ["probe_answers"]},
+    },
 }

@@ -80,3 +80,37 @@ def test_a_production_worker_run_as_root_is_still_warned(tmp_path):
     )
     assert "probed" in result.stdout, result.stderr
     assert "superuser" in result.stderr
+
+
+ERRORS_PROBE = """
+import logging, types
+import django
+django.setup()
+log = logging.getLogger("django.request")
+log.error("Internal Server Error: /chat/x", extra={"status_code": 500})
+probe = types.SimpleNamespace(path="/health/ready")
+log.error("Service Unavailable: /health/ready", extra={"status_code": 503, "request": probe})
+page = types.SimpleNamespace(path="/v1/models")
+log.error("Service Unavailable: /v1/models", extra={"status_code": 503, "request": page})
+"""
+
+
+def test_a_server_error_is_logged_once_and_a_probe_saying_not_ready_not_at_all(tmp_path):
+    """In the embedded mode (DEBUG) Django's own handler printed every request error a
+    second time, and each of the readiness probe's 503s while the engine loads was an ERROR
+    pair (some fifteen at every start)."""
+    result = subprocess.run(
+        [PYTHON, "-c", ERRORS_PROBE],
+        env=subprocess_env(
+            VAR_DIR=str(tmp_path / "var"), DATABASE_URL=None, REDIS_URL=None, SECRET_KEY=None
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert sum("Internal Server Error: /chat/x" in line for line in lines) == 1, lines
+    assert not any("/health/ready" in line for line in lines), lines
+    assert sum("Service Unavailable: /v1/models" in line for line in lines) == 1, lines
