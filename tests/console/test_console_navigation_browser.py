@@ -159,3 +159,28 @@ def test_the_console_fits_a_phone(world, tenant, browser):
         width = page.evaluate("document.documentElement.scrollWidth")
         page.screenshot(path=str(ARTIFACTS / shot), full_page=True)
         assert width <= 390, (path, width)
+
+
+def test_the_pickers_work_under_the_content_security_policy(world, tenant, browser):
+    """The pages' policy runs no inline handler: the tenant picker and a member's role picker
+    were ``onchange`` attributes, and would have done nothing."""
+    chromium_browser, base = browser
+    page = _signed_in(chromium_browser, base, 1280)
+    violations: list[str] = []
+    page.on(
+        "console",
+        lambda message: violations.append(message.text)
+        if "Content Security Policy" in message.text
+        else None,
+    )
+    page.reload()
+
+    page.select_option("#tenant-switcher", f"/console/t/{tenant.slug}/")
+    page.wait_for_url(f"**/console/t/{tenant.slug}/")
+    page.click("header nav >> text=Members")
+    page.wait_for_url(f"**/console/t/{tenant.slug}/members/")
+    page.select_option("tr:has-text('bob') select[name=role]", "admin")
+    page.wait_for_selector(".msg.success")
+    membership = _in_thread(lambda: Membership.objects.get(user=world["member"], tenant=tenant))
+    assert membership.role == "admin"
+    assert violations == []

@@ -23,6 +23,13 @@
   let retryTimer = null;
   let isSavingSettings = false;
 
+  // the organization picker sends its form when changed (no inline handler: the page's
+  // Content-Security-Policy runs none)
+  const tenantSelect = $("tenant-select");
+  if (tenantSelect) {
+    tenantSelect.addEventListener("change", function () { tenantSelect.form.requestSubmit(); });
+  }
+
   // --- small helpers -------------------------------------------------------------------------
 
   function post(url, data) {
