@@ -46,4 +46,3 @@ class ProbeAnswersFilter(logging.Filter):
         request = getattr(record, "request", None)
         path = getattr(request, "path", "") if request is not None else ""
         return not (path.startswith("/health/") and getattr(record, "status_code", 0) == 503)
-

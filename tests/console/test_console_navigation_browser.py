@@ -169,9 +169,9 @@ def test_the_pickers_work_under_the_content_security_policy(world, tenant, brows
     violations: list[str] = []
     page.on(
         "console",
-        lambda message: violations.append(message.text)
-        if "Content Security Policy" in message.text
-        else None,
+        lambda message: (
+            violations.append(message.text) if "Content Security Policy" in message.text else None
+        ),
     )
     page.reload()
 

@@ -320,4 +320,3 @@ def test_a_latency_axis_past_a_second_is_in_seconds():
     assert all(f">{tick}<" in svg for tick in ("0s", "0.5s", "1s", "1.5s"))
     short = charts.lines(["a"], {"p50": [400.0]}, "ms")
     assert ">400ms<" in short and ">0ms<" in short
-
