@@ -48,7 +48,9 @@ DATABASE_URL = os.environ.get("DATABASE_URL", "").strip()
 REDIS_URL = os.environ.get("REDIS_URL", "").strip()
 IS_EMBEDDED = not DATABASE_URL
 
-DEBUG = env_bool("DEBUG", default=IS_EMBEDDED)
+# where `make run` serves (runplatform passes its --host on): debug pages only on loopback
+SERVED_ON_LOOPBACK = os.environ.get("HOST", "127.0.0.1") in {"127.0.0.1", "localhost", "::1"}
+DEBUG = env_bool("DEBUG", default=IS_EMBEDDED and SERVED_ON_LOOPBACK)
 
 
 def _embedded_secret_key() -> str:
@@ -64,7 +66,7 @@ def _embedded_secret_key() -> str:
 
 SECRET_KEY = os.environ.get("SECRET_KEY", "").strip()
 if not SECRET_KEY:
-    if not DEBUG:
+    if not (DEBUG or IS_EMBEDDED):
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is off.")
     SECRET_KEY = _embedded_secret_key()
 if SECRET_KEY.startswith("replace-with-"):  # deploy/llm-platform.env.example's, published

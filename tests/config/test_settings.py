@@ -100,8 +100,8 @@ def test_secret_key_is_required_when_debug_is_off(tmp_path):
     env = {**PRODUCTION_ENV, "SECRET_KEY": None}
     with pytest.raises(AssertionError, match="SECRET_KEY must be set"):
         _settings(tmp_path, **env)
-    with pytest.raises(AssertionError, match="SECRET_KEY must be set"):
-        _settings(tmp_path, DEBUG="0")
+    # the embedded mode keeps its own generated key, debug pages or not
+    assert _settings(tmp_path, DEBUG="0")["secret_key"]
 
 
 def test_the_example_secret_key_is_refused(tmp_path):
@@ -126,6 +126,16 @@ def test_behind_tls_browsers_are_told_to_keep_to_https(tmp_path):
         == 600
     )
     assert _settings(tmp_path)["hsts_seconds"] == 0  # embedded: plain HTTP on localhost
+
+
+def test_the_embedded_mode_served_beyond_loopback_shows_no_debug_pages(tmp_path):
+    """``HOST=0.0.0.0 make run`` served Django's debug pages (tracebacks, the URL list) to
+    anybody on the network who sent ``Host: localhost``."""
+    exposed = _settings(tmp_path, HOST="0.0.0.0")
+    assert exposed["embedded"] and not exposed["debug"]
+    assert exposed["secret_key"] == _settings(tmp_path)["secret_key"]  # still its own
+    assert _settings(tmp_path, HOST="127.0.0.1")["debug"]
+    assert _settings(tmp_path, HOST="0.0.0.0", DEBUG="1")["debug"]  # asked for: as asked
 
 
 def test_malformed_boolean_is_refused(tmp_path):

@@ -36,6 +36,7 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         base_url = f"http://{options['host']}:{options['port']}"
         env = python_path_env(settings.BASE_DIR)
+        env["HOST"] = options["host"]  # the web processes show debug pages on loopback only
         processes = []
         self.stdout.write(f"Mode: {'embedded' if settings.IS_EMBEDDED else 'production'}")
         placement = Placement(None, None, 0)
