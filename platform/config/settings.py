@@ -76,7 +76,8 @@ if SECRET_KEY.startswith("replace-with-"):  # deploy/llm-platform.env.example's,
     )
 
 ALLOWED_HOSTS = env_list(
-    "ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"] if DEBUG else []
+    "ALLOWED_HOSTS",
+    ["localhost", "127.0.0.1", "[::1]", "testserver"] if DEBUG or IS_EMBEDDED else [],
 )
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 

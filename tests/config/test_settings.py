@@ -133,6 +133,7 @@ def test_the_embedded_mode_served_beyond_loopback_shows_no_debug_pages(tmp_path)
     anybody on the network who sent ``Host: localhost``."""
     exposed = _settings(tmp_path, HOST="0.0.0.0")
     assert exposed["embedded"] and not exposed["debug"]
+    assert "localhost" in exposed["allowed_hosts"]  # this machine's browser still gets in
     assert exposed["secret_key"] == _settings(tmp_path)["secret_key"]  # still its own
     assert _settings(tmp_path, HOST="127.0.0.1")["debug"]
     assert _settings(tmp_path, HOST="0.0.0.0", DEBUG="1")["debug"]  # asked for: as asked
