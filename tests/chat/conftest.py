@@ -21,6 +21,7 @@ from tests.gateway.conftest import (  # noqa: F401  (fixtures)
 )
 
 ORIGIN = (b"origin", b"http://testserver")
+HOST = (b"host", b"testserver")
 FRAME_TIMEOUT = 60  # seconds; the machine may be busy, a tiny model is still quick
 
 
@@ -41,13 +42,9 @@ def ready_engine(engine):  # noqa: F811
 def asgi_application():
     """The WebSocket stack of config.asgi, built now: AllowedHostsOriginValidator reads
     ALLOWED_HOSTS when it is built, and the test environment adds "testserver" to it."""
-    from channels.auth import AuthMiddlewareStack
-    from channels.routing import URLRouter
-    from channels.security.websocket import AllowedHostsOriginValidator
+    from config.origins import websocket_application
 
-    from config.routing import websocket_urlpatterns
-
-    return AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
+    return websocket_application()
 
 
 def session_cookie(user) -> bytes:
@@ -91,7 +88,7 @@ async def open_chat(user, conversation_id: int, cookie: bytes | None = None):
     """(open, close code, Chat) for ``user`` (None: anonymous) on the conversation. The
     server refuses a socket by accepting it and closing it at once, so that a browser sees the
     code: that counts as not open, with the close's code."""
-    headers = [ORIGIN]
+    headers = [ORIGIN, HOST]
     if user is not None:
         headers.append((b"cookie", cookie or await sync_to_async(session_cookie)(user)))
     communicator = WebsocketCommunicator(
