@@ -213,8 +213,10 @@ def _undo(step: Callable[..., None], *args: object) -> None:
 class _Admission:
     """One attempt to admit; remembers what it added so a failed attempt can undo it."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, month_of: float | None = None) -> None:
         self.now = now
+        # the month charged: the request's start's, which its record is filed by
+        self.month_start = _month_start(now if month_of is None else min(month_of, now))
         self.window = int(now // WINDOW_SECONDS)
         self.elapsed = now - self.window * WINDOW_SECONDS
         self.previous_weight = 1 - self.elapsed / WINDOW_SECONDS
@@ -317,7 +319,7 @@ class _Admission:
         needed = amount if likely is None else likely
         if needed > budget:
             raise self._refuse("budget_too_small", scope, budget, _seconds_to_next_month(self.now))
-        month_start = _month_start(self.now)
+        month_start = self.month_start
         key = month_counter_name(scope.name, scope.ident, month_start)
         used_before = counter_value(name=key)
         if used_before is None:
@@ -411,6 +413,7 @@ def admission_acquire(
     likely_tokens: int | None = None,
     num_sequences: int = 1,
     counts_per_minute: bool = True,
+    month_of: float | None = None,
 ) -> AdmissionTicket:
     """Admit one request that may use up to ``estimated_tokens`` (prompt plus max tokens),
     or raise ``QuotaExceeded`` having changed nothing. Any other error also propagates having
@@ -422,10 +425,12 @@ def admission_acquire(
     out to ``num_sequences`` engine sequences (prompts × n) counts that many against the
     concurrency limits. A request that does not ``counts_per_minute`` (a batch line: OpenAI keeps
     batches in a pool of their own) skips the per-minute limits; the monthly budget and the
-    concurrency limits hold for it all the same."""
+    concurrency limits hold for it all the same. ``month_of`` (a timestamp: when the request
+    started, which its usage record is filed by) names the month it is charged to; now if
+    omitted."""
     if estimated_tokens < 0 or num_sequences < 1:
         raise ValueError("estimated_tokens must be >= 0 and num_sequences >= 1")
-    attempt = _Admission(_now())
+    attempt = _Admission(_now(), month_of=month_of)
     ticket = AdmissionTicket(
         tenant_id=tenant.pk,
         api_key_id=api_key.pk if api_key else None,

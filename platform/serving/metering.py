@@ -101,6 +101,7 @@ async def metered(
             likely_tokens,
             num_sequences,
             counts_per_minute,
+            started_at,
         )
     )
     try:
@@ -194,6 +195,7 @@ def _admit(
     likely_tokens: int | None,
     num_sequences: int,
     counts_per_minute: bool,
+    started_at: float,
 ) -> quotas.AdmissionTicket:
     if precondition is not None:
         precondition()
@@ -204,6 +206,7 @@ def _admit(
         likely_tokens=likely_tokens,
         num_sequences=num_sequences,
         counts_per_minute=counts_per_minute,
+        month_of=started_at,  # the record is filed by when the request started
     )
 
 

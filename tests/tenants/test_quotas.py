@@ -610,3 +610,23 @@ def test_a_monthly_refusal_says_its_wait_in_days():
         kind="monthly_tokens", scope="tenant", limit=300, retry_after=388_895, windows={}
     )
     assert refused.args[0].endswith("Please try again in 4d12h.")
+
+
+def test_a_request_started_as_a_month_ends_is_charged_to_that_month(clock):
+    """Started on a month's last second and admitted on the next one, a request was charged
+    to the new month's counter while its record (by when it started) is the old month's: the
+    new month's budget paid for it, and a rebuild of either counter disagreed with it."""
+    from datetime import UTC, datetime
+
+    december = datetime(2030, 12, 1, tzinfo=UTC)
+    november = datetime(2030, 11, 1, tzinfo=UTC)
+    clock.now = december.timestamp() + 0.5
+    tenant = _tenant(monthly_token_budget=1000)
+
+    ticket = quotas.admission_acquire(
+        tenant=tenant, estimated_tokens=100, month_of=december.timestamp() - 0.5
+    )
+    quotas.admission_release(ticket=ticket, actual_tokens=30)
+
+    assert cache.get(quotas.month_counter_name("tenant", tenant.pk, november)) == 30
+    assert not cache.get(quotas.month_counter_name("tenant", tenant.pk, december))
