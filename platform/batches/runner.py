@@ -46,7 +46,7 @@ from gateway.handling import new_response_id
 from gateway.responses import Responder
 from gateway.validation import GenerationPlan, plan_chat, plan_completion
 from serving.pool import get_pool
-from serving.runs import Caller, Run, RunError
+from serving.runs import Caller, Run, RunError, count_refusal
 from serving.selectors import deployment_for_tenant
 from tenants.models import ApiKey, Plan, Tenant, UsageRecord
 from tenants.selectors import SERVICE_TIER_PRIORITY
@@ -191,6 +191,7 @@ class BatchRun:
                 break
             except RunError as exc:
                 if not self._may_retry(exc, is_owed):
+                    await self._count_refusal(request, exc)
                     response = _response(from_run_error(exc), request.request_id)
                     break
                 await asyncio.sleep(exc.retry_after)
@@ -241,6 +242,15 @@ class BatchRun:
         if caller is None:
             raise model_not_found(model)
         return caller
+
+    async def _count_refusal(self, request: BatchRequest, exc: RunError) -> None:
+        """Count a refusal that ends the line (its callers count none of the tries: a line
+        waiting out a busy engine is refused at every one)."""
+        if exc.request_id is not None:  # admitted, then failed: its usage record says so
+            return
+        caller = self._callers.get(self.plan_of(request.body_bytes()).model)
+        if caller is not None:
+            await count_refusal(caller, exc.code)
 
     def _may_retry(self, exc: RunError, is_owed: bool) -> bool:
         """Whether a refusal that may pass is tried again: within the batch's window, while
@@ -293,6 +303,7 @@ def _caller_of(tenant: Tenant, api_key: ApiKey, model: str) -> Caller | None:
         # the batch tier, or the tenant's own where that is lower still
         priority_floor=SERVICE_TIER_PRIORITY[Plan.ServiceTier.BATCH],
         counts_per_minute=False,
+        counts_refusals=False,  # the runner counts the refusal that ends a line, not its tries
     )
 
 

@@ -120,6 +120,9 @@ class Caller:
     tenant_weight: float = 1.0  # the tenant's share under fair scheduling
     # False for a batch line: the monthly budget and concurrency hold, per-minute limits not
     counts_per_minute: bool = True
+    # False where the caller counts its own refusals (a batch line, tried again after most:
+    # only the refusal that ends it is one, ``count_refusal``)
+    counts_refusals: bool = True
     # runs on the worker thread just before admission; what it raises propagates unadmitted
     precondition: Callable[[], None] | None = None
 
@@ -231,8 +234,8 @@ class Run:
             await self.aclose(exc)
             if isinstance(exc, RunError) and self.meter is not None:
                 self._admitted(exc)
-            elif isinstance(exc, RunError):  # refused before admission: no usage record
-                await _count_refusal(self.caller, exc.code)
+            elif isinstance(exc, RunError) and self.caller.counts_refusals:
+                await count_refusal(self.caller, exc.code)  # refused unadmitted: no record
             raise
 
     async def _route(self) -> tuple[str, int]:
@@ -495,7 +498,7 @@ class Run:
 
 
 @database_worker
-def _count_refusal(caller: Caller, code: str) -> None:
+def count_refusal(caller: Caller, code: str) -> None:
     """Count the refusal for the dashboards; a failure to count refuses nothing else."""
     try:
         refusal_record(

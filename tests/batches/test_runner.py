@@ -335,3 +335,34 @@ def test_another_runner_leaves_a_held_batch_alone(platform, shared_files):
     assert run_batch(created.id) == "held"
     assert sweep_batches() == []
     assert Batch.objects.get(pk=created.id).status == Batch.Status.VALIDATING
+
+
+def test_a_lines_refusals_tried_again_are_not_counted_only_its_last(
+    platform, shared_files, monkeypatch, settings
+):
+    """A line waiting out "no ready replica" was counted as a refusal at every try (every
+    5 s, for hours), and the tenant's batch refusal rate read as if nearly all failed. A
+    refusal tried again is no refusal; one that ends the line is, once."""
+    from tenants.models import RefusalCount
+
+    settings.BATCH_MAX_IN_FLIGHT = 1
+    monkeypatch.setattr(runs, "NO_REPLICA_RETRY_AFTER_SECONDS", 0)
+    route, refused = runs.Run._route, []
+
+    async def no_replica_three_times(self):
+        if len(refused) < 3:
+            refused.append(self.spec.request_id)
+            raise runs.RunError("engine_unavailable", "no ready replica", retry_after=0)
+        return await route(self)
+
+    monkeypatch.setattr(runs.Run, "_route", no_replica_three_times)
+    client = platform.client()
+    too_long = request_line("long")
+    too_long["body"]["max_tokens"] = 10**6  # past the context: refused for good, a 400
+    created = _create(client, [request_line("a"), too_long])
+
+    assert run_batch(created.id) == "completed"
+
+    assert len(refused) == 3
+    counts = RefusalCount.objects.filter(tenant=platform.tenant, source="batch")
+    assert sorted((row.code, row.count) for row in counts) == [("context_length_exceeded", 1)]
