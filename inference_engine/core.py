@@ -158,9 +158,12 @@ class EngineCore:
             )
         return None
 
-    def check_structured_outputs(self, params: SamplingParams) -> Refusal | None:
-        """Whether ``params``' constraint compiles (and compile it into the cache, so the
-        busy loop finds it there): the server calls this on its I/O thread."""
+    def check_structured_outputs(
+        self, params: SamplingParams, cache_salt: str | None = None
+    ) -> Refusal | None:
+        """Whether ``params``' constraint compiles (and compile it into the cache of the
+        requests sharing ``cache_salt``, so the busy loop finds it there): the server calls
+        this on its I/O thread."""
         if params.structured_outputs is None:
             return None
         if self.grammars is None:
@@ -168,7 +171,7 @@ class EngineCore:
                 ErrorCode.INVALID_REQUEST, "structured outputs need the model's tokenizer"
             )
         try:
-            self.grammars.compile(params.structured_outputs)
+            self.grammars.compile(params.structured_outputs, cache_salt)
         except InvalidGrammar as exc:
             return Refusal(ErrorCode.INVALID_REQUEST, str(exc), "structured_outputs")
         if params.structured_outputs.kind() in JSON_KINDS:
@@ -177,10 +180,10 @@ class EngineCore:
         return None
 
     def _attach_grammar(self, request: Request) -> Refusal | None:
-        error = self.check_structured_outputs(request.sampling_params)
+        error = self.check_structured_outputs(request.sampling_params, request.cache_salt)
         if error is None:
             spec = request.sampling_params.structured_outputs
-            request.grammar = self.grammars.matcher(spec)
+            request.grammar = self.grammars.matcher(spec, request.cache_salt)
             if spec.kind() in JSON_KINDS:
                 request.closing_tokens = self.grammars.closing_tokens()
             # the request ends where its language does

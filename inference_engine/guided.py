@@ -9,9 +9,12 @@ against llguidance's 160 ms for its 64 matchers; vLLM uses xgrammar by default t
 functions cost more than the fill (xgrammar's took 2.7 ms for 64 rows), so the mask is applied
 here with one vectorized ``masked_fill`` that works the same on a GPU.
 
-A compiled grammar depends only on the constraint and the tokenizer: xgrammar's compiler caches
-them by their text, so a schema sent a thousand times compiles once. Importing this module loads
-neither torch nor xgrammar (the core imports it before it builds its runner).
+A compiled grammar depends only on the constraint and the tokenizer, and is kept (least recently
+used first out, ``CACHE_LIMIT_BYTES`` in all), so a schema a tenant sends a thousand times
+compiles once. Once per tenant: the cache is keyed by the request's prefix cache salt too, as
+the KV cache's blocks are, since a compile takes tens of milliseconds and a tenant timing its
+first token could otherwise tell that another had sent the same schema. Importing this module
+loads neither torch nor xgrammar (the core imports it before it builds its runner).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from inference_engine.protocol import StructuredOutputsParams
 
@@ -28,7 +34,7 @@ if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
 
-# compiled grammars kept by the compiler's cache
+# compiled grammars kept, in all
 CACHE_LIMIT_BYTES = 256 << 20
 # xgrammar prefixes its messages with a time and a C++ source position
 _SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -58,6 +64,9 @@ class GrammarCompiler:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._closing_tokens: tuple[list[int], list[float]] | None = None
         self._lock = threading.Lock()
+        # (salt, constraint) -> its compiled grammar, least recently used first
+        self._compiled: OrderedDict[tuple[str, bytes], xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiled_bytes = 0
 
     def _library(self) -> xgrammar.GrammarCompiler:
         """The xgrammar compiler, built on first use: reading a large vocabulary takes a
@@ -71,14 +80,38 @@ class GrammarCompiler:
                     vocab_size=self.vocab_size,
                     stop_token_ids=sorted(self.stop_token_ids) or None,
                 )
-                self._compiler = xgrammar.GrammarCompiler(
-                    info, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES
-                )
+                # its own cache is shared by every caller: this class keeps one per salt
+                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
             return self._compiler
 
-    def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of ``spec``; ``InvalidGrammar`` naming the problem if it
-        cannot be compiled."""
+    def compile(
+        self, spec: StructuredOutputsParams, salt: str | None = None
+    ) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``spec`` for the callers sharing ``salt`` (a tenant's prefix
+        cache salt), from the cache where they compiled it before; ``InvalidGrammar`` naming
+        the problem if it cannot be compiled."""
+        key = (salt or "", msgspec.msgpack.encode(spec))
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        compiled = self._compile(spec)
+        with self._lock:
+            if key not in self._compiled:
+                self._compiled[key] = compiled
+                self._compiled_bytes += compiled.memory_size_bytes
+            while self._compiled_bytes > CACHE_LIMIT_BYTES and len(self._compiled) > 1:
+                _, oldest = self._compiled.popitem(last=False)
+                self._compiled_bytes -= oldest.memory_size_bytes
+        return compiled
+
+    def cache_bytes(self) -> int:
+        """What the compiled grammars kept take."""
+        with self._lock:
+            return self._compiled_bytes
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         compiler = self._library()
         kind = spec.kind()
         try:
@@ -120,11 +153,13 @@ class GrammarCompiler:
                 self._closing_tokens = ids, [weights[token_id] for token_id in ids]
             return self._closing_tokens
 
-    def matcher(self, spec: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
+    def matcher(
+        self, spec: StructuredOutputsParams, salt: str | None = None
+    ) -> xgrammar.GrammarMatcher:
         """A new matcher at the start of ``spec``'s language."""
         import xgrammar
 
-        return xgrammar.GrammarMatcher(self.compile(spec))
+        return xgrammar.GrammarMatcher(self.compile(spec, salt))
 
 
 def bounded_strings_as_patterns(schema_text: str) -> str:

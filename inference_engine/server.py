@@ -517,7 +517,9 @@ class EngineServer:
             self._reply_error(router, identity, request_id, *refused)
             return
         # a new grammar compiles here, not in the busy loop; one that cannot is refused
-        if core is not None and (refused := core.check_structured_outputs(request.params)):
+        if core is not None and (
+            refused := core.check_structured_outputs(request.params, request.cache_salt)
+        ):
             self._reply_error(router, identity, request_id, *refused)
             return
         self.processor.add_request(

@@ -231,16 +231,44 @@ def test_ignore_eos_cannot_be_combined_with_a_grammar():
         SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a+"))
 
 
-def test_a_grammar_compiles_once_per_distinct_constraint(llm):
+def test_a_grammar_compiles_once_per_distinct_constraint_and_cache_salt(llm, monkeypatch):
+    """Compiled once per tenant (its prefix cache salt), not once for all: a compile takes tens
+    of milliseconds, so a tenant timing its first token could tell whether another tenant
+    had sent the same schema (the prefix cache is salted for the same reason)."""
     grammars = llm.core.grammars
-    spec = StructuredOutputsParams(json=json.dumps(SCHEMAS[3]))
-    grammars.compile(spec)
-    cache = grammars._library().get_cache_size_bytes()
-    grammars.compile(StructuredOutputsParams(json=json.dumps(SCHEMAS[3])))
-    assert grammars._library().get_cache_size_bytes() == cache
+    compiled = []
+    library = grammars._library()
+    compile_json_schema = library.compile_json_schema
+
+    def counted(*args, **kwargs):
+        compiled.append(args[0])
+        return compile_json_schema(*args, **kwargs)
+
+    monkeypatch.setattr(library, "compile_json_schema", counted)
     unseen = {"type": "object", "properties": {"cache_probe": {"type": "integer"}}}
-    grammars.compile(StructuredOutputsParams(json=json.dumps(unseen)))
-    assert grammars._library().get_cache_size_bytes() > cache
+    spec = StructuredOutputsParams(json=json.dumps(unseen))
+
+    first = grammars.compile(spec, salt="tenant-a")
+    assert (
+        grammars.compile(StructuredOutputsParams(json=json.dumps(unseen)), salt="tenant-a") is first
+    )
+    assert len(compiled) == 1
+    grammars.compile(spec, salt="tenant-b")  # another tenant's: compiled for it
+    grammars.compile(spec)  # no salt (in-process LLM): one of its own
+    assert len(compiled) == 3
+    grammars.compile(spec, salt="tenant-b")
+    assert len(compiled) == 3
+
+
+def test_the_grammar_cache_keeps_within_its_bytes(llm, monkeypatch):
+    from inference_engine import guided
+
+    grammars = llm.core.grammars
+    size = grammars.compile(StructuredOutputsParams(regex="[a-z]{3}"), salt="s0")
+    monkeypatch.setattr(guided, "CACHE_LIMIT_BYTES", 3 * size.memory_size_bytes)
+    for n in range(8):
+        grammars.compile(StructuredOutputsParams(regex="[a-z]{3}"), salt=f"s{n}")
+    assert grammars.cache_bytes() <= guided.CACHE_LIMIT_BYTES
 
 
 class _NothingAllowed:
