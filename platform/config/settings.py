@@ -130,9 +130,9 @@ ASGI_APPLICATION = "config.asgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        # first, so that config's admin/base_site.html (links to the chat and the console)
-        # wins over the admin app's own
-        "DIRS": [BASE_DIR / "platform" / "config" / "templates"],
+        # the apps' templates: config's admin/base_site.html (links to the chat and the
+        # console) wins over the admin app's own, config being listed before it
+        "DIRS": [],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
