@@ -10,7 +10,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from chat import claims
-from chat.models import ChatPreference, Conversation, Message
+from chat.models import DEFAULT_TEMPERATURE, ChatPreference, Conversation, Message
 from chat.selectors import chat_models
 from config.json_text import NUL
 from tenants.models import Tenant
@@ -23,6 +23,12 @@ MAX_TOKENS_LIMIT = 32_768
 # empty conversations a user keeps in a tenant (new chats opened and not written in yet):
 # past this, a new chat reopens the newest of them (the hourly purge takes the rest)
 MAX_EMPTY_CONVERSATIONS = 10
+# what a new conversation starts with (a reopened empty one too)
+NEW_CONVERSATION_SETTINGS = {
+    "system_prompt": "",
+    "temperature": DEFAULT_TEMPERATURE,
+    "max_tokens": None,
+}
 TITLE_FROM_MESSAGE_CHARS = 60
 INTERRUPTED_MESSAGE = "The reply was interrupted: the server stopped while writing it."
 
@@ -75,9 +81,10 @@ def conversation_create(
         conversation = Conversation.objects.select_for_update().filter(pk__in=newest).first()
         if conversation is not None:
             now = timezone.now()
-            for name, value in {**fields, "created_at": now, "updated_at": now}.items():
+            fresh = {**NEW_CONVERSATION_SETTINGS, **fields, "created_at": now, "updated_at": now}
+            for name, value in fresh.items():
                 setattr(conversation, name, value)
-            conversation.save(update_fields=["model", "title", "created_at", "updated_at"])
+            conversation.save(update_fields=list(fresh))
             return conversation
     return Conversation.objects.create(tenant=tenant, user=user, **fields)
 

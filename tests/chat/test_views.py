@@ -152,10 +152,17 @@ def test_new_chats_never_written_in_are_few_whatever_is_posted(alice, acme):
         )
         assert response.status_code == 201
     assert Conversation.objects.filter(user=alice).count() == services.MAX_EMPTY_CONVERSATIONS
+    # each set up, and left empty
+    Conversation.objects.filter(user=alice).update(
+        system_prompt="Answer only in French.", temperature=1.9, max_tokens=5
+    )
+    response = client.post("/chat/new/", {"model": "small-chat"}, HTTP_ACCEPT="application/json")
     reused = Conversation.objects.get(pk=response.json()["id"])
     assert reused.model == "small-chat" and reused.created_at > timezone.now() - timedelta(
         minutes=1
     )
+    # a new chat: nothing of what the reopened one was set to
+    assert (reused.system_prompt, reused.temperature, reused.max_tokens) == ("", 0.7, None)
 
     written = Conversation.objects.get(pk=ids[0])
     services.message_send(conversation=written, content="hello")  # no longer empty: a new one
