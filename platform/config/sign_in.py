@@ -22,7 +22,7 @@ import math
 import time
 
 from django.conf import settings
-from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.admin.forms import AdminAuthenticationForm, AdminPasswordChangeForm
 from django.contrib.auth.forms import AuthenticationForm, PasswordChangeForm
 from django.contrib.auth.views import LoginView, PasswordChangeView
 from django.core.cache import cache
@@ -151,8 +151,11 @@ class SignInView(LoginView):
         return response
 
 
-class ThrottledPasswordChangeForm(PasswordChangeForm):
-    """Django's password change, its current password checked as a throttled sign-in."""
+class ThrottledPasswordCheck:
+    """A password change form's check of the current password, throttled as a sign-in (a
+    mix-in before Django's form)."""
+
+    user: object
 
     def __init__(self, user, *args, address: str | None = None, **kwargs) -> None:
         super().__init__(user, *args, **kwargs)
@@ -173,6 +176,14 @@ class ThrottledPasswordChangeForm(PasswordChangeForm):
         return old_password
 
 
+class ThrottledPasswordChangeForm(ThrottledPasswordCheck, PasswordChangeForm):
+    pass
+
+
+class ThrottledAdminPasswordChangeForm(ThrottledPasswordCheck, AdminPasswordChangeForm):
+    pass
+
+
 class AuditedPasswordChangeView(PasswordChangeView):
     """Django's password change page: throttled, and each change in the audit log."""
 
@@ -190,3 +201,19 @@ class AuditedPasswordChangeView(PasswordChangeView):
             changes={"password": [HIDDEN_VALUE, HIDDEN_VALUE]},
         )
         return response
+
+
+def admin_password_change(request: HttpRequest, extra_context: dict | None = None):
+    """The admin's own password page (``AdminSite.password_change``, in the admin's look),
+    throttled and audited as the platform's: a stolen staff session could try every current
+    password there instead."""
+    from django.contrib import admin
+    from django.urls import reverse
+
+    site = admin.site
+    request.current_app = site.name
+    return AuditedPasswordChangeView.as_view(
+        form_class=ThrottledAdminPasswordChangeForm,
+        success_url=reverse("admin:password_change_done", current_app=site.name),
+        extra_context={**site.each_context(request), **(extra_context or {})},
+    )(request)

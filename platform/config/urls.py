@@ -5,6 +5,7 @@ from django.urls import include, path
 from config import sign_in, views
 
 admin.site.login_form = sign_in.AdminSignInForm  # the admin's sign-in is throttled too
+admin.site.password_change = sign_in.admin_password_change  # and its password page
 
 urlpatterns = [
     path("", views.landing, name="landing"),

@@ -162,30 +162,40 @@ def test_the_password_reset_pages_are_not_served(client):
         assert client.post(path, {"email": "alice@example.com"}).status_code == 404
 
 
-def _change(client, old: str, new: str = "a new horse battery", address: str = "203.0.113.5"):
+def _change(
+    client,
+    old: str,
+    new: str = "a new horse battery",
+    address: str = "203.0.113.5",
+    page: str = "password_change",
+):
     return client.post(
-        reverse("password_change"),
+        reverse(page),
         {"old_password": old, "new_password1": new, "new_password2": new},
         REMOTE_ADDR=address,
     )
 
 
-def test_a_password_change_is_throttled_as_a_sign_in_and_audited(client, user):
+@pytest.mark.parametrize("page", ["password_change", "admin:password_change"])
+def test_a_password_change_is_throttled_as_a_sign_in_and_audited(client, user, page):
     """A stolen session could try every current password on the change page, unthrottled,
     and a change left no event in the audit log."""
     from tenants.audit import HIDDEN_VALUE
     from tenants.models import AuditEvent
 
+    user.is_staff = True  # the admin's page is staff's
+    user.save()
     client.force_login(user)
     for _ in range(5):
-        assert "old password was entered incorrectly" in _change(client, "wrong").content.decode()
-    refused = _change(client, PASSWORD)
+        wrong = _change(client, "wrong", page=page)
+        assert "old password was entered incorrectly" in wrong.content.decode()
+    refused = _change(client, PASSWORD, page=page)
     assert "Too many failed sign-ins" in refused.content.decode()
     user.refresh_from_db()
     assert user.check_password(PASSWORD)
 
     cache.clear()
-    assert _change(client, PASSWORD).status_code == 302
+    assert _change(client, PASSWORD, page=page).status_code == 302
     user.refresh_from_db()
     assert user.check_password("a new horse battery")
     [event] = AuditEvent.objects.filter(action=AuditEvent.Action.USER_UPDATED)
