@@ -64,6 +64,17 @@ SEND_HWM = 100_000
 # Waits are bounded with asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
 # cancel that lands as what it waits for finishes, and a stopped chat reply ran on.
 SEND_WAIT_SECONDS = 0.5
+# a failed handshake is logged at most this often (ZeroMQ retries it every few hundred ms)
+HANDSHAKE_FAILURE_LOG_SECONDS = 60.0
+HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+HANDSHAKE_FAILED = (
+    "the handshake failed: the engine's ENGINE_TOKEN and this process's differ, or one of "
+    "them has none"
+)
 
 
 class EngineUnavailable(ConnectionError):
@@ -111,6 +122,8 @@ class AsyncEngineClient:
         self._is_connected = False  # a connection to the engine is up (its handshake done)
         self._disconnected: asyncio.Event | None = None  # set when that connection drops
         self._engine_id: str | None = None
+        self._handshake_failure: str | None = None  # why the last handshake failed
+        self._handshake_logged_at = -math.inf
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
         self._deltas_decoder = msgspec.msgpack.Decoder(list[GenerateDelta])
@@ -175,7 +188,7 @@ class AsyncEngineClient:
                     f"the queue to the engine at {self.endpoint} stayed full for "
                     f"{self.send_wait}s ({self.send_hwm} messages)"
                 )
-        raise EngineUnavailable(f"no engine connected at {self.endpoint}")
+        raise self._not_connected()
 
     async def final_delta(self, request_id: str, timeout: float) -> GenerateDelta | None:
         """The last delta of a stream left before it finished (the engine's answer to its
@@ -231,7 +244,7 @@ class AsyncEngineClient:
         self._stats_waiters.append(waiter)
         try:
             if not await self._send_soon(RequestType.STATS, None, deadline):
-                raise EngineUnavailable(f"no engine connected at {self.endpoint}")
+                raise self._not_connected()
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 return await waiter
         except TimeoutError:
@@ -247,7 +260,8 @@ class AsyncEngineClient:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise EngineUnavailable(f"the engine at {self.endpoint} is not ready")
+                reason = f": {self._handshake_failure}" if self._handshake_failure else ""
+                raise EngineUnavailable(f"the engine at {self.endpoint} is not ready{reason}")
             with contextlib.suppress(EngineUnavailable):
                 stats = await self.stats(timeout=min(left, 1.0))
                 if stats.ready:
@@ -262,7 +276,7 @@ class AsyncEngineClient:
         self._control_waiters.append(waiter)
         try:
             if not await self._send_soon(RequestType.CONTROL, request):
-                raise EngineUnavailable(f"no engine connected at {self.endpoint}")
+                raise self._not_connected()
             async with asyncio.timeout(self.heartbeat_timeout):
                 return await waiter
         except TimeoutError:
@@ -320,7 +334,7 @@ class AsyncEngineClient:
             socket.curve_publickey = keys.client_public
             socket.curve_serverkey = keys.server_public
         self._monitor = socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS
         )
         socket.connect(self.endpoint)
         self._socket = socket
@@ -406,10 +420,27 @@ class AsyncEngineClient:
                 self._is_connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 if self._is_connected:
                     self._disconnected = asyncio.Event()
+                    self._handshake_failure = None
                 else:
                     self._disconnected.set()
+                if event["event"] & HANDSHAKE_FAILED_EVENTS:
+                    self._on_handshake_failed()
                 if event["event"] == zmq.EVENT_DISCONNECTED and self._streams:
                     self._fail_all(EngineUnavailable(f"the engine at {self.endpoint} went away"))
+
+    def _on_handshake_failed(self) -> None:
+        """An engine answered but the link's security did not match (a token on one side
+        only, or two tokens): say so, at most once a minute, rather than only "not
+        connected"."""
+        self._handshake_failure = HANDSHAKE_FAILED
+        now = time.monotonic()
+        if now - self._handshake_logged_at >= HANDSHAKE_FAILURE_LOG_SECONDS:
+            self._handshake_logged_at = now
+            logger.warning("engine at %s: %s", self.endpoint, HANDSHAKE_FAILED)
+
+    def _not_connected(self) -> EngineUnavailable:
+        reason = f": {self._handshake_failure}" if self._handshake_failure else ""
+        return EngineUnavailable(f"no engine connected at {self.endpoint}{reason}")
 
     async def _heartbeat_loop(self) -> None:
         while True:

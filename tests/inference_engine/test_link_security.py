@@ -6,6 +6,7 @@ unmetered as any tenant, or unloaded the model."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 
 import pytest
@@ -62,17 +63,21 @@ async def _tokens(client: AsyncEngineClient) -> list[int]:
     return [t for delta in [d async for d in client.generate(request)] for t in delta.token_ids]
 
 
-async def test_only_a_client_holding_the_token_is_served(secured):
+async def test_only_a_client_holding_the_token_is_served(secured, caplog):
     right = AsyncEngineClient(secured.endpoint, token=TOKEN)
     await right.wait_ready(timeout=90)
     assert len(await _tokens(right)) == 4
 
     for token in (None, "a-guess"):
         stranger = AsyncEngineClient(secured.endpoint, token=token)
-        with pytest.raises(EngineUnavailable):
-            await stranger.wait_ready(timeout=3)
-        with pytest.raises(EngineUnavailable):
-            await _tokens(stranger)
+        # and it says why, not only "not connected"
+        with caplog.at_level(logging.WARNING, logger="inference_engine.client"):
+            with pytest.raises(EngineUnavailable, match="ENGINE_TOKEN"):
+                await stranger.wait_ready(timeout=3)
+            with pytest.raises(EngineUnavailable, match="ENGINE_TOKEN"):
+                await _tokens(stranger)
+        assert any("ENGINE_TOKEN" in r.getMessage() for r in caplog.records), token
+        caplog.clear()
         stranger.close()
 
     # the one holding the token is still served
