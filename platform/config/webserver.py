@@ -131,7 +131,7 @@ class RawBodyRequest(http_protocol.WebRequest):
             self.upload_limit = upload_body_bytes()
             if length is not None and length > self.upload_limit:
                 self.body_limit = self.upload_limit
-                self._refuse_body(413)
+                self._refuse_too_large()  # a wrong key's 401 first, as on every API path
                 return
             self._check_uploader()
         elif length is not None and length > self.body_limit:

@@ -237,15 +237,6 @@ async def test_a_file_larger_than_allowed_is_still_cut_off(settings, checked_key
     assert request.is_too_large and request.content.tell() == 0
 
 
-def test_a_declared_file_larger_than_allowed_is_refused_before_any_check(settings):
-    settings.FILES_MAX_BYTES = 5000
-    request = _request(b"POST", b"/v1/files", b"Bearer sk-good")
-
-    request.gotLength(10**9)
-
-    assert request.is_too_large and request.upload_check is None
-
-
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     ("header", "status", "code"),
@@ -278,18 +269,28 @@ async def test_the_check_answers_as_the_api_would(tenant, header, status, code):
     assert (refusal and (refusal.status, refusal.code)) == ((status, code) if status else None)
 
 
-@pytest.mark.parametrize("length", [5000, None])  # declared, or chunked past the limit
-async def test_a_wrong_key_is_a_401_whatever_the_body_on_any_api_path(checked_keys, length):
+@pytest.mark.parametrize(
+    ("target", "length"),
+    [
+        (b"/v1/chat/completions", 5000),  # declared past the limit
+        (b"/v1/chat/completions", None),  # chunked past it
+        (b"/v1/files", 10**9),  # declared past even a file's limit
+    ],
+)
+async def test_a_wrong_key_is_a_401_whatever_the_body_on_any_api_path(
+    settings, checked_keys, target, length
+):
     """The API checks the key before the body; the web server's 413 for a body past the
     limit came first (a wrong key with a 9 MB chat request got 413, not 401). A right key
     still gets its 413, and none of the body is stored."""
+    settings.FILES_MAX_BYTES = 5000
     for key, status in ((b"Bearer sk-wrong", 401), (b"Bearer sk-good", 413)):
-        request = _request(b"POST", b"/v1/chat/completions", key)
+        request = _request(b"POST", target, key)
         request.gotLength(length)
         request.handleContentChunk(b"x" * 5000)
         await _checked(request)
         request.handleContentChunk(b"x" * 5000)
-        request.requestReceived(b"POST", b"/v1/chat/completions", b"HTTP/1.1")
+        request.requestReceived(b"POST", target, b"HTTP/1.1")
 
         assert _answer(request)[0] == status and request.content.tell() == 0
 
