@@ -625,9 +625,11 @@ def link_check(endpoint: str, token: str | None) -> None:
         raise ValueError(
             f"{ENGINE_TOKEN_ENV} is the example's placeholder: set a secret of your own"
         )
-    if token or not endpoint.startswith("tcp://"):
+    if token or endpoint.startswith(("ipc://", "inproc://")):
         return
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    # any other transport (tcp, ws, tipc, ...) reaches beyond this host unless bound to loopback
+    transport, _, address = endpoint.partition("://")
+    host = address.rsplit(":", 1)[0] if transport == "tcp" else None
     if host not in _LOOPBACK_HOSTS:
         raise ValueError(
             f"{endpoint} is reachable from other hosts: set {ENGINE_TOKEN_ENV} (the same secret "

@@ -171,6 +171,9 @@ def _stored_names(storage, folder: str):
         folders, names = storage.listdir(folder)
     except FileNotFoundError:  # nothing stored yet
         return
+    except OSError:  # a folder not the platform's (lost+found on a volume of its own)
+        logger.warning("cannot list %r in the files storage: left alone", folder, exc_info=True)
+        return
     for name in names:
         yield f"{folder}/{name}" if folder else name
     for sub in folders:

@@ -10,6 +10,7 @@ before CSP level 3 do not count ``ws:`` to the same host as ``'self'``. The API'
 
 from collections.abc import Callable
 
+from django.conf import settings
 from django.core.exceptions import DisallowedHost
 from django.http import HttpRequest, HttpResponse
 
@@ -35,6 +36,8 @@ class ContentSecurityPolicyMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
-        if "Content-Security-Policy" not in response:
+        # Django's debug page for a server error toggles its sections with inline scripts
+        is_debug_page = settings.DEBUG and response.status_code >= 500
+        if "Content-Security-Policy" not in response and not is_debug_page:
             response["Content-Security-Policy"] = content_security_policy(request)
         return response

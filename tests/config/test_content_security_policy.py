@@ -41,3 +41,21 @@ def test_no_template_holds_an_inline_script_or_handler():
         if re.search(r"\son[a-z]+\s*=", text) or re.search(r"<script(?![^>]*\bsrc=)", text):
             offenders.append(str(template.relative_to(ROOT)))
     assert offenders == []
+
+
+def test_djangos_debug_page_for_a_server_error_keeps_its_scripts(client, settings):
+    """Its sections open and close by inline scripts, which the policy would block."""
+    from django.http import HttpResponse, HttpResponseServerError
+
+    from config.security import ContentSecurityPolicyMiddleware
+
+    def answer(status: int):
+        response = HttpResponseServerError() if status == 500 else HttpResponse()
+        return ContentSecurityPolicyMiddleware(lambda request: response)
+
+    request = client.get("/").wsgi_request
+    settings.DEBUG = True
+    assert "Content-Security-Policy" not in answer(500)(request)
+    assert "Content-Security-Policy" in answer(200)(request)
+    settings.DEBUG = False
+    assert "Content-Security-Policy" in answer(500)(request)

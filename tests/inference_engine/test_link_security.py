@@ -131,6 +131,7 @@ def test_a_network_endpoint_without_a_token_is_refused_at_start(llama_dir):
         ("tcp://10.0.0.5:5555", "", True),
         ("tcp://engine:5555", None, True),
         ("tcp://0.0.0.0:5555", "replace-with-a-secret", True),  # the env example's
+        ("ws://127.0.0.1:5555", None, True),  # only ipc and loopback tcp go without
         ("tcp://0.0.0.0:5555", TOKEN, False),
         ("tcp://127.0.0.1:5555", None, False),
         ("tcp://[::1]:5555", None, False),
