@@ -328,6 +328,7 @@ class _Admission:
                     tenant=tenant,
                     api_key=api_key if scope.name == "key" else None,
                     since=month_start,
+                    until=_month_after(month_start),  # a month just ended: its records only
                 )
                 counter_seed(name=key, value=used_before, ttl=MONTH_TTL_SECONDS)
         if amount > needed:
@@ -399,10 +400,13 @@ def _month_start(now: float) -> datetime:
     )
 
 
+def _month_after(month_start: datetime) -> datetime:
+    year, month = divmod(month_start.year * 12 + month_start.month, 12)  # the next, 0-based
+    return datetime(year, month + 1, 1, tzinfo=UTC)
+
+
 def _seconds_to_next_month(now: float) -> int:
-    current = datetime.fromtimestamp(now, UTC)
-    year, month = divmod(current.year * 12 + current.month, 12)  # the next month, 0-based
-    return max(1, math.ceil(datetime(year, month + 1, 1, tzinfo=UTC).timestamp() - now))
+    return max(1, math.ceil(_month_after(_month_start(now)).timestamp() - now))
 
 
 def admission_acquire(

@@ -114,10 +114,18 @@ def plan_default() -> Plan | None:
     return Plan.objects.filter(slug=DEFAULT_PLAN_SLUG).first()
 
 
-def month_tokens_used(*, tenant: Tenant, since: datetime, api_key: ApiKey | None = None) -> int:
+def month_tokens_used(
+    *,
+    tenant: Tenant,
+    since: datetime,
+    api_key: ApiKey | None = None,
+    until: datetime | None = None,
+) -> int:
     """Prompt plus completion tokens recorded for the tenant (or one of its keys) since
-    ``since``."""
+    ``since`` (and before ``until``)."""
     records = UsageRecord.objects.filter(tenant=tenant, started_at__gte=since)
+    if until is not None:
+        records = records.filter(started_at__lt=until)
     if api_key is not None:
         records = records.filter(api_key=api_key)
     totals = records.aggregate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))

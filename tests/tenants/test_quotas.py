@@ -253,10 +253,10 @@ class Injected(Exception):
 def _fail_seeding_the_keys_month(monkeypatch):
     seed = quotas.month_tokens_used
 
-    def failing(*, tenant, api_key, since):
+    def failing(*, tenant, api_key, **bounds):
         if api_key is not None:
             raise Injected("the database went away")
-        return seed(tenant=tenant, api_key=api_key, since=since)
+        return seed(tenant=tenant, api_key=api_key, **bounds)
 
     monkeypatch.setattr(quotas, "month_tokens_used", failing)
 
@@ -622,11 +622,18 @@ def test_a_request_started_as_a_month_ends_is_charged_to_that_month(clock):
     november = datetime(2030, 11, 1, tzinfo=UTC)
     clock.now = december.timestamp() + 0.5
     tenant = _tenant(monthly_token_budget=1000)
+    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+    for started, tokens in ((november, 200), (december, 50)):  # November's counter: its own
+        usage_record_add(
+            request_id=f"r-{started.month}", tenant=tenant, api_key=api_key, model="m",
+            source=UsageRecord.Source.API, status="ok", started_at=started,
+            finished_at=started, prompt_tokens=tokens, completion_tokens=0,
+        )  # fmt: skip
 
     ticket = quotas.admission_acquire(
         tenant=tenant, estimated_tokens=100, month_of=december.timestamp() - 0.5
     )
     quotas.admission_release(ticket=ticket, actual_tokens=30)
 
-    assert cache.get(quotas.month_counter_name("tenant", tenant.pk, november)) == 30
+    assert cache.get(quotas.month_counter_name("tenant", tenant.pk, november)) == 200 + 30
     assert not cache.get(quotas.month_counter_name("tenant", tenant.pk, december))
