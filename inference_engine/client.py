@@ -43,6 +43,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from inference_engine.protocol import (
     ENGINE_TOKEN_ENV,
+    HANDSHAKE_FAILED,
+    HANDSHAKE_FAILURE_LOG_SECONDS,
     AbortRequest,
     ControlRequest,
     ControlResponse,
@@ -51,6 +53,7 @@ from inference_engine.protocol import (
     RequestType,
     ResponseType,
     StatsResponse,
+    handshake_failed_events,
     link_keys,
 )
 
@@ -64,17 +67,7 @@ SEND_HWM = 100_000
 # Waits are bounded with asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
 # cancel that lands as what it waits for finishes, and a stopped chat reply ran on.
 SEND_WAIT_SECONDS = 0.5
-# a failed handshake is logged at most this often (ZeroMQ retries it every few hundred ms)
-HANDSHAKE_FAILURE_LOG_SECONDS = 60.0
-HANDSHAKE_FAILED_EVENTS = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-HANDSHAKE_FAILED = (
-    "the handshake failed: the engine's ENGINE_TOKEN and this process's differ, or one of "
-    "them has none"
-)
+HANDSHAKE_FAILED_EVENTS = handshake_failed_events()
 
 
 class EngineUnavailable(ConnectionError):

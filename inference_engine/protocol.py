@@ -582,6 +582,26 @@ class ControlResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 # plain, which only a local endpoint (ipc, or tcp on loopback) may be.
 
 ENGINE_TOKEN_ENV = "ENGINE_TOKEN"
+# what either end logs (at most once a minute: ZeroMQ retries every few hundred ms) when a
+# handshake fails, which on this link means the two ends' security does not match
+HANDSHAKE_FAILED = (
+    "the handshake failed: the engine's ENGINE_TOKEN and its client's differ, or one of them "
+    "has none"
+)
+HANDSHAKE_FAILURE_LOG_SECONDS = 60.0
+
+
+def handshake_failed_events() -> int:
+    """The socket monitor events of a failed handshake."""
+    import zmq
+
+    return (
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
+
+
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 
 

@@ -45,6 +45,8 @@ from inference_engine.metrics import EngineMetrics
 from inference_engine.model_control import LoadedModel, ModelController, load_model
 from inference_engine.output_processor import OutputProcessor
 from inference_engine.protocol import (
+    HANDSHAKE_FAILED,
+    HANDSHAKE_FAILURE_LOG_SECONDS,
     MAX_ID_CHARS,
     AbortRequest,
     ControlRequest,
@@ -56,6 +58,7 @@ from inference_engine.protocol import (
     RequestType,
     ResponseType,
     StatsResponse,
+    handshake_failed_events,
     link_check,
     link_keys,
 )
@@ -133,6 +136,7 @@ class EngineServer:
         self._deferred_inputs: list[QueuedInput] = []
         self.ctx = zmq.Context()
         self._authenticator = None  # the ZAP handler of a secured link
+        self._handshake_logged_at = -float("inf")
         self._outputs_endpoint = f"inproc://engine-outputs-{id(self)}"
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -366,6 +370,20 @@ class EngineServer:
 
     # -- I/O thread --------------------------------------------------------------------------
 
+    def _log_failed_handshakes(self, handshakes: zmq.Socket) -> None:
+        """A client whose link's security does not match this engine's (a token on one
+        side only, or another token) is refused at the handshake: say so, at most once a
+        minute (ZeroMQ retries every few hundred milliseconds)."""
+        while True:
+            try:
+                handshakes.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        now = time.monotonic()
+        if now - self._handshake_logged_at >= HANDSHAKE_FAILURE_LOG_SECONDS:
+            self._handshake_logged_at = now
+            logger.warning("a client failed the handshake: %s", HANDSHAKE_FAILED)
+
     def _secure(self, router: zmq.Socket, keys) -> None:
         """Serve over CurveZMQ, to the client key of the link's token alone (a ZAP handler
         on a thread of its own refuses any other at the handshake)."""
@@ -404,9 +422,13 @@ class EngineServer:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        handshakes = router.get_monitor_socket(handshake_failed_events())
+        poller.register(handshakes, zmq.POLLIN)
         try:
             while not self._io_stop.is_set():
                 events = dict(poller.poll(100))
+                if handshakes in events:
+                    self._log_failed_handshakes(handshakes)
                 if pull in events:
                     _forward(pull, router)
                 if router in events:
@@ -420,6 +442,8 @@ class EngineServer:
             _forward(pull, router)
         finally:
             pull.close(linger=0)
+            router.disable_monitor()
+            handshakes.close(linger=0)
             router.close()
             if self._authenticator is not None:
                 self._authenticator.stop()

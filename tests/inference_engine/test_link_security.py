@@ -83,6 +83,8 @@ async def test_only_a_client_holding_the_token_is_served(secured, caplog):
     # the one holding the token is still served
     assert len(await _tokens(right)) == 4
     right.close()
+    # and the engine's log says why the others were not
+    assert "a client failed the handshake" in secured.log()
 
 
 async def test_a_plain_socket_gets_nothing_from_a_secured_engine(secured):
