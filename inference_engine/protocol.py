@@ -576,8 +576,8 @@ class ControlResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 #
 # An engine reached over the network serves only clients that hold its token (``ENGINE_TOKEN``
 # in both processes' environments, never a flag: flags show in ``ps``). Both ends derive
-# CurveZMQ key pairs from it: the link is encrypted, the engine knows its server key only to
-# clients holding the token, and its ZAP handler admits the client key alone, so a client
+# CurveZMQ key pairs from it: the link is encrypted, only a client holding the token knows the
+# engine's server key, and the engine's ZAP handler admits the client key alone, so a client
 # without the token completes no handshake and reaches nothing. Without a token the link is
 # plain, which only a local endpoint (ipc, or tcp on loopback) may be.
 
