@@ -36,9 +36,11 @@ def _tenant_saved(instance: Tenant, created: bool, **kwargs) -> None:
         transaction.on_commit(lambda: quotas.month_counters_rebuild(tenant=instance))
 
 
-def _plan_before(instance: Plan, **kwargs) -> None:
+def _own_budget_before(
+    sender: type[Plan] | type[ApiKey], instance: Plan | ApiKey, **kwargs
+) -> None:
     instance._budget_before = (
-        Plan.objects.filter(pk=instance.pk).values_list("monthly_token_budget", flat=True).first()
+        sender.objects.filter(pk=instance.pk).values_list("monthly_token_budget", flat=True).first()
     )
 
 
@@ -56,12 +58,6 @@ def _plan_saved(instance: Plan, created: bool, **kwargs) -> None:
     transaction.on_commit(rebuild)
 
 
-def _api_key_before(instance: ApiKey, **kwargs) -> None:
-    instance._budget_before = (
-        ApiKey.objects.filter(pk=instance.pk).values_list("monthly_token_budget", flat=True).first()
-    )
-
-
 def _api_key_saved(instance: ApiKey, created: bool, **kwargs) -> None:
     budget = instance.monthly_token_budget
     if not created and budget is not None and budget != instance._budget_before:
@@ -74,8 +70,8 @@ def connect_signals() -> None:
     """Called once from the app's ``ready()``."""
     for model, before, saved in (
         (Tenant, _tenant_before, _tenant_saved),
-        (Plan, _plan_before, _plan_saved),
-        (ApiKey, _api_key_before, _api_key_saved),
+        (Plan, _own_budget_before, _plan_saved),
+        (ApiKey, _own_budget_before, _api_key_saved),
     ):
         name = model.__name__
         pre_save.connect(before, sender=model, dispatch_uid=f"budget-{name}-before")

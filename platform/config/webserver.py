@@ -125,15 +125,15 @@ class RawBodyRequest(http_protocol.WebRequest):
 
     def gotLength(self, length: int | None) -> None:  # noqa: N802 - Twisted's name
         # the request line is parsed by now, on the channel, before any of the body
-        method, target = getattr(self.channel, "_command", b""), getattr(self.channel, "_path", b"")
+        method = getattr(self.channel, "_command", b"")
         may_pass_limit = length is None or length > self.body_limit
-        if may_pass_limit and is_file_upload(method, target):
+        if may_pass_limit and is_file_upload(method, self._target()):
             self.upload_limit = upload_body_bytes()
             if length is not None and length > self.upload_limit:
                 self.body_limit = self.upload_limit
                 self._refuse_too_large()  # a wrong key's 401 first, as on every API path
                 return
-            self._check_uploader()
+            self._check_key()
         elif length is not None and length > self.body_limit:
             self._refuse_too_large()
             return
@@ -180,21 +180,24 @@ class RawBodyRequest(http_protocol.WebRequest):
         """413 for a body past the limit; on the API, a key the API would refuse is answered
         as the API answers it (its 401 or 403 comes before anything of the body, as there)."""
         self._refuse_body(413)
-        target = getattr(self.channel, "_path", b"") if self.channel is not None else b""
-        if self.upload_check is None and target.startswith(API_PREFIX):
-            self._check_uploader()
+        if self.upload_check is None and self._target().startswith(API_PREFIX):
+            self._check_key()
 
-    def _check_uploader(self) -> None:
+    def _target(self) -> bytes:
+        """The request line's target (parsed by the channel before any of the body)."""
+        return getattr(self.channel, "_path", b"") if self.channel is not None else b""
+
+    def _check_key(self) -> None:
         from gateway.auth import refusal_of_header  # the web tier's, once Django is set up
 
         header = (self.requestHeaders.getRawHeaders(b"Authorization") or [b""])[0]
         self.upload_check = asyncio.ensure_future(refusal_of_header(header.decode("latin-1")))
-        self.upload_check.add_done_callback(self._uploader_checked)
+        self.upload_check.add_done_callback(self._key_checked)
 
-    def _uploader_checked(self, check: asyncio.Future) -> None:
+    def _key_checked(self, check: asyncio.Future) -> None:
         if check.cancelled() or check.exception() is not None:
             if not check.cancelled():
-                logger.error("Checking an upload's API key failed", exc_info=check.exception())
+                logger.error("Checking a request's API key failed", exc_info=check.exception())
             self._refuse(
                 503,
                 SERVICE_UNAVAILABLE,
