@@ -18,7 +18,15 @@ Rows, all on the same model and requests:
   step      the engine's 256-decode step (contexts ~512) against the ceiling's step
 
     python bench/gpu_throughput.py [--quick] [--skip hf,cb,sync,eager,penalty] [--out results.jsonl]
+    python bench/gpu_throughput.py --core    # the issue's done-when rows alone (~3 minutes)
+    python bench/gpu_throughput.py --rest    # the rows --core leaves out
     python bench/gpu_throughput.py --smoke   # every row on a tiny model, on the CPU too
+
+``--core`` measures what the issue's "done when" reads: the engine with CUDA graphs on the
+fixed workload, its 256-decode step, a single request's TPOT, HF static batches on the first
+batch of 64 alone (``--hf-batches``: a static batch's tok/s does not depend on how many follow
+it), and the ceiling; it ends with a verdict on each target. ``--rest`` is every other row, for
+a second call when the device time allows (``bench/gpu_session.sh``).
 
 Prints a table and one JSON line per measurement (also to ``--out``). A row that fails is
 reported with its error and the rest still run. ``--smoke`` runs the whole script in seconds
@@ -53,7 +61,7 @@ RESULTS: list[dict] = []
 def sync() -> None:
     """Wait for the device's queued work (timings end here)."""
     if DEVICE.type == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def empty_cache() -> None:
@@ -80,6 +88,16 @@ class Sizes:
     hf_batch: int = 64
     ceiling_batch: int = 256
 
+
+# Row groups: --core measures the first, --rest the second, a plain run both.
+CORE_ROWS = frozenset({"fixed", "step", "latency1", "hf", "ceiling"})
+REST_ROWS = frozenset({"latency", "penalty", "mixed", "sync", "eager", "cb"})
+# the issue's done-when: fixed-workload tok/s, the multiple of HF static batches, the
+# 256-decode step against the captured ceiling, a single request's TPOT (ms)
+TARGET_TOK_S = 25_000
+TARGET_VS_HF = 15.0
+TARGET_STEP_VS_CEILING = 1.5
+TARGET_SINGLE_TPOT_MS = 3.0
 
 SPEC = Sizes()
 QUICK = Sizes(fixed=64, mixed=64)
@@ -243,7 +261,9 @@ def decode_step_time(llm, batch: int, context: int, steps: int = 20) -> float:
     return seconds
 
 
-def bench_hf_static(model_dir: str, prompts, outs, batch: int) -> float:
+def bench_hf_static(model_dir: str, prompts, outs, batch: int, batches: int | None = None) -> float:
+    """HF ``generate`` on static batches of ``batch`` prompts (the first ``batches`` of them,
+    or all): output tok/s."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(
@@ -270,11 +290,12 @@ def bench_hf_static(model_dir: str, prompts, outs, batch: int) -> float:
 
     run(prompts[:4], 8)
     sync()
+    starts = list(range(0, len(prompts), batch))[:batches]
     began = time.perf_counter()
-    for i in range(0, len(prompts), batch):
+    for i in starts:
         run(prompts[i : i + batch], max(outs[i : i + batch]))
     sync()
-    return sum(outs) / (time.perf_counter() - began)
+    return sum(sum(outs[i : i + batch]) for i in starts) / (time.perf_counter() - began)
 
 
 def bench_hf_continuous(model_dir: str, prompts, outs, limit_s: float = 300) -> float | None:
@@ -358,10 +379,14 @@ def attempt(out: Path | None, row: str, measure):
         return None
 
 
-def engine_rows(args, sizes: Sizes, skip: set[str], prompts, outs) -> tuple[float, float]:
+def engine_rows(
+    args, sizes: Sizes, rows: set[str], prompts, outs
+) -> tuple[float | None, float | None, float | None]:
     """The rows of the engine as it is configured by default (CUDA graphs and async
-    scheduling on a GPU): (fixed workload tok/s, 256-decode step seconds)."""
+    scheduling on a GPU): (fixed workload tok/s, 256-decode step seconds, TPOT ms at one
+    request), each None where not measured."""
     out = args.out
+    ours = step = single_tpot = None
     llm, load_s = engine(args.model_dir)
     try:
         graphs = llm.core.runner.graphs
@@ -371,15 +396,19 @@ def engine_rows(args, sizes: Sizes, skip: set[str], prompts, outs) -> tuple[floa
             seconds=round(load_s, 1),
             graph_sizes=len(graphs.sizes) if graphs is not None else 0,
         )
-        ours, seconds = bench_engine(llm, prompts, outs)
-        report(out, row="fixed: engine, CUDA graphs", tok_s=round(ours), seconds=round(seconds, 2))
-        step = decode_step_time(llm, sizes.step_batch, sizes.step_context)
-        report(
-            out,
-            row=f"step: {sizes.step_batch} decodes at ~{sizes.step_context} context",
-            step_ms=round(step * 1e3, 2),
-        )
-        if "penalty" not in skip:
+        if "fixed" in rows:
+            ours, seconds = bench_engine(llm, prompts, outs)
+            report(
+                out, row="fixed: engine, CUDA graphs", tok_s=round(ours), seconds=round(seconds, 2)
+            )
+        if "step" in rows:
+            row = f"step: {sizes.step_batch} decodes at ~{sizes.step_context} context"
+            step = attempt(
+                out, row, lambda: decode_step_time(llm, sizes.step_batch, sizes.step_context)
+            )
+            if step is not None:
+                report(out, row=row, step_ms=round(step * 1e3, 2))
+        if "penalty" in rows:
             # penalties count the outputs, the token in flight included, on the device
             row = "fixed: engine, CUDA graphs, every request with a frequency penalty"
             measured = attempt(
@@ -387,21 +416,24 @@ def engine_rows(args, sizes: Sizes, skip: set[str], prompts, outs) -> tuple[floa
             )
             if measured is not None:
                 report(out, row=row, tok_s=round(measured[0]), seconds=round(measured[1], 2))
-        if "latency" not in skip:
-            for concurrency in sizes.latency_concurrency:
-                row = f"latency at {concurrency} concurrent"
-                num_requests = max(4, 2 * concurrency) if not args.quick else max(2, concurrency)
-                measured = attempt(
-                    out,
-                    row,
-                    lambda c=concurrency, n=num_requests: closed_loop_latency(
-                        llm, prompts, c, n, sizes.latency_tokens
-                    ),
-                )
-                if measured is not None:
-                    ttft, tpot = measured
-                    report(out, row=row, ttft_p50_ms=round(ttft, 1), tpot_p50_ms=round(tpot, 2))
-        if "mixed" not in skip:
+        for concurrency in sizes.latency_concurrency:
+            if ("latency1" if concurrency == 1 else "latency") not in rows:
+                continue
+            row = f"latency at {concurrency} concurrent"
+            num_requests = max(4, 2 * concurrency) if not args.quick else max(2, concurrency)
+            measured = attempt(
+                out,
+                row,
+                lambda c=concurrency, n=num_requests: closed_loop_latency(
+                    llm, prompts, c, n, sizes.latency_tokens
+                ),
+            )
+            if measured is not None:
+                ttft, tpot = measured
+                report(out, row=row, ttft_p50_ms=round(ttft, 1), tpot_p50_ms=round(tpot, 2))
+                if concurrency == 1:
+                    single_tpot = tpot
+        if "mixed" in rows:
             row = "mixed: engine, CUDA graphs"
             mixed_prompts, mixed_outs = mixed_workload(sizes.mixed, sizes.max_mixed_tokens)
             measured = attempt(out, row, lambda: bench_engine(llm, mixed_prompts, mixed_outs))
@@ -409,7 +441,7 @@ def engine_rows(args, sizes: Sizes, skip: set[str], prompts, outs) -> tuple[floa
                 report(out, row=row, tok_s=round(measured[0]), seconds=round(measured[1], 2))
     finally:
         release(llm)
-    return ours, step
+    return ours, step, single_tpot
 
 
 def other_engine_row(args, sizes: Sizes, row: str, prompts, outs, **options) -> None:
@@ -429,16 +461,71 @@ def other_engine_row(args, sizes: Sizes, row: str, prompts, outs, **options) -> 
     )
 
 
+def select_rows(args) -> set[str]:
+    """The row groups this run measures: ``--core``, ``--rest`` or all, less ``--skip``
+    (whose ``latency`` also drops the single request's)."""
+    skip = set(filter(None, args.skip.split(",")))
+    unknown = skip - CORE_ROWS - REST_ROWS
+    if unknown:
+        raise SystemExit(f"--skip: no such rows: {', '.join(sorted(unknown))}")
+    if "latency" in skip:
+        skip.add("latency1")
+    rows = set(CORE_ROWS if args.core else REST_ROWS if args.rest else CORE_ROWS | REST_ROWS)
+    return rows - skip
+
+
+def verdicts(ours, hf, step, ceiling, single_tpot) -> list[str]:
+    """One line per done-when target this run measured: the figure, the target, met or not."""
+    lines = []
+
+    def judge(name: str, figure: str, met: bool, target: str) -> None:
+        lines.append(f"  {'MET ' if met else 'MISS'}  {name}: {figure} (target {target})")
+
+    if ours is not None:
+        judge("fixed workload", f"{ours:,.0f} tok/s", ours >= TARGET_TOK_S, f">= {TARGET_TOK_S:,}")
+        if hf:
+            judge(
+                "vs HF static",
+                f"{ours / hf:.1f}x",
+                ours / hf >= TARGET_VS_HF,
+                f">= {TARGET_VS_HF}x",
+            )
+    if step is not None and ceiling:
+        ratio = step / ceiling
+        judge(
+            "256-decode step vs ceiling",
+            f"{step * 1e3:.2f} ms / {ceiling * 1e3:.2f} ms = {ratio:.2f}x",
+            ratio <= TARGET_STEP_VS_CEILING,
+            f"<= {TARGET_STEP_VS_CEILING}x",
+        )
+    if single_tpot is not None:
+        judge(
+            "single request TPOT",
+            f"{single_tpot:.2f} ms",
+            single_tpot <= TARGET_SINGLE_TPOT_MS,
+            f"<= {TARGET_SINGLE_TPOT_MS} ms",
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="64 requests instead of 256/512")
     parser.add_argument(
         "--smoke", action="store_true", help="a tiny model and a few requests, on the CPU too"
     )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--core", action="store_true", help="the done-when rows alone")
+    group.add_argument("--rest", action="store_true", help="the rows --core leaves out")
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated: hf, cb, sync, eager, mixed, latency, penalty",
+        help="comma-separated: hf, cb, sync, eager, mixed, latency, penalty, step, ceiling",
+    )
+    parser.add_argument(
+        "--hf-batches",
+        type=int,
+        help="time HF generate on this many static batches (default: all; 1 with --core)",
     )
     parser.add_argument("--model-dir", help="default: /tmp/gpu-bench-llama1b (or -tiny)")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
@@ -449,7 +536,8 @@ def main() -> None:
     args.model_dir = args.model_dir or (
         "/tmp/gpu-bench-llama-tiny" if args.smoke else "/tmp/gpu-bench-llama1b"
     )
-    skip = set(filter(None, args.skip.split(",")))
+    rows = select_rows(args)
+    hf_batches = args.hf_batches or (1 if args.core else None)
     out = args.out
     build_model(args.model_dir, tiny=args.smoke)
     import transformers
@@ -459,67 +547,80 @@ def main() -> None:
         gpu=device_name(),
         torch=torch.__version__,
         transformers=transformers.__version__,
+        rows=sorted(rows),
     )
     prompts, outs = fixed_workload(sizes.fixed, sizes.fixed_tokens)
 
-    ours, step = attempt(
-        out, "fixed: engine, CUDA graphs", lambda: engine_rows(args, sizes, skip, prompts, outs)
-    ) or (None, None)
-    if "sync" not in skip:
+    ours = step = single_tpot = None
+    if rows & {"fixed", "step", "latency1", "latency", "penalty", "mixed"}:
+        ours, step, single_tpot = attempt(
+            out, "fixed: engine, CUDA graphs", lambda: engine_rows(args, sizes, rows, prompts, outs)
+        ) or (None, None, None)
+    if "sync" in rows:
         row = "fixed: engine, CUDA graphs, no async scheduling"
         attempt(
             out,
             row,
             lambda: other_engine_row(args, sizes, row, prompts, outs, async_scheduling="off"),
         )
-    if "eager" not in skip:
+    if "eager" in rows:
         row = "fixed: engine, eager"
         attempt(
             out, row, lambda: other_engine_row(args, sizes, row, prompts, outs, enforce_eager=True)
         )
     hf = None
-    if "hf" not in skip:
+    if "hf" in rows:
+        total = -(-len(prompts) // sizes.hf_batch)
+        timed = min(hf_batches or total, total)
         row = f"fixed: HF generate, static batches of {sizes.hf_batch}"
+        if timed < total:
+            row += f" ({timed} of {total} timed)"
         hf = attempt(
-            out, row, lambda: bench_hf_static(args.model_dir, prompts, outs, sizes.hf_batch)
+            out,
+            row,
+            lambda: bench_hf_static(args.model_dir, prompts, outs, sizes.hf_batch, timed),
         )
         if hf is not None:
             report(out, row=row, tok_s=round(hf))
         gc.collect()
         empty_cache()
-    if "cb" not in skip:
+    if "cb" in rows:
         row = "fixed: transformers continuous batching (paged|sdpa)"
         cb = attempt(out, row, lambda: bench_hf_continuous(args.model_dir, prompts, outs))
         if cb is not None:
             report(out, row=row, tok_s=round(cb))
         empty_cache()
-    batch = sizes.ceiling_batch
-    eager_ceiling, graph_ceiling = attempt(
-        out, "ceiling", lambda: ceiling_step(args.model_dir, batch)
-    ) or (None, None)
-    if eager_ceiling is not None:
-        report(
-            out,
-            row=f"ceiling: bare decode forward at {batch}",
-            eager_ms=round(eager_ceiling * 1e3, 2),
-            graph_ms=round(graph_ceiling * 1e3, 2) if graph_ceiling else None,
-            graph_tok_s=round(batch / graph_ceiling) if graph_ceiling else None,
-        )
+    graph_ceiling = None
+    if "ceiling" in rows:
+        batch = sizes.ceiling_batch
+        eager_ceiling, graph_ceiling = attempt(
+            out, "ceiling", lambda: ceiling_step(args.model_dir, batch)
+        ) or (None, None)
+        if eager_ceiling is not None:
+            report(
+                out,
+                row=f"ceiling: bare decode forward at {batch}",
+                eager_ms=round(eager_ceiling * 1e3, 2),
+                graph_ms=round(graph_ceiling * 1e3, 2) if graph_ceiling else None,
+                graph_tok_s=round(batch / graph_ceiling) if graph_ceiling else None,
+            )
 
     print()
     print(f"fixed workload, {sizes.fixed} requests x {sizes.fixed_tokens} tokens, {device_name()}")
-    if ours is None:
+    if ours is not None:
+        print(f"  this engine, CUDA graphs     {ours:10.0f} tok/s")
+    elif "fixed" in rows:
         print("  this engine failed: see its row above")
-        return
-    print(f"  this engine, CUDA graphs     {ours:10.0f} tok/s")
     if hf:
-        print(f"  HF static batches            {hf:10.0f} tok/s   ratio {ours / hf:.1f}x")
+        print(f"  HF static batches            {hf:10.0f} tok/s", end="")
+        print(f"   ratio {ours / hf:.1f}x" if ours else "")
     if graph_ceiling:
+        batch = sizes.ceiling_batch
         print(f"  ceiling (graph, batch {batch})   {batch / graph_ceiling:10.0f} tok/s")
-        print(
-            f"  {sizes.step_batch}-decode step              {step * 1e3:10.2f} ms vs ceiling "
-            f"{graph_ceiling * 1e3:.2f} ms: {step / graph_ceiling:.2f}x"
-        )
+    lines = verdicts(ours, hf, step, graph_ceiling, single_tpot)
+    if lines:
+        print("done when (issue 15):")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
