@@ -341,10 +341,17 @@ class _Admission:
             retry = (
                 MONTH_HELD_RETRY_SECONDS
                 if settled + needed <= budget
-                else _seconds_to_next_month(self.now)
+                else self._seconds_to_new_budget()
             )
             raise self._refuse("monthly_tokens", scope, budget, retry)
         return reservation
+
+    def _seconds_to_new_budget(self) -> int:
+        """When a retry would be charged to a month with its budget whole: the next month's
+        start, or at once where the month charged (the request's start's) has already ended."""
+        if self.month_start < _month_start(self.now):
+            return 1
+        return _seconds_to_next_month(self.now)
 
     def _record_window(
         self, kind: str, limit: int, remaining: float, remaining_without: float, reset: float

@@ -637,3 +637,31 @@ def test_a_request_started_as_a_month_ends_is_charged_to_that_month(clock):
 
     assert cache.get(quotas.month_counter_name("tenant", tenant.pk, november)) == 200 + 30
     assert not cache.get(quotas.month_counter_name("tenant", tenant.pk, december))
+
+
+def test_a_refusal_against_a_month_just_ended_says_to_retry_at_once(clock):
+    """A request started on a month's last second is charged to that month: refused there, a
+    retry starts in the new month and is charged to it, so the wait is a second, not the
+    month to come."""
+    from datetime import UTC, datetime
+
+    december = datetime(2030, 12, 1, tzinfo=UTC)
+    november = datetime(2030, 11, 1, tzinfo=UTC)
+    clock.now = december.timestamp() + 0.5
+    tenant = _tenant(monthly_token_budget=1000)
+    api_key, _ = services.api_key_create(tenant=tenant, name="ci")
+    usage_record_add(
+        request_id="r-nov", tenant=tenant, api_key=api_key, model="m",
+        source=UsageRecord.Source.API, status="ok", started_at=november,
+        finished_at=november, prompt_tokens=990, completion_tokens=0,
+    )  # fmt: skip
+
+    with pytest.raises(quotas.QuotaExceeded) as refused:
+        quotas.admission_acquire(
+            tenant=tenant, estimated_tokens=100, month_of=december.timestamp() - 0.5
+        )
+    assert refused.value.kind == "monthly_tokens"
+    assert refused.value.retry_after == 1
+
+    ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=100)  # the retry
+    quotas.admission_release(ticket=ticket, actual_tokens=100)
