@@ -13,7 +13,7 @@ from chat import claims
 from chat.models import DEFAULT_TEMPERATURE, ChatPreference, Conversation, Message
 from chat.selectors import chat_models
 from config.json_text import NUL
-from tenants.models import Tenant
+from tenants.models import Membership, Tenant
 from tenants.selectors import user_tenants
 
 MAX_TITLE_CHARS = 200
@@ -65,7 +65,14 @@ def conversation_create(
     *, user: AbstractBaseUser, tenant: Tenant, model: str = "", title: str = ""
 ) -> Conversation:
     """A new, empty conversation on ``model`` (the tenant's first allowed model if omitted)."""
-    if not user_tenants(user=user).filter(pk=tenant.pk).exists():
+    # the membership row, locked: one new chat at a time per user and tenant, so that the
+    # count of empty ones below holds until this one is created
+    membership = (
+        Membership.objects.select_for_update(of=("self",))
+        .filter(user=user, tenant=tenant, tenant__is_active=True)
+        .first()
+    )
+    if membership is None:
         raise ValidationError("You are not a member of this organization.")
     models = chat_models(tenant=tenant)
     if model and model not in models:
