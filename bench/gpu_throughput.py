@@ -474,7 +474,7 @@ def select_rows(args) -> set[str]:
     return rows - skip
 
 
-def verdicts(ours, hf, step, ceiling, single_tpot) -> list[str]:
+def verdicts(ours, hf, step, ceiling, single_tpot, step_batch: int) -> list[str]:
     """One line per done-when target this run measured: the figure, the target, met or not."""
     lines = []
 
@@ -493,7 +493,7 @@ def verdicts(ours, hf, step, ceiling, single_tpot) -> list[str]:
     if step is not None and ceiling:
         ratio = step / ceiling
         judge(
-            "256-decode step vs ceiling",
+            f"{step_batch}-decode step vs ceiling",
             f"{step * 1e3:.2f} ms / {ceiling * 1e3:.2f} ms = {ratio:.2f}x",
             ratio <= TARGET_STEP_VS_CEILING,
             f"<= {TARGET_STEP_VS_CEILING}x",
@@ -617,7 +617,7 @@ def main() -> None:
     if graph_ceiling:
         batch = sizes.ceiling_batch
         print(f"  ceiling (graph, batch {batch})   {batch / graph_ceiling:10.0f} tok/s")
-    lines = verdicts(ours, hf, step, graph_ceiling, single_tpot)
+    lines = verdicts(ours, hf, step, graph_ceiling, single_tpot, sizes.step_batch)
     if lines:
         print("done when (issue 15):")
         print("\n".join(lines))

@@ -200,6 +200,22 @@ def kv_cache_budget(
     return budget
 
 
+def default_num_kv_blocks(
+    sized_bytes: int,
+    bytes_per_block: int,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+) -> int:
+    """The KV cache's blocks where no size is given: what ``sized_bytes`` holds, but never more
+    than ``max_num_seqs`` requests at ``max_model_len`` can fill. On a GPU a small model's
+    share of the device is millions of blocks (a Python object each, and seconds to build)
+    that no step could ever use."""
+    most = max_num_seqs * -(-max_model_len // block_size)
+    return min(most, sized_bytes // bytes_per_block)
+
+
 class HostStaging:
     """Copies a step's integer arrays to the device in one transfer: packed into a pinned host
     buffer, then one non-blocking copy. On the CPU the arrays are used where they are.
@@ -298,6 +314,11 @@ class ModelRunner:
             keep_freed_memory()
         self.config = config
         self.device = resolve_device(config.device)
+        # what this process held before this engine: another engine's, which the memory
+        # profile must not count as this one's
+        self._allocated_before = (
+            torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        )
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(config.model)
@@ -351,6 +372,7 @@ class ModelRunner:
         """The decode graphs, captured; None (decode steps run eagerly) where the model's
         forward cannot be captured, e.g. one that reads a device value on the host."""
         graphs = self.decode_graphs(capture=True)
+        stream = torch.cuda.current_stream(self.device)
         try:
             seconds = graphs.capture()
         except RuntimeError:
@@ -358,6 +380,8 @@ class ModelRunner:
                 "capturing CUDA graphs failed; decode steps run eagerly (as with --enforce-eager)",
                 exc_info=True,
             )
+            # torch.cuda.graph leaves its capture stream current when ending the capture fails
+            torch.cuda.set_stream(stream)
             torch.cuda.synchronize(self.device)
             return None
         logger.info(
@@ -444,12 +468,19 @@ class ModelRunner:
             return self.config.num_kv_blocks
         if self.config.kv_cache_memory is not None:
             num_blocks = self.config.kv_cache_memory // self.bytes_per_block
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_kv_cache_bytes() // self.bytes_per_block
         else:
-            max_len = self.config.max_model_len or self.spec.max_position_embeddings
-            wanted = self.config.max_num_seqs * -(-max_len // self.block_size)
-            num_blocks = min(wanted, DEFAULT_CPU_KV_CACHE_BYTES // self.bytes_per_block)
+            sized = (
+                self._profile_kv_cache_bytes()
+                if self.device.type == "cuda"
+                else DEFAULT_CPU_KV_CACHE_BYTES
+            )
+            num_blocks = default_num_kv_blocks(
+                sized,
+                self.bytes_per_block,
+                max_num_seqs=self.config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+            )
         if num_blocks < 1:
             raise ValueError("KV cache memory is too small for a single block")
         return int(num_blocks)
@@ -459,6 +490,7 @@ class ModelRunner:
         split over up to ``max_num_seqs`` sampling requests) on a throwaway cache, then size the
         KV cache from the peak memory it took."""
         torch.cuda.synchronize(self.device)
+        gc.collect()  # an engine dropped unclosed: its graphs and runner are a cycle
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         # a step holds up to max_num_batched_tokens over up to max_num_seqs requests, each at
@@ -499,7 +531,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del logits
         self.key_caches, self.value_caches = [], []
-        peak_torch_memory = torch.cuda.max_memory_allocated(self.device)
+        peak_torch_memory = torch.cuda.max_memory_allocated(self.device) - self._allocated_before
         free, total = torch.cuda.mem_get_info(self.device)
         # what the process holds outside torch's allocator: the CUDA context, cuBLAS, NCCL
         non_torch_memory = max(total - free - torch.cuda.memory_reserved(self.device), 0)

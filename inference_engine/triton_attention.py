@@ -49,7 +49,15 @@ def _find_request(query_start_loc_ptr, q_block, num_requests, BLOCK_Q: tl.conste
     return low - 1
 
 
-@triton.jit
+# Triton compiles a kernel per specialization of its arguments: an integer equal to 1 or
+# divisible by 16, a pointer aligned to 16 bytes. The step's block tables, lengths and starts
+# sit in one packed upload at offsets that move with each step's shape, and the number of
+# requests and the table's width change every step: specialized on, an eager step of a new
+# shape compiled the kernel anew (a second or so each, several times in a benchmark's run).
+@triton.jit(
+    do_not_specialize=["num_requests", "stride_block_table"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"],
+)
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,

@@ -143,3 +143,45 @@ def test_a_decode_only_step_reads_its_query_through_strides():
         values = value_cache[blocks].reshape(-1, 2, 16)[:seq_len]
         expected = reference(query[row : row + 1], keys, values, 2, 0.25)
         assert (out[row : row + 1].double() - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter compiles nothing")
+def test_steps_of_new_shapes_reuse_the_compiled_kernel():
+    """Triton compiles per specialization (an integer equal to 1 or divisible by 16, a pointer
+    16-byte aligned): a step's metadata, packed into one upload at offsets that move with its
+    shape, and its number of requests made eager steps of new shapes compile the kernel again
+    (a second or so each) in the middle of serving."""
+    from inference_engine.triton_attention import _paged_attention_kernel
+
+    def compiled() -> int:
+        return sum(len(caches[0]) for caches in _paged_attention_kernel.device_caches.values())
+
+    generator = torch.Generator().manual_seed(2)
+    for step, num_requests in enumerate((3, 1, 16, 5, 32, 7)):
+        requests = [(3 + step + row, 1) for row in range(num_requests)]
+        query, key_cache, value_cache, block_tables, seq_lens, starts = build_step(
+            requests, 4, 2, 16, torch.float32, generator
+        )
+        # packed as HostStaging packs a step: one int64 buffer, each part where the last ends
+        parts = [torch.zeros(step + 1, device=DEVICE), block_tables, seq_lens, starts]
+        packed = torch.cat([part.flatten().to(torch.int64) for part in parts])
+        offset = step + 1
+        table_end = offset + block_tables.numel()
+        packed_tables = packed[offset:table_end].view(block_tables.shape)
+        packed_lens = packed[table_end : table_end + num_requests]
+        packed_starts = packed[table_end + num_requests :]
+        paged_attention(
+            torch.empty_like(query),
+            query,
+            key_cache,
+            value_cache,
+            packed_tables,
+            packed_lens,
+            packed_starts,
+            max_query_len=1,
+            scale=0.25,
+        )
+        if step == 0:
+            first = compiled()
+    torch.cuda.synchronize()
+    assert compiled() == first
