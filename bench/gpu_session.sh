@@ -3,9 +3,9 @@
 # `make gpu-wheels` here and with `.whl` carried:
 #   sh bench/gpu_session.sh [SECONDS] [PARTS]
 # SECONDS (default 420) is the whole call's budget: pass the call's timeout_s less a minute.
-# Each part runs under what is left of it (SIGINT at its end, so pytest still reports what
-# failed so far), and a part left with under a minute is skipped. PARTS, comma-separated, run
-# in the order given (default bench,parity,tests):
+# Each part runs under what is left of it, bench at most 240 s and parity 150 s (SIGINT at
+# its end, so pytest still reports what failed so far); a part left with under a minute is
+# skipped. PARTS, comma-separated, run in the order given (default bench,parity,tests):
 #   bench   bench/gpu_throughput.py --core: the done-when's figures and a verdict on each
 #   parity  the CUDA parity tests and the chunked-prefill one that once flaked, 5 times
 #   tests   tests/inference_engine once (the engines there run on CUDA: device "auto")
@@ -31,7 +31,13 @@ allowance() {
 }
 
 for part in $(echo "$PARTS" | tr ',' ' '); do
-    limit=$(allowance 600)
+    # the most each part may take, so that one slower than planned leaves the others time
+    case "$part" in
+    bench) most=240 ;;
+    parity) most=150 ;;
+    *) most=600 ;;
+    esac
+    limit=$(allowance "$most")
     if [ "$limit" -lt 60 ]; then
         echo "== $part: skipped, ${limit}s left of the budget" | tee -a "$OUT/skipped.log"
         continue
