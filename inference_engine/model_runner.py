@@ -531,7 +531,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del logits
         self.key_caches, self.value_caches = [], []
-        peak_torch_memory = torch.cuda.max_memory_allocated(self.device) - self._allocated_before
+        peak_torch_memory = max(
+            torch.cuda.max_memory_allocated(self.device) - self._allocated_before, 0
+        )
         free, total = torch.cuda.mem_get_info(self.device)
         # what the process holds outside torch's allocator: the CUDA context, cuBLAS, NCCL
         non_torch_memory = max(total - free - torch.cuda.memory_reserved(self.device), 0)

@@ -338,20 +338,14 @@ class _Admission:
         self.reservations.append(reservation)
         if current > budget:
             settled = current - counter_held(name=key)
-            retry = (
-                MONTH_HELD_RETRY_SECONDS
-                if settled + needed <= budget
-                else self._seconds_to_new_budget()
-            )
+            if self.month_start < _month_start(self.now):
+                retry = 1  # the month charged (its start's) has ended: a retry is the new one's
+            elif settled + needed <= budget:
+                retry = MONTH_HELD_RETRY_SECONDS
+            else:
+                retry = _seconds_to_next_month(self.now)
             raise self._refuse("monthly_tokens", scope, budget, retry)
         return reservation
-
-    def _seconds_to_new_budget(self) -> int:
-        """When a retry would be charged to a month with its budget whole: the next month's
-        start, or at once where the month charged (the request's start's) has already ended."""
-        if self.month_start < _month_start(self.now):
-            return 1
-        return _seconds_to_next_month(self.now)
 
     def _record_window(
         self, kind: str, limit: int, remaining: float, remaining_without: float, reset: float
