@@ -63,7 +63,7 @@ for part in $(echo "$PARTS" | tr ',' ' '); do
         # the files that take the GPU's own paths first, so a budget that ends early has run
         # them; then the rest, under what is left
         gpu_files="test_triton_attention.py test_gpu_step.py test_async_scheduling.py
-            test_parity.py test_gpu_bench_smoke.py"
+            test_parity.py"
         first="" ignored=""
         for file in $gpu_files; do
             first="$first tests/inference_engine/$file"
