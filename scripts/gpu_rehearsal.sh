@@ -8,8 +8,16 @@
 set -eu
 VENV=${REHEARSAL_VENV:-/tmp/gpu-rehearsal}
 OUT=${OUT:-/tmp/gpu-rehearsal-out}
-PYTHON312=${PYTHON312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
-if [ -z "$PYTHON312" ]; then
+if [ -z "${PYTHON312:-}" ]; then
+    # the first that runs: pyenv's shim is on the PATH even where no 3.12 is selected
+    for candidate in $(command -v python3.12) /root/.pyenv/versions/3.12*/bin/python3.12; do
+        if "$candidate" -c pass 2>/dev/null; then
+            PYTHON312=$candidate
+            break
+        fi
+    done
+fi
+if [ -z "${PYTHON312:-}" ]; then
     echo "no Python 3.12 here: set PYTHON312" >&2
     exit 2
 fi
