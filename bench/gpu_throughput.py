@@ -92,6 +92,8 @@ class Sizes:
 # Row groups: --core measures the first, --rest the second, a plain run both.
 CORE_ROWS = frozenset({"fixed", "step", "latency1", "hf", "ceiling"})
 REST_ROWS = frozenset({"latency", "penalty", "mixed", "sync", "eager", "cb"})
+# the groups measured on the engine as configured by default (``engine_rows``)
+ENGINE_ROWS = frozenset({"fixed", "step", "latency1", "latency", "penalty", "mixed"})
 # the done-when: fixed-workload tok/s, the multiple of HF static batches, the
 # 256-decode step against the captured ceiling, a single request's TPOT (ms)
 TARGET_TOK_S = 25_000
@@ -520,7 +522,7 @@ def main() -> None:
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated: hf, cb, sync, eager, mixed, latency, penalty, step, ceiling",
+        help=f"comma-separated, of: {', '.join(sorted(CORE_ROWS | REST_ROWS))}",
     )
     parser.add_argument(
         "--hf-batches",
@@ -552,7 +554,7 @@ def main() -> None:
     prompts, outs = fixed_workload(sizes.fixed, sizes.fixed_tokens)
 
     ours = step = single_tpot = None
-    if rows & {"fixed", "step", "latency1", "latency", "penalty", "mixed"}:
+    if rows & ENGINE_ROWS:
         ours, step, single_tpot = attempt(
             out, "fixed: engine, CUDA graphs", lambda: engine_rows(args, sizes, rows, prompts, outs)
         ) or (None, None, None)
