@@ -17,6 +17,7 @@ from django.contrib.auth.models import AbstractBaseUser
 
 from chat.models import Conversation, Message
 from chat.selectors import engine_messages
+from config.json_text import NUL
 from inference_engine.protocol import GenerateRequest, SamplingParams
 from serving.budget import message_tokens
 from serving.runs import Caller, Run, RunError, RunSpec
@@ -134,9 +135,11 @@ async def generate_reply(
     try:
         await run.start()
         async for _choice, delta in run.deltas():
-            if delta.text:
-                outcome.pieces.append(delta.text)
-                await on_text(delta.text)
+            # without NUL, which the saved reply cannot hold: the text streamed is the text kept
+            text = delta.text.replace(NUL, "")
+            if text:
+                outcome.pieces.append(text)
+                await on_text(text)
             if delta.finish_reason is not None:
                 outcome.finish_reason = str(delta.finish_reason)
             _count(outcome, run)

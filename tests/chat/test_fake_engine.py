@@ -134,3 +134,21 @@ async def test_a_stopping_server_saves_and_meters_the_reply_being_generated(fake
     assert (reply.status, reply.content) == ("stopped", "half")
     assert [record.status for record in records] == ["cancelled"]
     assert request.request_id in fake.aborted()
+
+
+async def test_a_reply_holding_a_nul_streams_what_is_saved(fake_world):
+    """A model may emit NUL, which PostgreSQL's text refuses: the saved reply dropped it while
+    the socket had streamed it, so the reply read back differed from the one watched (a
+    crash-recovery test failed on the demo model's output)."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    await chat.receive_until("start")
+    identity, request = await asyncio.wait_for(fake.generates.get(), 10)
+    await _answer(fake, identity, request.request_id, "a\x00b", "\x00", " c")
+    done, frames = await chat.receive_until("done", "error")
+    await chat.close()
+
+    streamed = "".join(frame["text"] for frame in frames if frame["type"] == "token")
+    reply = await sync_to_async(Message.objects.get)(pk=done["message_id"])
+    assert streamed == reply.content == "ab c"
