@@ -9,7 +9,7 @@
 #   bench   bench/gpu_throughput.py --core: the done-when's figures and a verdict on each
 #   parity  the CUDA parity tests and the chunked-prefill one that once flaked, 5 times
 #   tests   tests/inference_engine once, the GPU path's files first (the engines there run on
-#           CUDA: device "auto")
+#           CUDA: device "auto") and the benchmark's smoke test last
 #   rest    bench/gpu_throughput.py --rest: the benchmark's rows that --core leaves out
 # A session has 15 minutes of device time, starts included: the default call leaves enough to
 # start a second machine for a rerun after a fix, or for `rest`. Logs go to $OUT, which the
@@ -69,16 +69,28 @@ for part in $(echo "$PARTS" | tr ',' ' '); do
             first="$first tests/inference_engine/$file"
             ignored="$ignored --ignore=tests/inference_engine/$file"
         done
+        # the benchmark's smoke test last: on a GPU it runs every row of the script, which
+        # the bench part has already run for real
+        smoke=tests/inference_engine/test_gpu_bench_smoke.py
         # shellcheck disable=SC2086
         timeout -s INT -k 30 "$limit" python3 -m pytest $first -q -p no:cacheprovider -rfE \
-            --maxfail=25 --durations=10 2>&1 | tee "$OUT/tests.log"
+            --maxfail=25 --durations=10 --continue-on-collection-errors 2>&1 |
+            tee "$OUT/tests.log"
         limit=$(allowance 600)
         if [ "$limit" -ge 30 ]; then
             # shellcheck disable=SC2086
-            timeout -s INT -k 30 "$limit" python3 -m pytest tests/inference_engine $ignored -q \
-                -p no:cacheprovider -rfE --maxfail=25 --durations=10 2>&1 | tee -a "$OUT/tests.log"
+            timeout -s INT -k 30 "$limit" python3 -m pytest tests/inference_engine $ignored \
+                --ignore="$smoke" -q -p no:cacheprovider -rfE --maxfail=25 --durations=10 \
+                --continue-on-collection-errors 2>&1 | tee -a "$OUT/tests.log"
         else
             echo "== the other engine tests: skipped, ${limit}s left" | tee -a "$OUT/tests.log"
+        fi
+        limit=$(allowance 600)
+        if [ "$limit" -ge 60 ]; then
+            timeout -s INT -k 30 "$limit" python3 -m pytest "$smoke" -q -p no:cacheprovider \
+                -rfE 2>&1 | tee -a "$OUT/tests.log"
+        else
+            echo "== $smoke: skipped, ${limit}s left" | tee -a "$OUT/tests.log"
         fi
         ;;
     *)

@@ -245,7 +245,9 @@ def decode_step_time(llm, batch: int, context: int, steps: int = 20) -> float:
 
     rng = random.Random(11)
     core = llm.core
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
+    # the first admitted have decoded all through the others' prefill (16 steps of 8,192 tokens
+    # at 256 x 512): enough tokens left that none ends within the timed steps
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 100, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"step-{i}", [rng.randrange(3, VOCAB) for _ in range(context)], params)
     while any(request.num_output_tokens < 5 for request in core.scheduler.running) or (
@@ -258,6 +260,7 @@ def decode_step_time(llm, batch: int, context: int, steps: int = 20) -> float:
         core.step()
     sync()
     seconds = (time.perf_counter() - began) / steps
+    assert len(core.scheduler.running) == batch, "a request ended within the timed steps"
     while core.has_unfinished_requests():
         core.step()
     return seconds

@@ -316,9 +316,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         # what this process held before this engine: another engine's, which the memory
         # profile must not count as this one's
-        self._allocated_before = (
-            torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        )
+        self._allocated_before = 0
+        if self.device.type == "cuda":
+            gc.collect()  # an engine dropped unclosed (a cycle) is not this one's, nor another's
+            self._allocated_before = torch.cuda.memory_allocated(self.device)
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(config.model)
@@ -419,9 +420,12 @@ class ModelRunner:
         """Decode graphs over this runner's caches (scratch block: the one past the
         scheduler's). ``capture=False`` replays eagerly, for tests without a GPU."""
         max_batch_size = self.config.max_cudagraph_batch_size or self.config.max_num_seqs
+        # a decode-only step has at most max_num_seqs requests of one token each, and no more
+        # tokens than a step may hold: no larger graph could ever replay
+        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         return DecodeGraphs(
             self._graph_forward,
-            max_batch_size=min(max_batch_size, self.config.max_num_seqs),
+            max_batch_size=min(max_batch_size, limit),
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             scratch_block=self.key_caches[0].shape[0] - 1,
             block_size=self.block_size,
