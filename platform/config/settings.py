@@ -217,6 +217,8 @@ else:
         _folder.mkdir(parents=True, exist_ok=True)
     # a host named, though the transport ignores it: kombu warns of a missing one otherwise
     CELERY_BROKER_URL = "filesystem://localhost/"
+    # kombu's, with every file written whole before any process can read it (config.celery_broker)
+    CELERY_BROKER_TRANSPORT = "config.celery_broker:Transport"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_BROKER_DIR),
         "data_folder_out": str(CELERY_BROKER_DIR),
