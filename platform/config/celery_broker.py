@@ -17,6 +17,7 @@ queue, so the transport reads what kombu's writes. The production mode uses Redi
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import uuid
@@ -27,6 +28,8 @@ from time import monotonic
 from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
 from kombu.utils.encoding import str_to_bytes
+
+logger = logging.getLogger(__name__)
 
 # a file being written: a name no queue's message has (kombu matches "<stamp>.<queue>.msg")
 TEMPORARY_PREFIX = ".writing-"
@@ -71,7 +74,14 @@ class Channel(filesystem.Channel):
             return []
         except OSError as exc:
             raise ChannelError(f"Cannot open {table}") from exc
-        return [filesystem.exchange_queue_t(*queue) for queue in filesystem.loads(content)]
+        try:
+            return [filesystem.exchange_queue_t(*queue) for queue in filesystem.loads(content)]
+        except (ValueError, TypeError):
+            # what kombu's own transport left when it was killed mid-write (var/ from an older
+            # version): every worker's start failed on it. Each process binds its queues again
+            # as it starts, so the next bind writes a whole table in its place.
+            logger.warning("%s held no readable bindings; taken as none", table)
+            return []
 
     def _queue_bind(self, exchange, routing_key, pattern, queue) -> None:
         binding = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")

@@ -79,6 +79,18 @@ def test_binds_at_once_to_a_new_exchange_keep_both_and_a_reader_sees_a_whole_tab
     assert {binding.queue for binding in theirs.get_table("celery.pidbox")} == queues
 
 
+def test_a_table_kombu_left_half_written_is_read_as_empty_and_the_next_bind_mends_it(
+    channels, tmp_path
+):
+    """kombu's transport killed between creating a table and writing it left an empty file,
+    which stopped every worker that started after it (var/ outlives a version)."""
+    mine, _ = channels
+    (tmp_path / "control" / "celery.pidbox.exchange").write_bytes(b"")
+    assert mine.get_table("celery.pidbox") == []
+    mine._queue_bind("celery.pidbox", "", "", "mine")
+    assert [binding.queue for binding in mine.get_table("celery.pidbox")] == ["mine"]
+
+
 def test_an_unbind_keeps_the_other_bindings(channels):
     mine, theirs = channels
     mine._queue_bind("celery.pidbox", "", "", "mine")
