@@ -12,7 +12,9 @@ Here every file is written whole under a temporary name and renamed into place (
 within a folder is atomic), so a reader sees the old content or the new, never a part; and a
 table's read-modify-write holds a lock file of its own, which is never truncated, so two
 binds add up. Messages keep kombu's names and order, and a temporary name never matches a
-queue, so the transport reads what kombu's writes. The production mode uses Redis instead.
+queue, so the transport reads what kombu's writes. What kombu's own transport left half
+written in an older ``var/`` (a table, a message) is taken as no bindings, or dropped, instead
+of failing every worker that starts after it. The production mode uses Redis instead.
 """
 
 from __future__ import annotations
@@ -117,6 +119,16 @@ class Channel(filesystem.Channel):
             _write_whole(path, data)
         except OSError as exc:
             raise ChannelError(f"Cannot add file {str(path)!r} to directory") from exc
+
+    def _get(self, queue):
+        while True:
+            try:
+                return super()._get(queue)  # Empty when there is none
+            except (ValueError, TypeError):
+                # a message kombu's own transport was killed writing (var/ from an older
+                # version; this one's are whole): gone from the folder by now, as a worker's
+                # crash on it would have left it to crash the next one
+                logger.warning("dropped a message for %s that was never written whole", queue)
 
 
 class Transport(filesystem.Transport):

@@ -119,3 +119,12 @@ def test_a_message_is_never_read_before_it_is_written_whole(channels, monkeypatc
     assert theirs._get("celery") == {"body": "a task"}
     with pytest.raises(filesystem.Empty):
         theirs._get("celery")
+
+
+def test_a_message_kombu_left_half_written_is_dropped_and_the_next_one_read(channels, tmp_path):
+    mine, theirs = channels
+    (tmp_path / "0_left-by-a-killed-writer.celery.msg").write_bytes(b'{"body": "a ta')
+    mine._put("celery", {"body": "a task"})
+    assert theirs._get("celery") == {"body": "a task"}
+    with pytest.raises(filesystem.Empty):
+        theirs._get("celery")
