@@ -98,7 +98,13 @@ def test_a_forward_that_cannot_be_captured_runs_decode_steps_eagerly(
     assert streams[-1] == "serving"  # the engine goes on serving on the stream it started on
 
 
-def test_no_graph_is_larger_than_the_largest_decode_step(model_dirs):
+@pytest.mark.parametrize(
+    ("max_num_seqs", "max_num_batched_tokens", "sizes"),
+    [(64, 20, [1, 2, 4, 8, 16, 20]), (6, 32, [1, 2, 4, 6])],
+)
+def test_no_graph_is_larger_than_the_largest_decode_step(
+    model_dirs, max_num_seqs, max_num_batched_tokens, sizes
+):
     """A decode-only step holds at most max_num_seqs requests and max_num_batched_tokens
     tokens, one each: a larger size would be captured (start-up time, graph memory) and
     never replayed."""
@@ -107,19 +113,10 @@ def test_no_graph_is_larger_than_the_largest_decode_step(model_dirs):
         dtype="float32",
         device="cpu",
         enforce_eager=True,
-        max_num_seqs=64,
-        max_num_batched_tokens=20,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
-    assert llm.core.runner.decode_graphs(capture=False).sizes == [1, 2, 4, 8, 16, 20]
-    llm = LLM(
-        model_dirs["llama"],
-        dtype="float32",
-        device="cpu",
-        enforce_eager=True,
-        max_num_seqs=6,
-        max_num_batched_tokens=32,
-    )
-    assert llm.core.runner.decode_graphs(capture=False).sizes == [1, 2, 4, 6]
+    assert llm.core.runner.decode_graphs(capture=False).sizes == sizes
 
 
 def test_capture_sizes_form_a_ladder_up_to_the_largest_batch():
