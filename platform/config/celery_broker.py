@@ -19,11 +19,11 @@ of failing every worker that starts after it. The production mode uses Redis ins
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 from time import monotonic
 
@@ -42,16 +42,18 @@ def _write_whole(path: Path, data: bytes) -> None:
     with tempfile.NamedTemporaryFile(
         dir=path.parent, prefix=TEMPORARY_PREFIX, suffix=".tmp", delete=False
     ) as temporary:
-        temporary.write(data)
-    try:
-        os.replace(temporary.name, path)
-    except OSError:
-        os.unlink(temporary.name)
-        raise
+        try:
+            temporary.write(data)
+            temporary.close()
+            os.replace(temporary.name, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary.name)
+            raise
 
 
 class Channel(filesystem.Channel):
-    @contextmanager
+    @contextlib.contextmanager
     def _table_lock(self, exchange: str):
         """Held across a table's read, change and write: a lock file beside the table."""
         table = self._exchange_file(exchange)

@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 from kombu import Connection
+from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
 
 from config.celery_broker import Transport
@@ -126,5 +127,22 @@ def test_a_message_kombu_left_half_written_is_dropped_and_the_next_one_read(chan
     (tmp_path / "0_left-by-a-killed-writer.celery.msg").write_bytes(b'{"body": "a ta')
     mine._put("celery", {"body": "a task"})
     assert theirs._get("celery") == {"body": "a task"}
+    with pytest.raises(filesystem.Empty):
+        theirs._get("celery")
+
+
+def test_a_message_that_cannot_be_put_fails_as_a_channel_error_and_leaves_no_file(
+    channels, tmp_path, monkeypatch
+):
+    mine, theirs = channels
+
+    def full_disk(source, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("config.celery_broker.os.replace", full_disk)
+    with pytest.raises(ChannelError):
+        mine._put("celery", {"body": "a task"})
+    monkeypatch.undo()
+    assert [path.name for path in tmp_path.iterdir() if path.is_file()] == []
     with pytest.raises(filesystem.Empty):
         theirs._get("celery")
