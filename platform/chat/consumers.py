@@ -35,7 +35,8 @@ Server → client frames:
   ``retry_after`` when the database or the cache failed it;
   ``unauthenticated`` when the user was signed out since connecting (logged out, deactivated,
   password changed), and the socket closes with 4401; ``forbidden`` when access to the
-  conversation was lost, and it closes with 4403; a reply being generated then stops), or
+  conversation was lost, and it closes with 4403; ``deleted`` when another window deleted
+  it, and it closes with 4404; a reply being generated then stops), or
   a reply failed (``rate_limited`` with ``retry_after`` seconds, ``model_not_found``,
   ``engine_unavailable``, ``context_length_exceeded``, ...; then ``message_id`` names the
   reply, saved with the error). Otherwise the socket stays open.
@@ -196,6 +197,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         except ValidationError as exc:
             await self._error("invalid_request", " ".join(exc.messages))
         except Exception:  # the database or the cache failed: the socket is not lost for it
+            if await self._was_deleted_or_none():
+                # another window deleted it between this frame's checks and its writes
+                await self._lose_deleted()
+                return
             logger.exception(
                 "conversation %s: a %s frame failed", self.conversation.pk, frame["type"]
             )
@@ -211,11 +216,17 @@ class ChatConsumer(AsyncWebsocketConsumer):
             )
             return
         if frame["type"] != "stop" and not await self._refresh():
+            if await self._was_deleted():
+                await self._lose_deleted()
+                return
             await self._lose_access(
                 CLOSE_FORBIDDEN, "forbidden", "You no longer have access to this conversation."
             )
             return
         await handler(frame)
+
+    async def _lose_deleted(self) -> None:
+        await self._lose_access(CLOSE_DELETED, "deleted", "This conversation was deleted.")
 
     async def _lose_access(self, close_code: int, error_code: str, message: str) -> None:
         """Tell the client why, stop the reply being generated, and close."""
@@ -464,6 +475,24 @@ class ChatConsumer(AsyncWebsocketConsumer):
             return False
         self.conversation = conversation
         return True
+
+    @database_sync_to_async
+    def _was_deleted(self) -> bool:
+        """Whether the conversation is gone while its owner still chats as its tenant; one
+        who lost the tenant is told nothing more of it."""
+        tenant = selectors.active_tenant(
+            user=self.user, session_tenant_id=self.scope["session"].get(SESSION_TENANT_KEY)
+        )
+        if tenant is None or tenant.pk != self.conversation.tenant_id:
+            return False
+        return not selectors.conversation_exists(conversation_id=self.conversation.pk)
+
+    async def _was_deleted_or_none(self) -> bool:
+        """``_was_deleted``, or False when the database cannot say (the frame's own failure)."""
+        try:
+            return await self._was_deleted()
+        except Exception:
+            return False
 
     @database_sync_to_async
     def _last_message_id(self) -> int:

@@ -45,6 +45,12 @@ def conversation_get(
     )
 
 
+def conversation_exists(*, conversation_id: int) -> bool:
+    """Whether a conversation of that id exists, whoever's: for a socket already opened on
+    it by its owner, to tell a deletion from a loss of access."""
+    return Conversation.objects.filter(pk=conversation_id).exists()
+
+
 def conversation_messages(*, conversation: Conversation) -> QuerySet[Message]:
     return Message.objects.filter(
         conversation=conversation, tenant_id=conversation.tenant_id

@@ -10,7 +10,7 @@ from asgiref.sync import sync_to_async
 from django.core.cache import cache, caches
 
 from chat import claims, services
-from chat.models import Message
+from chat.models import Conversation, Message
 from inference_engine.client import AsyncEngineClient
 from tenants import quotas
 from tenants import services as tenant_services
@@ -470,6 +470,58 @@ async def test_losing_access_closes_an_open_socket(chat_world, async_db):
     closed = await chat.communicator.receive_output(timeout=30)
     assert closed == {"type": "websocket.close", "code": 4403}
     assert await _messages(chat_world["conversation"]) == []
+
+
+async def test_a_frame_on_a_conversation_deleted_in_another_window_closes_with_4404(
+    chat_world, async_db
+):
+    """Deleted in another window with no reply running: the next frame here said "You no
+    longer have access" (4403) where the page has a message for a deleted conversation."""
+    connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
+    assert connected
+    await sync_to_async(services.conversation_delete)(conversation=chat_world["conversation"])
+    await chat.send(type="send", content="Still there?")
+    error = await chat.receive()
+    assert (error["type"], error["code"]) == ("error", "deleted")
+    closed = await chat.communicator.receive_output(timeout=30)
+    assert closed == {"type": "websocket.close", "code": 4404}
+
+
+async def test_a_conversation_deleted_as_a_message_is_saved_closes_with_4404(
+    chat_world, async_db, monkeypatch, caplog
+):
+    """Deleted between the frame's checks and the message's insert: the insert failed, and
+    the socket answered "unavailable, try again" and logged a server error."""
+    conversation = chat_world["conversation"]
+    message_send = services.message_send
+
+    def deleted_meanwhile(*, conversation, content):
+        services.conversation_delete(conversation=Conversation.objects.get(pk=conversation.pk))
+        return message_send(conversation=conversation, content=content)
+
+    monkeypatch.setattr(services, "message_send", deleted_meanwhile)
+    connected, _, chat = await open_chat(chat_world["user"], conversation.pk)
+    await chat.send(type="send", content="Hello")
+    error = await chat.receive()
+    assert (error["type"], error["code"]) == ("error", "deleted")
+    closed = await chat.communicator.receive_output(timeout=30)
+    assert closed == {"type": "websocket.close", "code": 4404}
+    assert "frame failed" not in caplog.text
+
+
+async def test_a_member_removed_from_the_tenant_is_not_told_of_a_deletion(chat_world, async_db):
+    connected, _, chat = await open_chat(chat_world["user"], chat_world["conversation"].pk)
+
+    def removed_then_deleted():
+        chat_world["tenant"].memberships.filter(user=chat_world["user"]).delete()
+        services.conversation_delete(conversation=chat_world["conversation"])
+
+    await sync_to_async(removed_then_deleted)()
+    await chat.send(type="send", content="Still there?")
+    error = await chat.receive()
+    assert (error["type"], error["code"]) == ("error", "forbidden")
+    closed = await chat.communicator.receive_output(timeout=30)
+    assert closed == {"type": "websocket.close", "code": 4403}
 
 
 def _session_key(cookie: bytes) -> str:
