@@ -64,6 +64,7 @@ import msgspec
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.core.exceptions import ValidationError
+from django.db import InterfaceError, OperationalError
 
 from chat import claims, selectors, services
 from chat.models import Conversation, Message
@@ -196,9 +197,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._handle(frame, handler)
         except ValidationError as exc:
             await self._error("invalid_request", " ".join(exc.messages))
-        except Exception:  # the database or the cache failed: the socket is not lost for it
-            if await self._was_deleted_or_none():
-                # another window deleted it between this frame's checks and its writes
+        except Exception as exc:  # the database or the cache failed: the socket is not lost
+            if not isinstance(exc, OperationalError | InterfaceError) and (
+                await self._was_deleted_or_none()
+            ):
+                # another window deleted it between this frame's checks and its writes (a
+                # database out of reach is not asked again: its wait would double)
                 await self._lose_deleted()
                 return
             logger.exception(

@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.core.cache import cache, caches
 
-from chat import claims, services
+from chat import claims, selectors, services
 from chat.models import Conversation, Message
 from inference_engine.client import AsyncEngineClient
 from tenants import quotas
@@ -778,14 +778,23 @@ async def test_a_frame_that_meets_a_failing_cache_or_database_gets_an_error_fram
 
         raise OperationalError("terminating connection due to administrator command")
 
+    asked_whether_deleted = []
+
+    def conversation_exists(**kwargs):
+        asked_whether_deleted.append(kwargs)
+        return True
+
     with monkeypatch.context() as patched:
         if failing == "cache":
             patched.setattr(type(caches["default"]), "aadd", unreachable)
         else:
             patched.setattr(services, "message_send", lost)
+        patched.setattr(selectors, "conversation_exists", conversation_exists)
         await chat.send(type="send", content="hello")
         error = await chat.receive()
     assert error["type"] == "error" and error["code"] == "unavailable", error
+    # a database out of reach is not asked again whether it was a deletion (twice the wait)
+    assert len(asked_whether_deleted) == (1 if failing == "cache" else 0)
     assert error["retry_after"] > 0 and "6379" not in error["message"]
     assert "administrator" not in error["message"]
 
