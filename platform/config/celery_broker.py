@@ -13,8 +13,9 @@ within a folder is atomic), so a reader sees the old content or the new, never a
 table's read-modify-write holds a lock file of its own, which is never truncated, so two
 binds add up. Messages keep kombu's names and order, and a temporary name never matches a
 queue, so the transport reads what kombu's writes. What kombu's own transport left half
-written in an older ``var/`` (a table, a message) is taken as no bindings, or dropped, instead
-of failing every worker that starts after it. The production mode uses Redis instead.
+written in an older ``var/`` is taken as no bindings (a table: it failed every worker that
+started after it) or dropped (a message: it stopped the worker that read it). The production
+mode uses Redis instead.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class Channel(filesystem.Channel):
                 return super()._get(queue)  # Empty when there is none
             except (ValueError, TypeError):
                 # a message kombu's own transport was killed writing (var/ from an older
-                # version; this one's are whole): gone from the folder by now, as a worker's
-                # crash on it would have left it to crash the next one
+                # version; this one's are whole): out of the folder by now; kombu's own read
+                # stopped the worker on it instead
                 logger.warning("dropped a message for %s that was never written whole", queue)
 
 
