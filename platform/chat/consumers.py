@@ -447,11 +447,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
             frame["message_id"] = message_id
         await self._send(frame)
 
-    @database_sync_to_async
-    def _conversation(self, user, conversation_id: int) -> Conversation | None:
-        tenant = selectors.active_tenant(
+    def _active_tenant(self, user):
+        """The tenant the user chats as in this socket's session (None: none they belong to)."""
+        return selectors.active_tenant(
             user=user, session_tenant_id=self.scope["session"].get(SESSION_TENANT_KEY)
         )
+
+    @database_sync_to_async
+    def _conversation(self, user, conversation_id: int) -> Conversation | None:
+        tenant = self._active_tenant(user)
         if tenant is None:
             return None
         return selectors.conversation_get(user=user, tenant=tenant, conversation_id=conversation_id)
@@ -484,9 +488,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     def _was_deleted(self) -> bool:
         """Whether the conversation is gone while its owner still chats as its tenant; one
         who lost the tenant is told nothing more of it."""
-        tenant = selectors.active_tenant(
-            user=self.user, session_tenant_id=self.scope["session"].get(SESSION_TENANT_KEY)
-        )
+        tenant = self._active_tenant(self.user)
         if tenant is None or tenant.pk != self.conversation.tenant_id:
             return False
         return not selectors.conversation_exists(conversation_id=self.conversation.pk)
