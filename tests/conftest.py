@@ -79,13 +79,43 @@ def subprocess_env(**overrides: str | None) -> dict[str, str]:
 PYTHON = sys.executable
 
 
+# threads of each async test's default executor (config.workers runs the database work there)
+TEST_EXECUTOR_THREADS = 8
+
+
 @pytest.fixture
 async def async_db(transactional_db):
     """Database access from async tests. ORM calls made through ``sync_to_async`` run on
     asgiref's executor thread, which keeps its own connection: close it afterwards, or the
-    test database cannot be dropped at the end of the run."""
+    test database cannot be dropped at the end of the run.
+
+    The same goes for the threads of the loop's default executor, where ``config.workers``
+    runs the API's and the chat's database work: Channels' test communicator turns off the
+    connection clean-up around each call, so each thread keeps the connection it took from
+    PostgreSQL's pool, and every test's loop left one or more lent for good (20 such tests
+    and the pool was empty: the next request waited 30 s and failed). Each thread closes its
+    own at the end; a barrier makes each close run on a thread of its own."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     from asgiref.sync import sync_to_async
     from django.db import connections
 
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(TEST_EXECUTOR_THREADS, thread_name_prefix="test-worker")
+    loop.set_default_executor(executor)
     yield
     await sync_to_async(connections.close_all)()
+    barrier = threading.Barrier(TEST_EXECUTOR_THREADS)
+
+    def close_this_threads_connections() -> None:
+        connections.close_all()
+        barrier.wait(timeout=60)
+
+    await asyncio.gather(
+        *(
+            loop.run_in_executor(executor, close_this_threads_connections)
+            for _ in range(TEST_EXECUTOR_THREADS)
+        )
+    )
