@@ -49,6 +49,10 @@ def is_claimed(conversation: Conversation) -> bool:
     return cache.get(claim_key(conversation)) is not None
 
 
+async def ais_claimed(conversation: Conversation) -> bool:
+    return await cache.aget(claim_key(conversation)) is not None
+
+
 async def aclaim(conversation: Conversation) -> str | None:
     """The new claim's token, or None when someone holds the conversation."""
     token = uuid.uuid4().hex

@@ -17,12 +17,18 @@ Client → server frames (JSON objects, at most ``MAX_FRAME_CHARS`` characters):
 - ``{"type": "settings", "model"?: str, "system_prompt"?: str, "temperature"?: number,
   "max_tokens"?: int | null}``: change the conversation's settings (they apply to the next
   reply; a null ``max_tokens`` lets replies run up to the model's context length).
+- ``{"type": "sync"}``: send the conversation as saved (the page sends it each time its socket
+  opens, so that a page that was rendered, or disconnected, a moment ago catches up).
 
 Server → client frames:
 
 - ``{"type": "message", "message": {...}}``: a user message as saved (after send or edit).
 - ``{"type": "settings", "settings": {...}}``: the conversation's title and settings as saved
   (after a settings frame, and after the first message titles the conversation).
+- ``{"type": "sync", "messages": [...], "settings": {...}, "generating": int | null}``: the
+  conversation as saved, after a sync frame, and again when a reply that another window was
+  generating ended unheard of; ``generating`` names the reply being generated, whose text so
+  far follows as ``token`` frames.
 - ``{"type": "start", "message_id": int, "after_id": int}``: a reply begins; every message
   after ``after_id`` other than this one is gone (regenerate, edit).
 - ``{"type": "token", "text": str}``: the next piece of the reply.
@@ -40,6 +46,14 @@ Server → client frames:
   a reply failed (``rate_limited`` with ``retry_after`` seconds, ``model_not_found``,
   ``engine_unavailable``, ``context_length_exceeded``, ...; then ``message_id`` names the
   reply, saved with the error). Otherwise the socket stays open.
+
+Every window of a conversation sees what the others do (``chat.relay``): the ``message``,
+``settings``, ``start``, ``token`` and ``done`` frames of another window's actions reach it
+too, marked ``"relayed": true``; a relayed ``done`` carries the reply as saved (``message``,
+whose status may also be ``error``), and ``token`` frames of a relayed reply may hold several
+tokens. A stop frame from a window that is not generating stops the reply another window
+generates. A conversation deleted from the page closes its idle sockets at once (``deleted``,
+4404), and a rename reaches them as a ``settings`` frame.
 
 Only one reply per conversation is generated at a time, across sockets and processes: a
 frame that would start another gets a ``busy`` error. The claim is a lease that the reply
@@ -69,6 +83,7 @@ from django.db import InterfaceError, OperationalError
 from chat import claims, selectors, services
 from chat.models import Conversation, Message
 from chat.payloads import message_payload, settings_payload
+from chat.relay import Relay, ReplyMirror, TextRelay, group_name
 from chat.replies import ChatError, ReplyOutcome, generate_reply
 from chat.selectors import SESSION_TENANT_KEY
 from config.json_text import describe_lone_surrogate, lone_surrogate_path
@@ -84,6 +99,8 @@ CLOSE_DELETED = 4404
 CLOSE_SERVER_STOPPING = 1012  # RFC 6455's "service restart"
 # how long a reply being generated when the server stops gets to be stopped and saved
 STOPPING_GRACE_SECONDS = 10.0
+# how often a window following another window's reply looks whether it ended unheard of
+MIRROR_CHECK_SECONDS = 2.0
 SETTINGS_FIELDS = ("model", "system_prompt", "temperature", "max_tokens")
 
 
@@ -102,6 +119,7 @@ class _Run:
     is_finished: bool = False
     is_deleted: bool = False  # its conversation was deleted meanwhile: nothing to save
     error: ChatError | None = None
+    text_relay: TextRelay | None = None  # its text for the conversation's other windows
 
     def cancel(self) -> None:
         """Cancel the generation, once: a stop frame and ``_stop`` may both ask (an extra
@@ -119,11 +137,14 @@ class _Run:
 
 
 class ChatConsumer(AsyncWebsocketConsumer):
-    # No groups: a socket needs no channel-layer subscription (a Redis connection and a
-    # blocking read each, in production).
+    # Not Channels' own subscription: its receive failing would end the socket. The relay
+    # (``chat.relay``) joins the conversation's group itself and survives a layer outage.
     channel_layer_alias = None
     conversation: Conversation
     run: _Run | None = None
+    relay: Relay | None = None
+    mirror: ReplyMirror
+    mirror_checker: asyncio.Task | None = None
     num_replies_started = 0
     is_closed = False
 
@@ -131,12 +152,18 @@ class ChatConsumer(AsyncWebsocketConsumer):
         """Serve the socket; a server that stops (Daphne on SIGTERM) closes it as the client
         leaving would (``config.stopping``): the reply being generated stops, and is saved
         and metered, before the process exits."""
-        await as_disconnect_when_cancelled(
-            lambda receive: super(ChatConsumer, self).__call__(scope, receive, send),
-            receive,
-            {"type": "websocket.disconnect", "code": CLOSE_SERVER_STOPPING},
-            STOPPING_GRACE_SECONDS,
-        )
+        try:
+            await as_disconnect_when_cancelled(
+                lambda receive: super(ChatConsumer, self).__call__(scope, receive, send),
+                receive,
+                {"type": "websocket.disconnect", "code": CLOSE_SERVER_STOPPING},
+                STOPPING_GRACE_SECONDS,
+            )
+        finally:  # an instance that ended without its disconnect leaves no task behind
+            if self.mirror_checker is not None:
+                self.mirror_checker.cancel()
+            if self.relay is not None:
+                self.relay.abandon()
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -150,6 +177,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
             return
         self.user, self.conversation = user, conversation
         await self.accept()
+        self.mirror = ReplyMirror()
+        self.relay_lock = asyncio.Lock()  # relayed messages and syncs, one at a time
+        self.relay = Relay(
+            group_name(tenant_id=conversation.tenant_id, conversation_id=conversation.pk),
+            self._on_relayed,
+        )
+        await self.relay.join()
+        self.relay.listen()
+        self.mirror_checker = asyncio.create_task(self._check_mirror())
 
     async def _refuse(self, code: int) -> None:
         """Accept, then close with ``code``: the browser sees the code (a refused handshake
@@ -162,6 +198,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
         self.is_closed = True
         if self.run is not None:
             await self._stop(self.run)
+        await self._leave()
+
+    async def _leave(self) -> None:
+        if self.mirror_checker is not None:
+            self.mirror_checker.cancel()
+            self.mirror_checker = None
+        if self.relay is not None:
+            relay, self.relay = self.relay, None
+            await relay.leave()
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.is_closed:
@@ -223,14 +268,27 @@ class ChatConsumer(AsyncWebsocketConsumer):
             if await self._was_deleted():
                 await self._lose_deleted()
                 return
-            await self._lose_access(
-                CLOSE_FORBIDDEN, "forbidden", "You no longer have access to this conversation."
-            )
+            await self._lose_forbidden()
             return
         await handler(frame)
 
     async def _lose_deleted(self) -> None:
         await self._lose_access(CLOSE_DELETED, "deleted", "This conversation was deleted.")
+
+    async def _lose_forbidden(self) -> None:
+        await self._lose_access(
+            CLOSE_FORBIDDEN, "forbidden", "You no longer have access to this conversation."
+        )
+
+    async def _lose_deleted_or_access(self) -> None:
+        """Another window deleted the conversation: close, telling one who lost the tenant
+        meanwhile only that. With the database out of reach, the next frame finds out."""
+        try:
+            is_deleted = await self._was_deleted()
+        except Exception:  # noqa: BLE001
+            logger.warning("conversation %s: deleted, but who may know?", self.conversation.pk)
+            return
+        await (self._lose_deleted() if is_deleted else self._lose_forbidden())
 
     async def _lose_access(self, close_code: int, error_code: str, message: str) -> None:
         """Tell the client why, stop the reply being generated, and close."""
@@ -250,15 +308,21 @@ class ChatConsumer(AsyncWebsocketConsumer):
             message = await database_sync_to_async(services.message_send)(
                 conversation=self.conversation, content=frame.get("content")
             )
-            await self._send({"type": "message", "message": message_payload(message)})
+            await self._send_all({"type": "message", "message": message_payload(message)})
             if is_untitled:  # the first message titled the conversation
                 settings = settings_payload(self.conversation)
-                await self._send({"type": "settings", "settings": settings})
+                await self._send_all({"type": "settings", "settings": settings})
             await self._start_reply(claim, after_id=message.pk)
 
     async def on_stop(self, frame: dict) -> None:
         if self.run is not None:
             await self._stop(self.run)
+        elif self.relay is not None:  # the reply, if any, is another window's
+            await self.relay.publish({"type": "chat.stop"}, to_all=True)
+
+    async def on_sync(self, frame: dict) -> None:
+        async with self.relay_lock:
+            await self._send_saved()
 
     async def on_regenerate(self, frame: dict) -> None:
         async with self._claim() as claim:
@@ -280,10 +344,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
             message = await database_sync_to_async(services.message_edit)(
                 conversation=self.conversation, message_id=message_id, content=frame.get("content")
             )
-            await self._send({"type": "message", "message": message_payload(message)})
+            await self._send_all({"type": "message", "message": message_payload(message)})
             if self.conversation.title != title:  # an edited first message retitled it
                 settings = settings_payload(self.conversation)
-                await self._send({"type": "settings", "settings": settings})
+                await self._send_all({"type": "settings", "settings": settings})
             await self._start_reply(claim, after_id=message.pk)
 
     async def on_settings(self, frame: dict) -> None:
@@ -291,7 +355,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         self.conversation = await database_sync_to_async(services.conversation_configure)(
             conversation=self.conversation, **changes
         )
-        await self._send({"type": "settings", "settings": settings_payload(self.conversation)})
+        await self._send_all({"type": "settings", "settings": settings_payload(self.conversation)})
 
     # --- one reply --------------------------------------------------------------------------
 
@@ -326,10 +390,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
         )
         self.num_replies_started += 1
         self.run = run = _Run(reply=reply, claim=claim)
+        if self.relay is not None:
+            run.text_relay = TextRelay(self.relay, reply.pk)
         run.keeper = asyncio.create_task(
             claims.akeep(self.conversation, run.claim, on_deleted=partial(self._deleted, run))
         )
-        await self._send({"type": "start", "message_id": reply.pk, "after_id": after_id})
+        await self._send_all({"type": "start", "message_id": reply.pk, "after_id": after_id})
         run.task = asyncio.create_task(self._generate(run))
 
     async def _generate(self, run: _Run) -> None:
@@ -364,6 +430,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
             # 3.11's wait_for does); the next token ends the reply instead
             raise asyncio.CancelledError
         await self._send({"type": "token", "text": text})
+        if run.text_relay is not None:
+            run.text_relay.add(text)
 
     async def _stop(self, run: _Run) -> None:
         run.cancel()
@@ -379,6 +447,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             return
         run.is_finished = True
         outcome, error = run.outcome, run.error
+        is_saved = False
         if error is not None:
             status = Message.Status.ERROR
         elif run.is_stopped:
@@ -397,6 +466,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                     prompt_tokens=outcome.prompt_tokens,
                     completion_tokens=outcome.completion_tokens,
                 )
+                is_saved = True
         except services.ConversationDeleted:
             run.is_deleted = True
         except Exception:
@@ -405,9 +475,25 @@ class ChatConsumer(AsyncWebsocketConsumer):
         finally:
             if run.keeper is not None:
                 run.keeper.cancel()
+            if run.text_relay is not None:
+                run.text_relay.close()
             await claims.arelease(self.conversation, run.claim)
             if self.run is run:
                 self.run = None
+        if is_saved and self.relay is not None:  # reply_finish updated run.reply
+            await self.relay.publish(
+                {
+                    "type": "chat.frame",
+                    "frame": {
+                        "type": "done",
+                        "message_id": run.reply.pk,
+                        "status": run.reply.status,
+                        "finish_reason": outcome.finish_reason,
+                        "usage": outcome.usage(),
+                        "message": message_payload(run.reply),
+                    },
+                }
+            )
         if run.is_deleted:
             # the usage is metered all the same (by the run); the socket has nothing to show
             if not self.is_closed:
@@ -427,11 +513,123 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 }
             )
 
+    # --- the conversation's other windows (chat.relay) ---------------------------------------
+
+    async def _on_relayed(self, message: dict) -> None:
+        async with self.relay_lock:
+            if self.is_closed:
+                return
+            kind = message["type"]
+            if kind == "chat.frame":
+                await self._on_relayed_frame(message["frame"])
+            elif kind == "chat.text":
+                reply_id = message["reply_id"]
+                text, is_gap = self.mirror.piece(reply_id, message["offset"], message["text"])
+                await self._send_relayed_text(text)
+                if is_gap:
+                    await self.relay.send_to(
+                        message["sender"], {"type": "chat.snapshot_request", "reply_id": reply_id}
+                    )
+            elif kind == "chat.snapshot":
+                await self._send_relayed_text(
+                    self.mirror.snapshot(message["reply_id"], message["text"])
+                )
+            elif kind == "chat.snapshot_request":
+                run = self.run
+                if run is not None and run.reply.pk == message["reply_id"]:
+                    snapshot = {"type": "chat.snapshot", "reply_id": run.reply.pk}
+                    await self.relay.send_to(
+                        message["sender"], {**snapshot, "text": run.outcome.text}
+                    )
+            elif kind == "chat.stop":
+                if self.run is not None:
+                    await self._stop(self.run)
+            elif kind == "chat.deleted":
+                if self.run is not None:
+                    self._deleted(self.run)  # its end closes the socket
+                else:
+                    await self._lose_deleted_or_access()
+
+    async def _on_relayed_frame(self, frame: dict) -> None:
+        if frame["type"] == "start":
+            self.mirror.watch(frame["message_id"])
+        elif frame["type"] == "done":
+            self.mirror.end(frame["message_id"])
+        await self._send({**frame, "relayed": True})
+
+    async def _send_relayed_text(self, text: str) -> None:
+        if text:
+            await self._send({"type": "token", "text": text, "relayed": True})
+
+    async def _send_saved(self) -> None:
+        """Send the conversation as saved, and follow the reply that another window generates,
+        asking it for its text so far. Under ``relay_lock``."""
+        messages, generating = await self._saved_messages()
+        frame = {
+            "type": "sync",
+            "messages": [message_payload(message) for message in messages],
+            "settings": settings_payload(self.conversation),
+            "generating": generating,
+        }
+        await self._send(frame)
+        if self.run is not None:
+            return
+        if generating is None:
+            self.mirror.forget()
+        elif self.mirror.watch(generating) and self.relay is not None:
+            self.mirror.is_snapshot_asked = True
+            request = {"type": "chat.snapshot_request", "reply_id": generating}
+            await self.relay.publish(request, to_all=True)
+
+    @database_sync_to_async
+    def _saved_messages(self) -> tuple[list[Message], int | None]:
+        """The conversation's messages, and the id of the reply being generated (None: none).
+        Replies left streaming by a process that died are marked interrupted, as the page
+        does."""
+        is_claimed = claims.is_claimed(self.conversation)
+        if not is_claimed:
+            services.replies_interrupt(conversation=self.conversation)
+        messages = list(selectors.conversation_messages(conversation=self.conversation))
+        run = self.run
+        if run is not None:
+            return messages, run.reply.pk
+        last = messages[-1] if messages else None
+        if is_claimed and last is not None and last.status == Message.Status.STREAMING:
+            return messages, last.pk
+        return messages, None
+
+    async def _check_mirror(self) -> None:
+        """While this window follows another's reply and hears nothing of it, look every
+        ``MIRROR_CHECK_SECONDS`` whether it ended (its claim freed); then sync, so the page
+        never shows a finished reply as still being written (its ``done`` may have been lost,
+        or sent before the other window knew of this one)."""
+        while True:
+            await asyncio.sleep(MIRROR_CHECK_SECONDS)
+            try:
+                if self.relay is not None:
+                    await self.relay.refresh()
+                if self.is_closed or not self.mirror.is_stale(MIRROR_CHECK_SECONDS):
+                    continue
+                if await claims.ais_claimed(self.conversation):
+                    self.mirror.heard_of()
+                    continue
+                async with self.relay_lock:
+                    if self.mirror.reply_id is not None and await self._refresh():
+                        await self._send_saved()
+            except Exception:  # noqa: BLE001 - looked at again next time
+                logger.warning("conversation %s: could not check its reply", self.conversation.pk)
+
     # --- helpers ----------------------------------------------------------------------------
 
     async def _send(self, frame: dict) -> None:
         if not self.is_closed:
             await self.send(text_data=json.dumps(frame))
+
+    async def _send_all(self, frame: dict) -> None:
+        """Send ``frame`` to this window and relay it to the conversation's others."""
+        await self._send(frame)
+        if self.relay is not None:
+            await self.relay.publish({"type": "chat.frame", "frame": frame})
 
     async def _error(
         self,

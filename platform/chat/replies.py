@@ -12,7 +12,7 @@ released) before it returns.
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.contrib.auth.models import AbstractBaseUser
 
 from chat.models import Conversation, Message
@@ -87,7 +87,7 @@ class ReplyOutcome:
         }
 
 
-@sync_to_async
+@database_sync_to_async
 def _caller_and_messages(
     conversation: Conversation, reply: Message, user: AbstractBaseUser
 ) -> tuple[Caller, list]:

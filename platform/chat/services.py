@@ -4,13 +4,16 @@ Every function takes keyword-only arguments, validates before writing and runs i
 transaction. The consumer calls them through ``database_sync_to_async``.
 """
 
+from functools import partial
+
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
-from chat import claims
+from chat import claims, relay
 from chat.models import DEFAULT_TEMPERATURE, ChatPreference, Conversation, Message
+from chat.payloads import settings_payload
 from chat.selectors import chat_models
 from config.json_text import NUL
 from tenants.models import Membership, Tenant
@@ -103,6 +106,8 @@ def conversation_rename(*, conversation: Conversation, title: str) -> Conversati
         raise ValidationError(f"A title may be at most {MAX_TITLE_CHARS} characters long.")
     conversation.title = title
     conversation.save(update_fields=["title"])
+    frame = {"type": "settings", "settings": settings_payload(conversation)}
+    _tell_windows(conversation, {"type": "chat.frame", "frame": frame})
     return conversation
 
 
@@ -110,8 +115,20 @@ def conversation_rename(*, conversation: Conversation, title: str) -> Conversati
 def conversation_delete(*, conversation: Conversation) -> None:
     """Delete the conversation; a reply it is generating stops (``chat.claims``)."""
     deleted = claims.deleted_key(conversation)  # the pk is gone once deleted
+    _tell_windows(conversation, {"type": "chat.deleted"})
     conversation.delete()
     transaction.on_commit(lambda: claims.mark_deleted(deleted))
+
+
+def _tell_windows(conversation: Conversation, message: dict) -> None:
+    """Tell the conversation's open sockets (``chat.relay``) once the change is committed."""
+    tell = partial(
+        relay.publish_from_sync,
+        tenant_id=conversation.tenant_id,
+        conversation_id=conversation.pk,
+        message=message,
+    )
+    transaction.on_commit(tell)
 
 
 class ConversationDeleted(Exception):

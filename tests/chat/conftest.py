@@ -68,13 +68,15 @@ class Chat:
     async def receive(self) -> dict:
         return json.loads(await self.communicator.receive_from(timeout=FRAME_TIMEOUT))
 
-    async def receive_until(self, *types: str) -> tuple[dict, list[dict]]:
-        """Frames up to and including the first of one of ``types``; (that frame, all)."""
+    async def receive_until(self, *types: str, relayed: bool = True) -> tuple[dict, list[dict]]:
+        """Frames up to and including the first of one of ``types``; (that frame, all). With
+        ``relayed=False``, a frame relayed from another window (``"relayed": true``) is not
+        the one looked for."""
         frames = []
         while True:
             frame = await self.receive()
             frames.append(frame)
-            if frame["type"] in types:
+            if frame["type"] in types and (relayed or not frame.get("relayed")):
                 return frame, frames
 
     async def is_quiet(self) -> bool:

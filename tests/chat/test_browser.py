@@ -9,6 +9,8 @@ scripts/ensure_chromium.sh when running as root).
 
 import os
 import shutil
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -298,8 +300,9 @@ def _signed_in_page(context, base: str, conversation_id: int):
 def test_what_the_server_refuses_stays_as_the_user_wrote_it(
     chromium, live_chat, browser, ready_engine
 ):
-    """An edit refused (too long) kept showing the refused text as if saved; a message refused
-    as busy (another window's reply streams) was gone from the composer."""
+    """An edit refused (too long) kept showing the refused text as if saved; a message written
+    while another window's reply streams was gone from the composer (refused as busy; now the
+    window shows that reply streaming, and keeps the message until it can go)."""
     conversation_id = _in_thread(_conversation_with_one_exchange)
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     first = _signed_in_page(context, live_chat, conversation_id)
@@ -313,10 +316,53 @@ def test_what_the_server_refuses_stays_as_the_user_wrote_it(
     with engine_paused(ready_engine):
         first.click(".message.assistant .regenerate")
         first.wait_for_selector(".message.assistant[data-status=streaming]")
+        second.wait_for_selector(".message.assistant[data-status=streaming]")
         second.fill("#input", "My carefully typed follow-up")
         second.keyboard.press("Enter")
-        second.wait_for_selector("#banner:not([hidden])")
-        assert "another window" in second.inner_text("#banner-text")
+        assert second.is_visible("#stop") and not second.is_visible("#send")
         assert second.input_value("#input") == "My carefully typed follow-up"
     first.wait_for_selector(".message.assistant:not([data-status=streaming])")
+    second.wait_for_selector(".message.assistant:not([data-status=streaming])")
+    assert second.input_value("#input") == "My carefully typed follow-up"
+    context.close()
+
+
+def test_two_windows_stay_in_step(chromium, live_chat, browser, ready_engine):
+    """A second window on a conversation showed the typing dots of a reply streaming in the
+    first until it was reloaded, never saw a message sent there, and learned of a deletion
+    only when it next sent something."""
+    conversation_id = _in_thread(_conversation_with_one_exchange)
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    first = _signed_in_page(context, live_chat, conversation_id)
+    second = _signed_in_page(context, live_chat, conversation_id)
+    with engine_paused(ready_engine):
+        first.fill("#input", "Tell me a story")
+        first.keyboard.press("Enter")
+        second.wait_for_selector(".message.user >> text=Tell me a story")
+        second.wait_for_selector(".message.assistant[data-status=streaming]")
+        # the text grows in the second window as the first receives it (the engine let run
+        # a slice at a time, so the reply is certainly still running after)
+        has_text = (
+            "() => document.querySelectorAll('.message.assistant')[1]"
+            ".querySelector('.body').textContent.length > 0"
+        )
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        while not second.evaluate(has_text):
+            assert time.monotonic() < deadline, "no text reached the second window"
+            ready_engine.process.send_signal(signal.SIGCONT)
+            time.sleep(0.01)
+            ready_engine.process.send_signal(signal.SIGSTOP)
+            second.wait_for_timeout(200)
+        second.click("#stop")  # the stop of a window that is not generating stops the reply
+        first.wait_for_selector(".message.assistant[data-status=stopped]")
+        second.wait_for_selector(".message.assistant[data-status=stopped]")
+    assert _reply_text(second) == _reply_text(first)
+    _shot(second, "second-window.png")
+
+    third = _signed_in_page(context, live_chat, conversation_id)  # opened afterwards
+    assert _reply_text(third) == _reply_text(first)
+    first.on("dialog", lambda dialog: dialog.accept())
+    first.click(f'.conversation-item[data-id="{conversation_id}"] .delete-form button')
+    second.wait_for_selector("#banner:not([hidden])")
+    assert "deleted" in second.inner_text("#banner-text")
     context.close()

@@ -629,7 +629,7 @@ async def test_another_window_cannot_change_the_conversation_while_a_reply_strea
         first, second = await _two_windows_one_reply_streaming(chat_world, ready_engine)
         for frame in ({"type": "send", "content": "Me too"}, {"type": "regenerate"}):
             await second.send(**frame)
-            busy = await second.receive()
+            busy, _ = await second.receive_until("error")  # after the first window's, relayed
             assert (busy["type"], busy["code"]) == ("error", "busy")
             assert "another window" in busy["message"]
         await first.send(type="stop")
@@ -642,7 +642,7 @@ async def test_another_window_cannot_change_the_conversation_while_a_reply_strea
     # Free again: the other window may go on.
     await _configure(conversation, max_tokens=4)
     await second.send(type="regenerate")
-    done, _ = await second.receive_until("done", "error")
+    done, _ = await second.receive_until("done", "error", relayed=False)
     assert done["type"] == "done" and done["status"] == "complete"
     await first.close()
     await second.close()
@@ -686,7 +686,7 @@ async def test_a_reply_renews_its_claim_while_it_runs(
         first, second = await _two_windows_one_reply_streaming(chat_world, ready_engine)
         await asyncio.sleep(3)
         await second.send(type="regenerate")
-        busy = await second.receive()
+        busy, _ = await second.receive_until("error")
         assert (busy["type"], busy["code"]) == ("error", "busy")
         await first.send(type="stop")
         done, _ = await first.receive_until("done")

@@ -271,10 +271,64 @@
     });
   }
 
+  // The conversation as saved (after each connect, and when a reply that another window
+  // generated ended unheard of): the thread is brought in line without redrawing what is the
+  // same, and a reply being generated shows as such, its text so far arriving as tokens.
+  function applySync(frame) {
+    const ids = new Set(frame.messages.map(function (message) { return message.id; }));
+    thread.querySelectorAll(".message").forEach(function (node) {
+      if (!ids.has(Number(node.dataset.id))) node.remove();
+    });
+    frame.messages.forEach(function (message) {
+      const node = thread.querySelector('.message[data-id="' + message.id + '"]');
+      if (!node) { thread.append(messageNode(message)); return; }
+      if (node.classList.contains("editing")) return;
+      if (streaming && streaming.id === message.id && message.status === "streaming") return;
+      if (node.dataset.status !== message.status || node.dataset.content !== message.content) {
+        fillMessage(node, message);
+      }
+    });
+    $("empty-state").hidden = frame.messages.length > 0;
+    if (frame.generating === null) {
+      if (streaming) {
+        if (streaming.frame) cancelAnimationFrame(streaming.frame);
+        streaming = null;
+      }
+      setGenerating(false);
+    } else if (!streaming || streaming.id !== frame.generating) {
+      const node = thread.querySelector('.message[data-id="' + frame.generating + '"]');
+      if (node) {
+        streaming = { id: frame.generating, text: "", node: node, body: node.querySelector(".body"), frame: 0 };
+        setGenerating(true);
+      }
+    }
+    applySettings(frame.settings);
+    refreshActions();
+  }
+
+  // A reply that another window generated ended: shown as it was saved.
+  function applyRelayedDone(frame) {
+    const message = frame.message;
+    if (streaming && streaming.id === message.id) {
+      if (streaming.frame) cancelAnimationFrame(streaming.frame);
+      streaming = null;
+      setGenerating(false);
+    }
+    const node = thread.querySelector('.message[data-id="' + message.id + '"]');
+    if (node) fillMessage(node, message);
+    refreshActions();
+    scrollToEnd(false);
+  }
+
   function onFrame(frame) {
     switch (frame.type) {
+      case "sync":
+        applySync(frame);
+        break;
       case "message":
-        if (pending && pending.kind === "send" && frame.message.role === "user") {
+        if (frame.relayed) {
+          // another window's: this window's own send or edit is still waiting for its answer
+        } else if (pending && pending.kind === "send" && frame.message.role === "user") {
           if (input.value === pending.content) {
             input.value = "";
             autosize();
@@ -287,7 +341,7 @@
         scrollToEnd(true);
         break;
       case "start": {
-        hideBanner();
+        if (!frame.relayed) hideBanner();
         removeAfter(frame.after_id);
         const node = appendMessage({
           id: frame.message_id, role: "assistant", content: "", status: "streaming",
@@ -304,7 +358,8 @@
         }
         break;
       case "done":
-        finishStreaming({ status: frame.status, error_message: "" });
+        if (frame.relayed) applyRelayedDone(frame);
+        else finishStreaming({ status: frame.status, error_message: "" });
         break;
       case "error":
         if (pending && pending.kind === "edit") pending.restore();  // not saved: as it was
@@ -355,6 +410,7 @@
       reconnectDelay = 500;
       setConnection("", "online");
       document.body.dataset.socket = "open";
+      send({ type: "sync" });  // what changed since the page was drawn, or the socket lost
       const pending = sessionStorage.getItem(PENDING_KEY + ":" + state.conversation_id);
       if (pending) {
         sessionStorage.removeItem(PENDING_KEY + ":" + state.conversation_id);
@@ -451,6 +507,18 @@
     if (settings.title) document.title = settings.title + " · LLM Platform";
     const picker = $("model-picker");
     if (picker && settings.model) picker.value = settings.model;
+    // the settings panel too (changed in another window), but not a field being edited here
+    const system = $("setting-system");
+    if (system && document.activeElement !== system) system.value = settings.system_prompt || "";
+    const temperature = $("setting-temperature");
+    if (temperature && document.activeElement !== temperature && settings.temperature !== undefined) {
+      temperature.value = settings.temperature;
+      $("temperature-value").textContent = Number(settings.temperature).toFixed(2);
+    }
+    const maxTokens = $("setting-max-tokens");
+    if (maxTokens && document.activeElement !== maxTokens && settings.max_tokens !== undefined) {
+      maxTokens.value = settings.max_tokens === null ? "" : settings.max_tokens;
+    }
     const status = $("settings-status");
     if (status && isSavingSettings) status.textContent = "Saved. Changes apply to the next reply.";
     isSavingSettings = false;
