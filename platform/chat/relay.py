@@ -199,6 +199,8 @@ class TextRelay:
         text, offset = "".join(self._pending), self._sent
         self._pending.clear()
         self._sent += len(text)
+        if not text:  # the peers left meanwhile
+            return
         await self.relay.publish(
             {"type": "chat.text", "reply_id": self.reply_id, "offset": offset, "text": text}
         )
