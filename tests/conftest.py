@@ -110,8 +110,10 @@ async def async_db(transactional_db):
     barrier = threading.Barrier(TEST_EXECUTOR_THREADS)
 
     def close_this_threads_connections() -> None:
-        connections.close_all()
-        barrier.wait(timeout=60)
+        try:
+            connections.close_all()
+        finally:  # a failed close must not leave the others waiting for it
+            barrier.wait(timeout=60)
 
     await asyncio.gather(
         *(

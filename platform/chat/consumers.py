@@ -9,7 +9,8 @@ and the page could not tell "sign in again" from "the server is restarting".
 Client → server frames (JSON objects, at most ``MAX_FRAME_CHARS`` characters):
 
 - ``{"type": "send", "content": str}``: add a user message and generate a reply.
-- ``{"type": "stop"}``: stop the reply being generated; its text so far is kept, marked
+- ``{"type": "stop", "message_id"?: int}``: stop the reply being generated (in this window,
+  or in another: then only the reply named, if named); its text so far is kept, marked
   stopped. Ignored when nothing is being generated.
 - ``{"type": "regenerate"}``: replace the last reply with a new one.
 - ``{"type": "edit", "message_id": int, "content": str}``: change one of the user's messages,
@@ -52,8 +53,11 @@ Every window of a conversation sees what the others do (``chat.relay``): the ``m
 too, marked ``"relayed": true``; a relayed ``done`` carries the reply as saved (``message``,
 whose status may also be ``error``), and ``token`` frames of a relayed reply may hold several
 tokens. A stop frame from a window that is not generating stops the reply another window
-generates. A conversation deleted from the page closes its idle sockets at once (``deleted``,
-4404), and a rename reaches them as a ``settings`` frame.
+generates (with ``"message_id"``, only that reply). A conversation deleted from the page
+closes its idle sockets at once (``deleted``, 4404), and a rename reaches them as a
+``settings`` frame naming only the title. A socket whose user was signed out, or lost access,
+since its last check (at most ``ACCESS_RECHECK_SECONDS`` before) is closed, as for a frame of
+its own, instead of shown what other windows relay.
 
 Only one reply per conversation is generated at a time, across sockets and processes: a
 frame that would start another gets a ``busy`` error. The claim is a lease that the reply
@@ -69,6 +73,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -101,6 +106,9 @@ CLOSE_SERVER_STOPPING = 1012  # RFC 6455's "service restart"
 STOPPING_GRACE_SECONDS = 10.0
 # how often a window following another window's reply looks whether it ended unheard of
 MIRROR_CHECK_SECONDS = 2.0
+# how long a check that the socket's user may still see the conversation holds for what other
+# windows relay to it (each frame of its own is checked)
+ACCESS_RECHECK_SECONDS = 5.0
 SETTINGS_FIELDS = ("model", "system_prompt", "temperature", "max_tokens")
 
 
@@ -145,6 +153,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     relay: Relay | None = None
     mirror: ReplyMirror
     mirror_checker: asyncio.Task | None = None
+    allowed_at = 0.0  # when the user was last found allowed to see the conversation (monotonic)
     num_replies_started = 0
     is_closed = False
 
@@ -176,14 +185,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._refuse(CLOSE_FORBIDDEN)
             return
         self.user, self.conversation = user, conversation
-        await self.accept()
+        self.allowed_at = time.monotonic()
         self.mirror = ReplyMirror()
         self.relay_lock = asyncio.Lock()  # relayed messages and syncs, one at a time
         self.relay = Relay(
             group_name(tenant_id=conversation.tenant_id, conversation_id=conversation.pk),
             self._on_relayed,
         )
-        await self.relay.join()
+        await self.relay.join()  # before the accept: what happens once the page sees the
+        await self.accept()  # socket open reaches it
         self.relay.listen()
         self.mirror_checker = asyncio.create_task(self._check_mirror())
 
@@ -260,9 +270,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     async def _handle(self, frame: dict, handler: Callable[[dict], Awaitable[None]]) -> None:
         # Every frame, a stop too: the session may have ended since the socket opened.
         if not await self._is_signed_in():
-            await self._lose_access(
-                CLOSE_UNAUTHENTICATED, "unauthenticated", "Your session has ended. Sign in again."
-            )
+            await self._lose_session()
             return
         if frame["type"] != "stop" and not await self._refresh():
             if await self._was_deleted():
@@ -270,7 +278,14 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 return
             await self._lose_forbidden()
             return
+        if frame["type"] != "stop":
+            self.allowed_at = time.monotonic()
         await handler(frame)
+
+    async def _lose_session(self) -> None:
+        await self._lose_access(
+            CLOSE_UNAUTHENTICATED, "unauthenticated", "Your session has ended. Sign in again."
+        )
 
     async def _lose_deleted(self) -> None:
         await self._lose_access(CLOSE_DELETED, "deleted", "This conversation was deleted.")
@@ -318,7 +333,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if self.run is not None:
             await self._stop(self.run)
         elif self.relay is not None:  # the reply, if any, is another window's
-            await self.relay.publish({"type": "chat.stop"}, to_all=True)
+            reply_id = frame.get("message_id")
+            if isinstance(reply_id, bool) or not isinstance(reply_id, int):
+                reply_id = None  # whichever reply runs
+            await self.relay.publish({"type": "chat.stop", "reply_id": reply_id}, to_all=True)
 
     async def on_sync(self, frame: dict) -> None:
         async with self.relay_lock:
@@ -396,6 +414,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
             claims.akeep(self.conversation, run.claim, on_deleted=partial(self._deleted, run))
         )
         await self._send_all({"type": "start", "message_id": reply.pk, "after_id": after_id})
+        if run.is_stop_asked:  # another window's stop, or a deletion, came meanwhile
+            await self._stop(run)
+            return
         run.task = asyncio.create_task(self._generate(run))
 
     async def _generate(self, run: _Run) -> None:
@@ -520,10 +541,17 @@ class ChatConsumer(AsyncWebsocketConsumer):
             if self.is_closed:
                 return
             kind = message["type"]
+            if kind in ("chat.frame", "chat.text", "chat.snapshot") and not (
+                await self._still_allowed()
+            ):
+                return
             if kind == "chat.frame":
                 await self._on_relayed_frame(message["frame"])
             elif kind == "chat.text":
                 reply_id = message["reply_id"]
+                if self.run is None and self.mirror.is_new(reply_id):
+                    await self._catch_up(reply_id)
+                    return
                 text, is_gap = self.mirror.piece(reply_id, message["offset"], message["text"])
                 await self._send_relayed_text(text)
                 if is_gap:
@@ -542,8 +570,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
                         message["sender"], {**snapshot, "text": run.outcome.text}
                     )
             elif kind == "chat.stop":
-                if self.run is not None:
-                    await self._stop(self.run)
+                run, reply_id = self.run, message.get("reply_id")
+                if run is not None and reply_id in (None, run.reply.pk):
+                    await self._stop(run)
             elif kind == "chat.deleted":
                 if self.run is not None:
                     self._deleted(self.run)  # its end closes the socket
@@ -554,8 +583,37 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if frame["type"] == "start":
             self.mirror.watch(frame["message_id"])
         elif frame["type"] == "done":
+            if self.run is None and self.mirror.is_new(frame["message_id"]):
+                await self._catch_up(frame["message_id"])  # its page never saw it start
+                return
             self.mirror.end(frame["message_id"])
         await self._send({**frame, "relayed": True})
+
+    async def _catch_up(self, reply_id: int) -> None:
+        """A reply this window missed the start of: sync (which follows it, if it runs)."""
+        await self._send_saved()
+        if self.mirror.reply_id != reply_id:
+            self.mirror.end(reply_id)  # it ended: its late pieces bring no second sync
+
+    async def _still_allowed(self) -> bool:
+        """Whether the socket's user may still be shown the conversation: signed in, with
+        access. Checked at most every ``ACCESS_RECHECK_SECONDS`` (its own frames are checked
+        each time); when not, the socket is told why and closed. With the database out of
+        reach, nothing is shown meanwhile."""
+        if time.monotonic() - self.allowed_at < ACCESS_RECHECK_SECONDS:
+            return True
+        try:
+            if not await self._is_signed_in():
+                await self._lose_session()
+                return False
+            if not await self._refresh():
+                await self._lose_deleted_or_access()
+                return False
+        except Exception:  # noqa: BLE001 - asked again with the next relayed message
+            logger.warning("conversation %s: could not check its window", self.conversation.pk)
+            return False
+        self.allowed_at = time.monotonic()
+        return True
 
     async def _send_relayed_text(self, text: str) -> None:
         if text:
@@ -577,7 +635,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if generating is None:
             self.mirror.forget()
         elif self.mirror.watch(generating) and self.relay is not None:
-            self.mirror.is_snapshot_asked = True
+            self.mirror.ask_snapshot()
             request = {"type": "chat.snapshot_request", "reply_id": generating}
             await self.relay.publish(request, to_all=True)
 
@@ -614,7 +672,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
                     self.mirror.heard_of()
                     continue
                 async with self.relay_lock:
-                    if self.mirror.reply_id is not None and await self._refresh():
+                    if self.mirror.reply_id is None or self.is_closed:
+                        continue
+                    self.allowed_at = 0.0  # checked now: the sync reloads the conversation
+                    if await self._still_allowed():
                         await self._send_saved()
             except Exception:  # noqa: BLE001 - looked at again next time
                 logger.warning("conversation %s: could not check its reply", self.conversation.pk)

@@ -37,6 +37,7 @@ from channels.layers import get_channel_layer
 logger = logging.getLogger(__name__)
 
 TEXT_RELAY_SECONDS = 0.05
+SNAPSHOT_RETRY_SECONDS = 1.0  # a snapshot asked for and not come is asked for again after this
 RECEIVE_RETRY_SECONDS = (0.5, 10.0)  # the first pause after a failed receive, and the longest
 REJOIN_SECONDS = 3600.0  # channels_redis forgets a group's member after a day
 
@@ -70,10 +71,9 @@ class Relay:
 
     async def join(self) -> None:
         """Join the group and say hello. Messages wait in the layer until ``listen``."""
+        self.channel = await self._layer.new_channel()  # a name made up here: no I/O
         try:
-            self.channel = await self._layer.new_channel()
             await self._add()
-            await self._layer.group_send(self.group, {"type": "chat.hello", "sender": self.channel})
         except Exception:  # noqa: BLE001 - the socket works alone; listen() joins again
             logger.warning("%s: could not join its windows' group", self.group)
 
@@ -128,7 +128,10 @@ class Relay:
                 logger.warning("%s: could not join its windows' group again", self.group)
 
     async def _add(self) -> None:
+        """Join the group and say hello (again: a socket that could not join at first, or that
+        the layer forgot, is not known to its peers)."""
         await self._layer.group_add(self.group, self.channel)
+        await self._layer.group_send(self.group, {"type": "chat.hello", "sender": self.channel})
         self._is_joined = True
         self._joined_at = time.monotonic()
 
@@ -215,7 +218,7 @@ class ReplyMirror:
     reply_id: int | None = None
     length: int = 0
     ended_upto: int = 0  # the highest reply id seen ending: later pieces of it are dropped
-    is_snapshot_asked: bool = False
+    snapshot_asked_at: float | None = None  # (monotonic) None: no snapshot is awaited
     heard_at: float = 0.0  # when this reply was last heard of (monotonic)
 
     def watch(self, reply_id: int) -> bool:
@@ -223,9 +226,17 @@ class ReplyMirror:
         if reply_id <= self.ended_upto:
             return False
         if self.reply_id != reply_id:
-            self.reply_id, self.length, self.is_snapshot_asked = reply_id, 0, False
+            self.reply_id, self.length, self.snapshot_asked_at = reply_id, 0, None
         self.heard_at = time.monotonic()
         return True
+
+    def is_new(self, reply_id: int) -> bool:
+        """Whether ``reply_id`` is a reply this window neither follows nor saw end: it missed
+        the reply's start (it opened, or its hello crossed the start, just then)."""
+        return reply_id != self.reply_id and reply_id > self.ended_upto
+
+    def ask_snapshot(self) -> None:
+        self.snapshot_asked_at = time.monotonic()
 
     def forget(self) -> None:
         """No reply is being generated (as saved)."""
@@ -249,9 +260,10 @@ class ReplyMirror:
             return "", False
         self.heard_at = time.monotonic()
         if offset > self.length:
-            if self.is_snapshot_asked:
+            asked_at = self.snapshot_asked_at
+            if asked_at is not None and time.monotonic() - asked_at < SNAPSHOT_RETRY_SECONDS:
                 return "", False
-            self.is_snapshot_asked = True
+            self.ask_snapshot()  # again, too, when the last one was lost
             return "", True
         return self._extend(offset, text), False
 
@@ -260,7 +272,7 @@ class ReplyMirror:
         if reply_id != self.reply_id:
             return ""
         self.heard_at = time.monotonic()
-        self.is_snapshot_asked = False
+        self.snapshot_asked_at = None
         return self._extend(0, text)
 
     def _extend(self, offset: int, text: str) -> str:

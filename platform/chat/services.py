@@ -13,7 +13,6 @@ from django.utils import timezone
 
 from chat import claims, relay
 from chat.models import DEFAULT_TEMPERATURE, ChatPreference, Conversation, Message
-from chat.payloads import settings_payload
 from chat.selectors import chat_models
 from config.json_text import NUL
 from tenants.models import Membership, Tenant
@@ -106,7 +105,8 @@ def conversation_rename(*, conversation: Conversation, title: str) -> Conversati
         raise ValidationError(f"A title may be at most {MAX_TITLE_CHARS} characters long.")
     conversation.title = title
     conversation.save(update_fields=["title"])
-    frame = {"type": "settings", "settings": settings_payload(conversation)}
+    # the title alone: the other settings as loaded here may be older than another window's
+    frame = {"type": "settings", "settings": {"title": conversation.title}}
     _tell_windows(conversation, {"type": "chat.frame", "frame": frame})
     return conversation
 

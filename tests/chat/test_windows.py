@@ -5,6 +5,7 @@ reaches the window it concerns; a window alone costs the layer nothing; and the 
 with the layer out of reach."""
 
 import asyncio
+import time
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -12,7 +13,13 @@ from channels.layers import get_channel_layer
 
 from chat import claims, consumers, relay, services
 from chat.models import Message
-from tests.chat.conftest import engine_paused, open_chat, run_paused_engine_until
+from tests.chat.conftest import (
+    FRAME_TIMEOUT,
+    engine_paused,
+    open_chat,
+    run_paused_engine_until,
+    session_cookie,
+)
 
 LONG_REPLY_TOKENS = 200
 
@@ -31,12 +38,21 @@ def _text(frames: list[dict]) -> str:
     return "".join(frame["text"] for frame in frames if frame["type"] == "token")
 
 
-async def _two_windows(world):
+async def _two_windows(world, cookie: bytes | None = None):
+    """Two windows on the conversation, the first one knowing of the second (it relays
+    nothing before it heard the second's hello): it sends an empty settings frame until
+    the second hears of it."""
     conversation = world["conversation"]
     _, _, first = await open_chat(world["user"], conversation.pk)
-    _, _, second = await open_chat(world["user"], conversation.pk)
-    await asyncio.sleep(0.2)  # each has heard the other's hello
-    return first, second
+    _, _, second = await open_chat(world["user"], conversation.pk, cookie)
+    deadline = time.monotonic() + FRAME_TIMEOUT
+    while True:
+        await first.send(type="settings")
+        assert (await first.receive())["type"] == "settings"
+        if not await second.is_quiet():
+            assert (await second.receive())["relayed"]
+            return first, second
+        assert time.monotonic() < deadline, "the first window never heard of the second"
 
 
 async def test_a_reply_streams_to_the_conversations_other_window(
@@ -126,6 +142,7 @@ async def test_a_deletion_closes_an_idle_window_at_once(chat_world, async_db):
     assert (error["type"], error["code"]) == ("error", "deleted")
     closed = await idle.communicator.receive_output(timeout=30)
     assert (closed["type"], closed["code"]) == ("websocket.close", consumers.CLOSE_DELETED)
+    await idle.close()
 
 
 async def test_a_rename_and_a_settings_change_reach_the_other_window(chat_world, async_db):
@@ -133,7 +150,8 @@ async def test_a_rename_and_a_settings_change_reach_the_other_window(chat_world,
     first, second = await _two_windows(chat_world)
     await sync_to_async(services.conversation_rename)(conversation=conversation, title="Plans")
     renamed = await second.receive()
-    assert renamed["type"] == "settings" and renamed["settings"]["title"] == "Plans"
+    # the title alone: the rest, as the page's view loaded it, may be older than a window's
+    assert (renamed["type"], renamed["settings"]) == ("settings", {"title": "Plans"})
     assert (await first.receive())["settings"]["title"] == "Plans"  # its own page's rename
     await first.send(type="settings", temperature=1.25, system_prompt="Be brief.")
     own = await first.receive()
@@ -150,12 +168,14 @@ async def test_another_conversations_window_hears_nothing(chat_world, async_db):
         user=chat_world["user"], tenant=chat_world["tenant"], model=chat_world["conversation"].model
     )
     await _configure(chat_world["conversation"], max_tokens=4)
-    first, _ = await _two_windows(chat_world)
+    first, second = await _two_windows(chat_world)
     _, _, elsewhere = await open_chat(chat_world["user"], other.pk)
     await first.send(type="send", content="Hello")
     await first.receive_until("done")
+    await second.receive_until("done")
     assert await elsewhere.is_quiet()
-    await elsewhere.close()
+    for window in (first, second, elsewhere):
+        await window.close()
 
 
 async def test_a_window_alone_sends_the_channel_layer_nothing_but_its_hello(
@@ -232,18 +252,82 @@ async def test_the_chat_works_with_the_channel_layer_out_of_reach(
 ):
     conversation = chat_world["conversation"]
     await _configure(conversation, max_tokens=8)
-    first, second = await _two_windows(chat_world)
+    _, _, first = await open_chat(chat_world["user"], conversation.pk)
+    _, _, second = await open_chat(chat_world["user"], conversation.pk)
     await first.send(type="send", content="Hello")
     done, frames = await first.receive_until("done", "error")
     assert done["type"] == "done" and done["status"] == "complete"
-    assert await second.is_quiet()  # alone, as before the relay; a sync catches it up
-    await second.send(type="sync")
+    await second.send(type="sync")  # each window on its own, as before the relay
     sync = await second.receive()
     assert sync["messages"][-1]["content"] == _text(frames)
     await sync_to_async(services.conversation_delete)(conversation=conversation)  # no raise
-    assert "could not" in caplog.text
+    assert "could not join its windows' group" in caplog.text
+    assert "could not tell the windows" in caplog.text
     await first.close()
     await second.close()
+
+
+async def test_a_window_signed_out_meanwhile_is_closed_not_shown_other_windows_frames(
+    chat_world, async_db, monkeypatch
+):
+    """A tab left open after its user signed out (elsewhere) kept showing what the user's
+    other windows wrote."""
+    monkeypatch.setattr(consumers, "ACCESS_RECHECK_SECONDS", 0)
+    alice = chat_world["user"]
+    cookie = await sync_to_async(session_cookie)(alice)
+    first, stale = await _two_windows(chat_world, cookie)
+
+    @sync_to_async
+    def sign_out_the_stale_tab() -> None:
+        from django.contrib.sessions.models import Session
+
+        Session.objects.filter(session_key=cookie.decode().split("=", 1)[1]).delete()
+
+    await sign_out_the_stale_tab()
+    await first.send(type="send", content="Something private")
+    error = await stale.receive()
+    assert (error["type"], error["code"]) == ("error", "unauthenticated")
+    closed = await stale.communicator.receive_output(timeout=30)
+    assert (closed["type"], closed["code"]) == ("websocket.close", consumers.CLOSE_UNAUTHENTICATED)
+    await first.receive_until("done")
+    await first.close()
+    await stale.close()
+
+
+async def test_a_stop_naming_another_reply_stops_nothing(chat_world, async_db, ready_engine):
+    """A stop clicked as one reply ended must not stop the next one, started meanwhile."""
+    await _configure(chat_world["conversation"], max_tokens=LONG_REPLY_TOKENS)
+    first, second = await _two_windows(chat_world)
+    with engine_paused(ready_engine):
+        await first.send(type="send", content="Tell me a long story")
+        _, own = await run_paused_engine_until(ready_engine, first, "token")
+        start = next(frame for frame in own if frame["type"] == "start")
+        await second.send(type="stop", message_id=start["message_id"] - 1)
+        while not await first.is_quiet():  # what the engine's last slice sent; no end
+            assert (await first.receive())["type"] == "token"
+        await second.send(type="stop", message_id=start["message_id"])
+        done, _ = await first.receive_until("done")
+    assert done["status"] == "stopped"
+    await first.close()
+    await second.close()
+
+
+async def test_a_window_that_missed_a_replys_start_syncs_on_its_next_piece(chat_world, async_db):
+    """The generating window had not heard this one's hello when its reply started, so the
+    start went nowhere; its first piece of text to this window makes this window sync."""
+    conversation = chat_world["conversation"]
+    token = await claims.aclaim(conversation)
+    reply = await sync_to_async(services.reply_start)(
+        conversation=conversation, request_id="chat-unseen"
+    )
+    _, _, window = await open_chat(chat_world["user"], conversation.pk)
+    group = relay.group_name(tenant_id=conversation.tenant_id, conversation_id=conversation.pk)
+    piece = {"type": "chat.text", "reply_id": reply.pk, "offset": 40, "text": "...and then"}
+    await get_channel_layer().group_send(group, {**piece, "sender": "specific.elsewhere!x"})
+    sync = await window.receive()
+    assert sync["type"] == "sync" and sync["generating"] == reply.pk
+    await claims.arelease(conversation, token)
+    await window.close()
 
 
 # --- the relay's parts, alone --------------------------------------------------------------
@@ -256,7 +340,7 @@ def test_a_mirror_passes_on_only_text_that_extends_the_page_without_a_gap():
     assert mirror.piece(7, 0, "Hel") == ("Hel", False)
     assert mirror.piece(7, 1, "ello") == ("lo", False)  # overlaps what the page has
     assert mirror.piece(7, 9, "gap") == ("", True)  # a piece was lost: ask, once
-    assert mirror.piece(7, 12, "more") == ("", False)
+    assert mirror.piece(7, 12, "more") == ("", False)  # (asked a moment ago)
     assert mirror.snapshot(7, "Hello, world") == ", world"
     assert mirror.piece(7, 12, "!") == ("!", False)
     assert mirror.snapshot(7, "Hello") == ""  # an older snapshot adds nothing
@@ -283,3 +367,11 @@ async def test_text_relayed_after_a_peer_arrives_keeps_its_offsets(monkeypatch):
     text.add("world")
     await asyncio.sleep(0.01)
     assert sent == [{"type": "chat.text", "reply_id": 3, "offset": 5, "text": ", world"}]
+
+
+def test_a_mirror_asks_again_for_a_snapshot_that_did_not_come(monkeypatch):
+    mirror = relay.ReplyMirror()
+    mirror.watch(7)
+    assert mirror.piece(7, 5, "gap") == ("", True)
+    monkeypatch.setattr(relay, "SNAPSHOT_RETRY_SECONDS", 0)
+    assert mirror.piece(7, 8, "more") == ("", True)  # the first was lost

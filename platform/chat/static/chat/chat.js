@@ -281,7 +281,14 @@
     });
     frame.messages.forEach(function (message) {
       const node = thread.querySelector('.message[data-id="' + message.id + '"]');
-      if (!node) { thread.append(messageNode(message)); return; }
+      if (!node) {
+        // in id order, before the first message shown that came later
+        const later = Array.prototype.find.call(thread.querySelectorAll(".message"), function (other) {
+          return Number(other.dataset.id) > message.id;
+        });
+        thread.insertBefore(messageNode(message), later || null);
+        return;
+      }
       if (node.classList.contains("editing")) return;
       if (streaming && streaming.id === message.id && message.status === "streaming") return;
       if (node.dataset.status !== message.status || node.dataset.content !== message.content) {
@@ -302,7 +309,7 @@
         setGenerating(true);
       }
     }
-    applySettings(frame.settings);
+    applySettings(frame.settings, false);
     refreshActions();
   }
 
@@ -372,7 +379,7 @@
         } : null);
         break;
       case "settings":
-        applySettings(frame.settings);
+        applySettings(frame.settings, !frame.relayed);
         break;
       default:
         break;
@@ -492,13 +499,20 @@
     }
   });
   input.addEventListener("input", autosize);
-  stopButton.addEventListener("click", function () { send({ type: "stop" }); });
+  stopButton.addEventListener("click", function () {
+    // the reply shown: a stop that crosses its end does not stop the next one
+    send({ type: "stop", message_id: streaming ? streaming.id : undefined });
+  });
 
   // --- settings ---------------------------------------------------------------------------------
 
-  function applySettings(settings) {
+  // The conversation's settings as saved; only those named change (a rename names the title
+  // alone). ``isOwn``: the answer to this window's own settings frame.
+  function applySettings(settings, isOwn) {
     const title = $("conversation-title");
-    if (title && !title.isContentEditable) title.textContent = settings.title || "New conversation";
+    if (title && !title.isContentEditable && settings.title !== undefined) {
+      title.textContent = settings.title || "New conversation";
+    }
     const item = document.querySelector('.conversation-item[data-id="' + state.conversation_id + '"]');
     if (item && settings.title) {
       item.querySelector(".conversation-link").textContent = settings.title;
@@ -509,7 +523,9 @@
     if (picker && settings.model) picker.value = settings.model;
     // the settings panel too (changed in another window), but not a field being edited here
     const system = $("setting-system");
-    if (system && document.activeElement !== system) system.value = settings.system_prompt || "";
+    if (system && document.activeElement !== system && settings.system_prompt !== undefined) {
+      system.value = settings.system_prompt;
+    }
     const temperature = $("setting-temperature");
     if (temperature && document.activeElement !== temperature && settings.temperature !== undefined) {
       temperature.value = settings.temperature;
@@ -519,6 +535,7 @@
     if (maxTokens && document.activeElement !== maxTokens && settings.max_tokens !== undefined) {
       maxTokens.value = settings.max_tokens === null ? "" : settings.max_tokens;
     }
+    if (!isOwn) return;
     const status = $("settings-status");
     if (status && isSavingSettings) status.textContent = "Saved. Changes apply to the next reply.";
     isSavingSettings = false;
