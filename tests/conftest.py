@@ -26,6 +26,18 @@ def fast_password_hashing():
         yield
 
 
+@pytest.fixture(autouse=True)
+def fresh_channel_layer():
+    """Each test gets channel layers of its own. Each async test runs on a loop of its own,
+    and channels_redis ties its receiving to the loop that started it: a chat socket a test
+    left open (its relay receiving, ``chat.relay``) made every receive of every later test
+    fail with "Two event loops are trying to receive() on one channel layer at once!"."""
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+    yield
+
+
 @pytest.fixture
 def user(django_user_model):
     return django_user_model.objects.create_user("alice", password="correct horse battery")
