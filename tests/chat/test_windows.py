@@ -20,13 +20,7 @@ from tests.chat.conftest import (
     run_paused_engine_until,
     session_cookie,
 )
-
-LONG_REPLY_TOKENS = 200
-
-
-@sync_to_async
-def _configure(conversation, **settings) -> None:
-    services.conversation_configure(conversation=conversation, **settings)
+from tests.chat.test_consumer import LONG_REPLY_TOKENS, _configure
 
 
 @sync_to_async
