@@ -93,7 +93,7 @@ class Relay:
             self._receiver = None
         if self.channel is None:
             return
-        channel, self.channel = self.channel, None
+        channel, self.channel, self._is_joined = self.channel, None, False
         try:
             await self._layer.group_discard(self.group, channel)
             if self.peers:
@@ -120,8 +120,9 @@ class Relay:
             logger.warning("%s: could not answer %s with %s", self.group, channel, message["type"])
 
     async def refresh(self) -> None:
-        """Join again when the layer may have forgotten this socket (a socket open for a day)."""
-        if self.channel is not None and time.monotonic() - self._joined_at > REJOIN_SECONDS:
+        """Join again when the layer may have forgotten this socket (a socket open for a day;
+        one that could not join is joined again by its receiving, with a growing pause)."""
+        if self._is_joined and time.monotonic() - self._joined_at > REJOIN_SECONDS:
             try:
                 await self._add()
             except Exception:  # noqa: BLE001 - tried again on the next refresh
