@@ -169,10 +169,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 STOPPING_GRACE_SECONDS,
             )
         finally:  # an instance that ended without its disconnect leaves no task behind
-            if self.mirror_checker is not None:
-                self.mirror_checker.cancel()
-            if self.relay is not None:
-                self.relay.abandon()
+            self._stop_relay_tasks()
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -211,12 +208,17 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self._leave()
 
     async def _leave(self) -> None:
+        self._stop_relay_tasks()
+        if self.relay is not None:
+            relay, self.relay = self.relay, None
+            await relay.leave()
+
+    def _stop_relay_tasks(self) -> None:
         if self.mirror_checker is not None:
             self.mirror_checker.cancel()
             self.mirror_checker = None
         if self.relay is not None:
-            relay, self.relay = self.relay, None
-            await relay.leave()
+            self.relay.abandon()
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.is_closed:
@@ -595,12 +597,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if self.mirror.reply_id != reply_id:
             self.mirror.end(reply_id)  # it ended: its late pieces bring no second sync
 
-    async def _still_allowed(self) -> bool:
+    async def _still_allowed(self, *, is_forced: bool = False) -> bool:
         """Whether the socket's user may still be shown the conversation: signed in, with
-        access. Checked at most every ``ACCESS_RECHECK_SECONDS`` (its own frames are checked
-        each time); when not, the socket is told why and closed. With the database out of
-        reach, nothing is shown meanwhile."""
-        if time.monotonic() - self.allowed_at < ACCESS_RECHECK_SECONDS:
+        access. Checked at most every ``ACCESS_RECHECK_SECONDS`` unless ``is_forced`` (its own
+        frames are checked each time); when not, the socket is told why and closed. With the
+        database out of reach, nothing is shown meanwhile."""
+        if not is_forced and time.monotonic() - self.allowed_at < ACCESS_RECHECK_SECONDS:
             return True
         try:
             if not await self._is_signed_in():
@@ -674,8 +676,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 async with self.relay_lock:
                     if self.mirror.reply_id is None or self.is_closed:
                         continue
-                    self.allowed_at = 0.0  # checked now: the sync reloads the conversation
-                    if await self._still_allowed():
+                    # checked now: the sync reloads the conversation
+                    if await self._still_allowed(is_forced=True):
                         await self._send_saved()
             except Exception:  # noqa: BLE001 - looked at again next time
                 logger.warning("conversation %s: could not check its reply", self.conversation.pk)

@@ -88,9 +88,7 @@ class Relay:
             self._receiver = None
 
     async def leave(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
-            self._receiver = None
+        self.abandon()
         if self.channel is None:
             return
         channel, self.channel, self._is_joined = self.channel, None, False

@@ -297,11 +297,7 @@
     });
     $("empty-state").hidden = frame.messages.length > 0;
     if (frame.generating === null) {
-      if (streaming) {
-        if (streaming.frame) cancelAnimationFrame(streaming.frame);
-        streaming = null;
-      }
-      setGenerating(false);
+      endStreaming();
     } else if (!streaming || streaming.id !== frame.generating) {
       const node = thread.querySelector('.message[data-id="' + frame.generating + '"]');
       if (node) {
@@ -316,11 +312,7 @@
   // A reply that another window generated ended: shown as it was saved.
   function applyRelayedDone(frame) {
     const message = frame.message;
-    if (streaming && streaming.id === message.id) {
-      if (streaming.frame) cancelAnimationFrame(streaming.frame);
-      streaming = null;
-      setGenerating(false);
-    }
+    if (streaming && streaming.id === message.id) endStreaming();
     const node = thread.querySelector('.message[data-id="' + message.id + '"]');
     if (node) fillMessage(node, message);
     refreshActions();
@@ -388,15 +380,19 @@
 
   function finishStreaming(result) {
     if (!streaming) { setGenerating(false); return; }
-    if (streaming.frame) cancelAnimationFrame(streaming.frame);
-    const message = {
+    fillMessage(streaming.node, {
       id: streaming.id, role: "assistant", content: streaming.text,
       status: result.status, error_message: result.error_message,
-    };
-    fillMessage(streaming.node, message);
+    });
+    endStreaming();
+    scrollToEnd(false);
+  }
+
+  // No reply shows as being written any more (its node is left as it is).
+  function endStreaming() {
+    if (streaming && streaming.frame) cancelAnimationFrame(streaming.frame);
     streaming = null;
     setGenerating(false);
-    scrollToEnd(false);
   }
 
   // --- the socket -------------------------------------------------------------------------------
