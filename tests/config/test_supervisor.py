@@ -22,6 +22,20 @@ def _alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
+_RUNNING: list[tuple[Supervisor, threading.Thread]] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_supervisors_left_running():
+    """A test that fails between starting a supervisor and stopping it left the supervisor's
+    thread restarting its child for good, so pytest never exited (CI ran out of its time)."""
+    yield
+    while _RUNNING:
+        supervisor, thread = _RUNNING.pop()
+        supervisor._on_signal(signal.SIGTERM, None)
+        thread.join(timeout=30)
+
+
 def _run_in_thread(supervisor: Supervisor) -> tuple[threading.Thread, list[int]]:
     result: list[int] = []
     # signal handlers can only be installed from the main thread; patch them out here and
@@ -36,8 +50,9 @@ def _run_in_thread(supervisor: Supervisor) -> tuple[threading.Thread, list[int]]
         finally:
             signal.signal = original
 
-    thread = threading.Thread(target=target)
+    thread = threading.Thread(target=target, daemon=True)
     thread.start()
+    _RUNNING.append((supervisor, thread))
     return thread, result
 
 
@@ -269,6 +284,10 @@ def test_a_stopped_platform_says_none_of_its_processes_runs(tmp_path):
     supervisor = Supervisor([ProcessSpec("engine", SLEEPER)], status_file=status_file)
     thread, _ = _run_in_thread(supervisor)
     _wait_started(supervisor, 1)
+    # the child is in `children` a moment before the status file says so
+    deadline = time.monotonic() + 10
+    while not status_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert json.loads(status_file.read_text())["engine"]["running"]
 
     supervisor._on_signal(signal.SIGTERM, None)
