@@ -612,13 +612,17 @@ def main() -> None:
 
     print()
     print(f"fixed workload, {sizes.fixed} requests x {sizes.fixed_tokens} tokens, {device_name()}")
-    if ours is not None:
-        print(f"  this engine, CUDA graphs     {ours:10.0f} tok/s")
-    elif "fixed" in rows:
+    if ours is None and "fixed" in rows:
         print("  this engine failed: see its row above")
-    if hf:
-        print(f"  HF static batches            {hf:10.0f} tok/s", end="")
-        print(f"   ratio {ours / hf:.1f}x" if ours else "")
+    # every row on the fixed workload that this run measured (--rest's too), each as a
+    # multiple of HF static batches where those were measured
+    for result in RESULTS:
+        label = str(result.get("row", ""))
+        if not (label.startswith("fixed: ") and "tok_s" in result):
+            continue
+        is_hf = label.startswith("fixed: HF generate")
+        ratio = f"   ratio {result['tok_s'] / hf:.1f}x" if hf and not is_hf else ""
+        print(f"  {label.removeprefix('fixed: '):<66} {result['tok_s']:8.0f} tok/s{ratio}")
     if graph_ceiling:
         batch = sizes.ceiling_batch
         print(f"  ceiling (graph, batch {batch})   {batch / graph_ceiling:10.0f} tok/s")

@@ -2,6 +2,7 @@
 web tier imports no torch or transformers, and of the engine only its protocol and client."""
 
 import ast
+import os
 import subprocess
 from pathlib import Path
 
@@ -133,3 +134,32 @@ heavy = sorted(m for m in sys.modules if m.split(".")[0] in {sorted(HEAVY_PACKAG
 print(",".join(heavy))
 """
     assert _run(code, tmp_path) == ""
+
+
+def test_the_engines_tests_run_where_no_web_tier_is_installed(tmp_path):
+    """The GPU machine runs the engine's tests without Django or Channels
+    (``bench/gpu_session.sh``): an autouse fixture of the whole suite that imported Channels
+    failed every one of them at set-up there, and spent a GPU call."""
+    hidden = tmp_path / "hidden"
+    for package in ("django", "channels"):
+        (hidden / package).mkdir(parents=True)
+        (hidden / package / "__init__.py").write_text(f"raise ImportError('no {package} here')\n")
+    paths = os.pathsep.join([str(hidden), str(ROOT / "platform"), str(ROOT)])
+    result = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "pytest",
+            "-p",
+            "no:django",
+            "-q",
+            "tests/inference_engine/test_protocol.py",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(PYTHONPATH=paths),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "error" not in result.stdout.lower()

@@ -190,7 +190,11 @@ def test_core_reports_errors_per_request_and_keeps_serving(llm_cache):
 def test_an_aborted_requests_usage_is_what_the_engine_computed(llm_cache):
     """Metering bills an abort by its last output: prompt tokens once prefilled (none while
     waiting, the computed part of a chunked prefill), every token generated."""
-    core = llm_cache("llama", max_num_batched_tokens=32, max_model_len=256).core
+    # step by step as the synchronous engine runs (on a GPU, async scheduling's aborts in
+    # flight are metered as delivered: test_async_scheduling)
+    core = llm_cache(
+        "llama", max_num_batched_tokens=32, max_model_len=256, async_scheduling="off"
+    ).core
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     core.add_request("waiting", list(range(5, 25)), params)
     core.abort_requests(["waiting"])
@@ -214,7 +218,7 @@ def test_an_aborted_requests_usage_is_what_the_engine_computed(llm_cache):
 
 
 def test_core_abort_reports_and_frees(llm_cache):
-    core = llm_cache("llama").core
+    core = llm_cache("llama", async_scheduling="off").core  # the first step's tokens at once
     core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
     core.add_request("b", [8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     first = core.step()

@@ -17,7 +17,10 @@ SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 def make_core(model_dir: str) -> EngineCore:
-    return EngineCore(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=128))
+    # the CPU's feature (a GPU's host runs ahead of its kernels): on the CPU on a GPU machine too
+    return EngineCore(
+        EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=128, device="cpu")
+    )
 
 
 def flood_prompt(i: int) -> list[int]:
@@ -104,7 +107,7 @@ def loaded_server(model_dir: str, **server_options) -> EngineServer:
     """A server with its model installed and its outputs collected in ``server.delivered``
     (no sockets, no threads: the test drives its busy loop's calls)."""
     server = EngineServer(
-        EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64),
+        EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64, device="cpu"),
         ServerConfig(endpoint="inproc://unused", **server_options),
     )
     server._load()

@@ -158,7 +158,8 @@ def test_steps_of_new_shapes_reuse_the_compiled_kernel():
 
     generator = torch.Generator().manual_seed(2)
     for step, num_requests in enumerate((3, 1, 16, 5, 32, 7)):
-        requests = [(3 + step + row, 1) for row in range(num_requests)]
+        # contexts of 3 to 8 tokens (two blocks at most), moving with the step
+        requests = [(2 + (step + row) % 6, 1) for row in range(num_requests)]
         query, key_cache, value_cache, block_tables, seq_lens, starts = build_step(
             requests, 4, 2, 16, torch.float32, generator
         )
