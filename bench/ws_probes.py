@@ -328,6 +328,16 @@ def is_refusal(received: Received) -> bool:
     return False
 
 
+def is_over_budget(received: Received) -> bool:
+    """The socket's frame budget refused the frame unread (``too_many_frames``)."""
+    frame = received.frame() if received.kind == "text" else None
+    return (
+        frame is not None
+        and frame.get("type") == "error"
+        and (frame.get("code") == "too_many_frames")
+    )
+
+
 # --- WebSocket fuzzing ------------------------------------------------------------------------
 
 
@@ -340,6 +350,7 @@ class WsReport:
     crashes: list[str] = field(default_factory=list)  # 1011, a lost connection, silence
     connects: int = 0
     refused_connects: int = 0
+    over_budget: int = 0  # frames refused unread for the socket's frame budget, then resent
 
     @property
     def refused(self) -> int:
@@ -348,24 +359,36 @@ class WsReport:
 
 async def ws_fuzz(base: str, path: str, headers: dict, frames: list[WsProbe]) -> WsReport:
     """Send each frame on the socket at ``path`` and read the answer; reconnect after a
-    close. A reply started by a frame that was accepted is read to its end."""
+    close. A reply started by a frame that was accepted is read to its end. A socket's frame
+    budget (``chat.frame_budget``) refuses frames unread past it: the probe is sent again on
+    a new socket, since the refusal said nothing about it."""
     report = WsReport()
     socket_: WebSocket | None = None
     for probe in frames:
-        if socket_ is None:
-            status, socket_ = await WebSocket.connect(base, path, headers)
-            report.connects += 1
+        received = None
+        while received is None:
             if socket_ is None:
-                report.refused_connects += 1
-                report.crashes.append(f"handshake {status} before {probe.name}")
-                continue
-        try:
-            await socket_.send_frame(probe.opcode, probe.payload, mask=probe.mask, rsv=probe.rsv)
-        except ConnectionError as exc:
-            report.crashes.append(f"{probe.name}: send failed {exc!r}")
-            socket_ = None
+                status, socket_ = await WebSocket.connect(base, path, headers)
+                report.connects += 1
+                if socket_ is None:
+                    report.refused_connects += 1
+                    report.crashes.append(f"handshake {status} before {probe.name}")
+                    break
+            try:
+                await socket_.send_frame(
+                    probe.opcode, probe.payload, mask=probe.mask, rsv=probe.rsv
+                )
+            except ConnectionError as exc:
+                report.crashes.append(f"{probe.name}: send failed {exc!r}")
+                socket_ = None
+                break
+            received = await socket_.receive(timeout=20)
+            if is_over_budget(received):
+                report.over_budget += 1
+                await socket_.close()
+                socket_, received = None, None
+        if received is None:
             continue
-        received = await socket_.receive(timeout=20)
         if received.kind == "close" and received.code in REFUSED_SOCKET:
             report.refused_connects += 1  # the socket itself was refused: the probe proves nothing
             report.crashes.append(f"socket refused with {received.code} before {probe.name}")

@@ -39,7 +39,9 @@ Server → client frames:
 - ``{"type": "error", "code": str, "message": str, "retry_after"?: int, "message_id"?: int}``:
   a frame was refused (``invalid_frame``, ``unknown_type``, ``invalid_request`` (also for
   text with a lone surrogate, ``"\\ud800"``, in any field), ``busy``, ``unavailable`` with
-  ``retry_after`` when the database or the cache failed it;
+  ``retry_after`` when the database or the cache failed it, ``too_many_frames`` with
+  ``retry_after`` when the socket sent more than its budget (``chat.frame_budget``: 20 at once,
+  5 a second after; the frames past it are dropped unread, and only the first is answered);
   ``unauthenticated`` when the user was signed out since connecting (logged out, deactivated,
   password changed), and the socket closes with 4401; ``forbidden`` when access to the
   conversation was lost, and it closes with 4403; ``deleted`` when another window deleted
@@ -86,6 +88,7 @@ from django.core.exceptions import ValidationError
 from django.db import InterfaceError, OperationalError
 
 from chat import claims, selectors, services
+from chat.frame_budget import FrameBudget, retry_after_seconds
 from chat.models import Conversation, Message
 from chat.payloads import message_payload, settings_payload
 from chat.relay import Relay, ReplyMirror, TextRelay, group_name
@@ -154,6 +157,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     mirror: ReplyMirror
     mirror_checker: asyncio.Task | None = None
     allowed_at = 0.0  # when the user was last found allowed to see the conversation (monotonic)
+    frame_budget: FrameBudget | None = None  # how many more frames this socket may send
     num_replies_started = 0
     is_closed = False
 
@@ -222,6 +226,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.is_closed:
+            return
+        if not await self._within_frame_budget():
             return
         if text_data is None:
             await self._error("invalid_frame", "Send JSON text frames.")
@@ -693,6 +699,24 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self._send(frame)
         if self.relay is not None:
             await self.relay.publish({"type": "chat.frame", "frame": frame})
+
+    async def _within_frame_budget(self) -> bool:
+        """Whether this frame may be handled; past the budget (``chat.frame_budget``), the
+        first frame refused is answered ``too_many_frames`` and the rest are dropped unread
+        until the budget allows one again."""
+        if self.frame_budget is None:
+            self.frame_budget = FrameBudget()
+        wait = self.frame_budget.take()
+        if not wait:
+            return True
+        if self.frame_budget.first_refusal():
+            await self._error(
+                "too_many_frames",
+                f"Too many frames: a socket may send {self.frame_budget.burst} at once and "
+                f"{self.frame_budget.per_second:g} a second after that.",
+                retry_after=retry_after_seconds(wait),
+            )
+        return False
 
     async def _error(
         self,
