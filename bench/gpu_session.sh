@@ -9,8 +9,9 @@
 #   bench   bench/gpu_throughput.py --core: the done-when's figures and a verdict on each
 #   parity  the CUDA parity tests and the chunked-prefill one that once flaked, 5 times
 #   tests   tests/inference_engine once, the GPU path's files first (the engines there run on
-#           CUDA: device "auto"), the compiled CPU kernels' files in a process of their own
-#           (a crash there leaves its backtrace in segv.log), and the benchmark's smoke test last
+#           CUDA: device "auto"), then the compiled CPU kernels' files in a process of their
+#           own (a crash there leaves its backtrace in segv.log), then the others, and the
+#           benchmark's smoke test last
 #   rest    bench/gpu_throughput.py --rest: the benchmark's rows that --core leaves out
 # A session has 15 minutes of device time, starts included: the default call leaves enough to
 # start a second machine for a rerun after a fix, or for `rest`. Logs go to $OUT, which the
@@ -62,9 +63,9 @@ for part in $(echo "$PARTS" | tr ',' ' '); do
         ;;
     tests)
         # the files that take the GPU's own paths first, so a budget that ends early has run
-        # them; then the rest, under what is left; the compiled CPU kernels' files in a
-        # process of their own (their error path once crashed the whole run there: see
-        # bench/RESULTS-gpu.md, session 26), with a backtrace of any crash in segv.log
+        # them; then the compiled CPU kernels' files in a process of their own (their error
+        # path once crashed the whole run there: bench/RESULTS-gpu.md, session 26), with a
+        # backtrace of any crash in segv.log; then the rest, under what is left
         gpu_files="test_triton_attention.py test_gpu_step.py test_async_scheduling.py
             test_parity.py"
         compiled_files="test_attention.py test_cpu_kernels.py test_cpu_linear.py"
@@ -84,6 +85,27 @@ for part in $(echo "$PARTS" | tr ',' ' '); do
         timeout -s INT -k 30 "$limit" python3 -m pytest $first -q -p no:cacheprovider -rfE \
             --maxfail=25 --durations=10 --continue-on-collection-errors 2>&1 |
             tee "$OUT/tests.log"
+        # the compiled kernels' files (seconds) before the rest, which may run out of time
+        limit=$(allowance 240)
+        if [ "$limit" -ge 30 ]; then
+            # shellcheck disable=SC2086
+            timeout -s INT -k 30 "$limit" python3 -m pytest $compiled -q -p no:cacheprovider \
+                -rfE --maxfail=25 > "$OUT/compiled.log" 2>&1
+            code=$?
+            tee -a "$OUT/tests.log" < "$OUT/compiled.log"
+            debugger=$(command -v cuda-gdb || command -v gdb)
+            limit=$(allowance 150)
+            # killed by a signal (timeout's own kill is 137, its time running out 124)
+            if [ "$code" -ge 128 ] && [ "$code" -ne 137 ] && [ -n "$debugger" ] &&
+                [ "$limit" -ge 30 ]; then
+                # shellcheck disable=SC2086
+                timeout -k 10 "$limit" "$debugger" -batch -ex run -ex "bt 40" --args python3 \
+                    -m pytest $compiled -q -p no:cacheprovider > "$OUT/segv.log" 2>&1
+            fi
+        else
+            echo "== the compiled kernels' tests: skipped, ${limit}s left" |
+                tee -a "$OUT/tests.log"
+        fi
         limit=$(allowance 600)
         if [ "$limit" -ge 30 ]; then
             # shellcheck disable=SC2086
@@ -92,23 +114,6 @@ for part in $(echo "$PARTS" | tr ',' ' '); do
                 --continue-on-collection-errors 2>&1 | tee -a "$OUT/tests.log"
         else
             echo "== the other engine tests: skipped, ${limit}s left" | tee -a "$OUT/tests.log"
-        fi
-        limit=$(allowance 300)
-        if [ "$limit" -ge 30 ]; then
-            # shellcheck disable=SC2086
-            timeout -s INT -k 30 "$limit" python3 -m pytest $compiled -q -p no:cacheprovider \
-                -rfE --maxfail=25 > "$OUT/compiled.log" 2>&1
-            code=$?
-            tee -a "$OUT/tests.log" < "$OUT/compiled.log"
-            limit=$(allowance 120)
-            if [ "$code" -ge 128 ] && [ "$code" -ne 137 ] && [ "$limit" -ge 30 ]; then
-                # shellcheck disable=SC2086
-                timeout -k 10 "$limit" cuda-gdb -batch -ex run -ex "bt 30" --args python3 -m \
-                    pytest $compiled -x -q -p no:cacheprovider > "$OUT/segv.log" 2>&1
-            fi
-        else
-            echo "== the compiled kernels' tests: skipped, ${limit}s left" |
-                tee -a "$OUT/tests.log"
         fi
         limit=$(allowance 600)
         if [ "$limit" -ge 60 ]; then

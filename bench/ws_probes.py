@@ -329,7 +329,7 @@ def is_refusal(received: Received) -> bool:
 
 
 def is_over_budget(received: Received) -> bool:
-    """The socket's frame budget refused the frame unread (``too_many_frames``)."""
+    """The socket's frame budget refused the frame unhandled (``too_many_frames``)."""
     frame = received.frame() if received.kind == "text" else None
     return (
         frame is not None
@@ -350,7 +350,7 @@ class WsReport:
     crashes: list[str] = field(default_factory=list)  # 1011, a lost connection, silence
     connects: int = 0
     refused_connects: int = 0
-    over_budget: int = 0  # frames refused unread for the socket's frame budget, then resent
+    over_budget: int = 0  # frames refused unhandled for the socket's frame budget, then resent
 
     @property
     def refused(self) -> int:
@@ -360,12 +360,13 @@ class WsReport:
 async def ws_fuzz(base: str, path: str, headers: dict, frames: list[WsProbe]) -> WsReport:
     """Send each frame on the socket at ``path`` and read the answer; reconnect after a
     close. A reply started by a frame that was accepted is read to its end. A socket's frame
-    budget (``chat.frame_budget``) refuses frames unread past it: the probe is sent again on
+    budget (``chat.frame_budget``) refuses frames unhandled past it: the probe is sent again on
     a new socket, since the refusal said nothing about it."""
     report = WsReport()
     socket_: WebSocket | None = None
     for probe in frames:
         received = None
+        resends = 0
         while received is None:
             if socket_ is None:
                 status, socket_ = await WebSocket.connect(base, path, headers)
@@ -386,7 +387,12 @@ async def ws_fuzz(base: str, path: str, headers: dict, frames: list[WsProbe]) ->
             if is_over_budget(received):
                 report.over_budget += 1
                 await socket_.close()
-                socket_, received = None, None
+                socket_ = None
+                if resends == 2:  # a new socket's budget did not take it either
+                    report.crashes.append(f"{probe.name[:50]}: refused for the frame budget")
+                    received = None
+                    break
+                resends, received = resends + 1, None
         if received is None:
             continue
         if received.kind == "close" and received.code in REFUSED_SOCKET:

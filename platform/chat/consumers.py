@@ -41,7 +41,8 @@ Server → client frames:
   text with a lone surrogate, ``"\\ud800"``, in any field), ``busy``, ``unavailable`` with
   ``retry_after`` when the database or the cache failed it, ``too_many_frames`` with
   ``retry_after`` when the socket sent more than its budget (``chat.frame_budget``: 20 at once,
-  5 a second after; the frames past it are dropped unread, and only the first is answered);
+  5 a second after, and stops 10 and 2 of their own; the frames past it are dropped unhandled,
+  and only the first is answered);
   ``unauthenticated`` when the user was signed out since connecting (logged out, deactivated,
   password changed), and the socket closes with 4401; ``forbidden`` when access to the
   conversation was lost, and it closes with 4403; ``deleted`` when another window deleted
@@ -115,6 +116,26 @@ ACCESS_RECHECK_SECONDS = 5.0
 SETTINGS_FIELDS = ("model", "system_prompt", "temperature", "max_tokens")
 
 
+def _read_frame(text_data: str | None) -> tuple[dict | None, tuple[str, str] | None]:
+    """The client's frame, a JSON object with a string ``type``, or why it is refused: an
+    error's code and message."""
+    if text_data is None:
+        return None, ("invalid_frame", "Send JSON text frames.")
+    if len(text_data) > MAX_FRAME_CHARS:
+        return None, ("invalid_frame", f"A frame may be at most {MAX_FRAME_CHARS} chars.")
+    if (path := lone_surrogate_path(text_data)) is not None:
+        # valid JSON, but no text any database or tokenizer takes: refused, whatever field
+        return None, ("invalid_request", describe_lone_surrogate(path))
+    try:
+        # msgspec, not json: it refuses nesting past its depth limit (and lone surrogates)
+        frame = msgspec.json.decode(text_data)
+    except (msgspec.DecodeError, RecursionError):
+        return None, ("invalid_frame", "A frame must be a JSON object.")
+    if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+        return None, ("invalid_frame", 'A frame must be a JSON object with a "type".')
+    return frame, None
+
+
 @dataclass
 class _Run:
     """One reply being generated."""
@@ -157,7 +178,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     mirror: ReplyMirror
     mirror_checker: asyncio.Task | None = None
     allowed_at = 0.0  # when the user was last found allowed to see the conversation (monotonic)
-    frame_budget: FrameBudget | None = None  # how many more frames this socket may send
+    frame_budgets: dict[bool, FrameBudget] | None = None  # stops (True) and the other frames
     num_replies_started = 0
     is_closed = False
 
@@ -227,27 +248,16 @@ class ChatConsumer(AsyncWebsocketConsumer):
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.is_closed:
             return
-        if not await self._within_frame_budget():
+        frame, problem = _read_frame(text_data)
+        # stops have a budget of their own: a user's stop is never refused for the frames
+        # before it (a settings flood, say), and stops alone cannot flood either
+        is_stop = frame is not None and frame["type"] == "stop"
+        if not await self._within_budget(is_stop):
             return
-        if text_data is None:
-            await self._error("invalid_frame", "Send JSON text frames.")
+        if problem is not None:
+            await self._error(*problem)
             return
-        if len(text_data) > MAX_FRAME_CHARS:
-            await self._error("invalid_frame", f"A frame may be at most {MAX_FRAME_CHARS} chars.")
-            return
-        if (path := lone_surrogate_path(text_data)) is not None:
-            # valid JSON, but no text any database or tokenizer takes: refused, whatever field
-            await self._error("invalid_request", describe_lone_surrogate(path))
-            return
-        try:
-            # msgspec, not json: it refuses nesting past its depth limit (and lone surrogates)
-            frame = msgspec.json.decode(text_data)
-        except (msgspec.DecodeError, RecursionError):
-            await self._error("invalid_frame", "A frame must be a JSON object.")
-            return
-        if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
-            await self._error("invalid_frame", 'A frame must be a JSON object with a "type".')
-            return
+        assert frame is not None
         handler = getattr(self, f"on_{frame['type']}", None) if frame["type"].isalpha() else None
         if handler is None:
             await self._error("unknown_type", f"Unknown frame type {frame['type'][:40]!r}.")
@@ -700,20 +710,21 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if self.relay is not None:
             await self.relay.publish({"type": "chat.frame", "frame": frame})
 
-    async def _within_frame_budget(self) -> bool:
-        """Whether this frame may be handled; past the budget (``chat.frame_budget``), the
-        first frame refused is answered ``too_many_frames`` and the rest are dropped unread
+    async def _within_budget(self, is_stop: bool) -> bool:
+        """Whether this frame may be handled; past its budget (``chat.frame_budget``), the
+        first frame refused is answered ``too_many_frames`` and the rest are dropped unhandled
         until the budget allows one again."""
-        if self.frame_budget is None:
-            self.frame_budget = FrameBudget()
-        wait = self.frame_budget.take()
+        if self.frame_budgets is None:
+            self.frame_budgets = {False: FrameBudget(), True: FrameBudget.for_stops()}
+        budget = self.frame_budgets[is_stop]
+        wait = budget.take()
         if not wait:
             return True
-        if self.frame_budget.first_refusal():
+        if budget.first_refusal():
             await self._error(
                 "too_many_frames",
-                f"Too many frames: a socket may send {self.frame_budget.burst} at once and "
-                f"{self.frame_budget.per_second:g} a second after that.",
+                f"Too many {'stops' if is_stop else 'frames'}: a socket may send "
+                f"{budget.burst} at once and {budget.per_second:g} a second after that.",
                 retry_after=retry_after_seconds(wait),
             )
         return False

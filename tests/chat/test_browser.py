@@ -173,6 +173,25 @@ def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser, ready_engi
         page.wait_for_function(
             "() => document.getElementById('settings-status').textContent.startsWith('Saved')"
         )
+        # A slider stepped with the keyboard fires a change at every step: the page saves the
+        # last value once it pauses, inside the socket's frame budget (20 at once).
+        page.focus("#setting-temperature")
+        for _ in range(30):
+            page.keyboard.press("ArrowRight")
+        stepped = float(page.input_value("#setting-temperature"))
+        assert stepped > 1.0
+
+        def saved_temperature() -> float:
+            from chat.models import Conversation
+
+            return Conversation.objects.filter(user__username="alice").latest("pk").temperature
+
+        for _ in range(50):
+            if _in_thread(saved_temperature) == pytest.approx(stepped):
+                break
+            page.wait_for_timeout(100)
+        assert _in_thread(saved_temperature) == pytest.approx(stepped)
+        assert page.locator("#banner").is_hidden()
         page.click(".message.assistant .regenerate")
         page.wait_for_selector(".message.assistant[data-status=complete]")
         assert page.locator(".message.assistant").count() == 1

@@ -168,8 +168,6 @@ async def test_malformed_frames_are_refused_without_a_crash(chat_socket):
     assert not report.accepted, report.accepted[:5]
     assert report.refused == len(frames), categories
     assert report.refused_connects == 0
-    # the live server's frame budget refused part of the flood unread (each resent)
-    assert report.over_budget > 0
     assert await ws_probes.ws_close_code(base, f"/ws/chat/{foreign_id}/", headers) == 4403
     assert await ws_probes.ws_reply(base, f"/ws/chat/{conversation_id}/", headers) == "done"
 

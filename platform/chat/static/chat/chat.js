@@ -447,11 +447,16 @@
     });
   }
 
+  let settingsDue = null;  // settings changed, waiting for a pause (saveSettingSoon)
+  let settingsTimer = null;
+
   function send(frame) {
     if (!socket || socket.readyState !== WebSocket.OPEN) {
       showBanner("Not connected yet; trying again in a moment.");
       return false;
     }
+    // settings waiting for a pause go first: a reply asked for now uses them
+    if (frame.type !== "settings" && frame.type !== "stop") flushSettings();
     socket.send(JSON.stringify(frame));
     return true;
   }
@@ -541,6 +546,22 @@
     isSavingSettings = send(Object.assign({ type: "settings" }, frame));
   }
 
+  // A slider or a number stepped with the keyboard fires "change" at every step: the values
+  // wait for a pause and go in one frame (a socket's frames are budgeted: 20 at once).
+  function saveSettingSoon(frame) {
+    settingsDue = Object.assign(settingsDue || {}, frame);
+    clearTimeout(settingsTimer);
+    settingsTimer = setTimeout(flushSettings, 300);
+  }
+
+  function flushSettings() {
+    clearTimeout(settingsTimer);
+    if (!settingsDue) return;
+    const due = settingsDue;
+    settingsDue = null;
+    saveSetting(due);
+  }
+
   function wireSettings() {
     const panel = $("settings");
     const toggle = $("toggle-settings");
@@ -556,13 +577,13 @@
       $("temperature-value").textContent = Number(temperature.value).toFixed(2);
     });
     temperature.addEventListener("change", function () {
-      saveSetting({ temperature: Number(temperature.value) });
+      saveSettingSoon({ temperature: Number(temperature.value) });
     });
     $("setting-max-tokens").addEventListener("change", function (event) {
       // empty: up to the model's context length
-      if (event.target.value.trim() === "") return saveSetting({ max_tokens: null });
+      if (event.target.value.trim() === "") return saveSettingSoon({ max_tokens: null });
       const value = parseInt(event.target.value, 10);
-      if (Number.isInteger(value)) saveSetting({ max_tokens: value });
+      if (Number.isInteger(value)) saveSettingSoon({ max_tokens: value });
     });
   }
 
