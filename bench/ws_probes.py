@@ -330,11 +330,10 @@ def is_refusal(received: Received) -> bool:
 
 def is_over_budget(received: Received) -> bool:
     """The socket's frame budget refused the frame unhandled (``too_many_frames``)."""
-    frame = received.frame() if received.kind == "text" else None
     return (
-        frame is not None
-        and frame.get("type") == "error"
-        and (frame.get("code") == "too_many_frames")
+        received.kind == "text"
+        and is_refusal(received)
+        and received.frame()["code"] == "too_many_frames"
     )
 
 
