@@ -309,6 +309,28 @@ def hostile_bodies(document: dict, model: str) -> list[Probe]:
             probes.append(Probe(f"body: {label} x{depth}", path, raw, category="deep_nesting"))
             nested = _encode({**base, "messages" if path == CHAT_PATH else "prompt": RAW}, raw)
             probes.append(Probe(f"field: {label} x{depth}", path, nested, category="deep_nesting"))
+        # fields the decoder does not type (a schema, a tool's parameters) are read by recursion:
+        # just past the API's cap, and where Python's stack runs out
+        for depth in (101, 3_000):
+            schema = b'{"a":' * depth + b"1" + b"}" * depth
+            untyped = {"structured_outputs": {"json": RAW}}
+            if path == CHAT_PATH:
+                untyped["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": RAW},
+                }
+                untyped["tools"] = [
+                    {"type": "function", "function": {"name": "f", "parameters": RAW}}
+                ]
+            for name, value in untyped.items():
+                probes.append(
+                    Probe(
+                        f"{name}: nested x{depth}",
+                        path,
+                        _encode({**base, name: value}, schema),
+                        category="deep_nesting",
+                    )
+                )
         for label, raw in (
             ("empty", b""),
             ("whitespace", b" \r\n\t"),

@@ -6,7 +6,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from config.json_text import NUL
+from config.json_text import MAX_NESTING, NUL, nests_too_deeply
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_REQUESTS = 50_000  # OpenAI's limit on the requests of one batch
@@ -37,6 +37,10 @@ def parse_line(raw: bytes, line_number: int) -> InputLine:
         raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InputLineError(line_number, "not UTF-8 text.") from None
+    if nests_too_deeply(raw):
+        raise InputLineError(
+            line_number, f"arrays and objects nested more than {MAX_NESTING} levels deep."
+        )
     try:
         item = msgspec.json.decode(raw)
     except msgspec.DecodeError:

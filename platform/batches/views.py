@@ -12,6 +12,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from batches import objects, selectors, services
 from batches.models import Batch, File
+from config.numerals import parse_count
 from config.workers import database_worker
 from gateway.auth import authenticate
 from gateway.bodies import json_body
@@ -73,9 +74,10 @@ def _limit(request: HttpRequest, maximum: int, default: int) -> int:
     raw = request.GET.get("limit")
     if raw is None:
         return default
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= maximum:
+    limit = parse_count(raw)
+    if limit is None or not 1 <= limit <= maximum:
         raise invalid(f"'limit' must be an integer from 1 to {maximum}.", param="limit")
-    return int(raw)
+    return limit
 
 
 def _cursor(request: HttpRequest) -> str | None:

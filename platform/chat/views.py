@@ -14,6 +14,7 @@ from chat import claims, selectors, services
 from chat.examples import example_prompts
 from chat.payloads import message_payload, settings_payload
 from chat.selectors import SESSION_TENANT_KEY
+from config.numerals import parse_count
 from console.permissions import console_tenants
 from tenants.models import Tenant
 from tenants.selectors import user_tenants
@@ -139,12 +140,9 @@ def conversation_delete(request: HttpRequest, tenant: Tenant, conversation_id: i
 @require_POST
 @login_required
 def tenant_choose(request: HttpRequest) -> HttpResponse:
-    tenant_id = request.POST.get("tenant", "")
-    # isascii too: str.isdigit accepts "²", which the id lookup's int() refuses
+    tenant_id = parse_count(request.POST.get("tenant"))
     tenant = (
-        user_tenants(user=request.user).filter(pk=int(tenant_id)).first()
-        if tenant_id.isascii() and tenant_id.isdigit()
-        else None
+        None if tenant_id is None else user_tenants(user=request.user).filter(pk=tenant_id).first()
     )
     if tenant is None:
         raise Http404("You are not a member of that organization.")

@@ -6,6 +6,7 @@ from datetime import date, timedelta
 
 from django import forms
 
+from config.numerals import parse_count
 from console.selectors import DateRange
 from tenants.services import MAX_KEY_LIFETIME_DAYS
 
@@ -125,8 +126,5 @@ def _labelled_errors(form: forms.Form) -> list[str]:
 
 
 def object_id(value: str | None) -> int | None:
-    """A posted object id as an int, or None (which matches no object) when it is not one:
-    ``str.isdigit`` accepts "²", which ``int`` refuses."""
-    if value is None or not value.isascii() or not value.isdigit():
-        return None
-    return int(value)
+    """A posted object id as an int, or None (which matches no object) when it is not one."""
+    return parse_count(value)

@@ -11,6 +11,8 @@
   UTF-8. A charset Python does not know is a 415; bytes the charset cannot decode are a 400.
 - Text: a lone surrogate escaped in any string or key (``"\\ud800"``) is a 400 naming the
   field (``config.json_text``).
+- Depth: arrays and objects nested past ``MAX_NESTING`` are a 400, whatever the field (the
+  decoder would otherwise run out of stack in a field it does not type, such as a schema).
 """
 
 import codecs
@@ -19,7 +21,13 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest
 
-from config.json_text import describe_lone_surrogate, lone_surrogate_path
+from config.json_text import (
+    describe_lone_surrogate,
+    describe_nesting,
+    lone_surrogate_path,
+    nests_too_deeply,
+)
+from config.numerals import MAX_DIGITS, parse_count
 from gateway.errors import ApiError, invalid
 
 JSON_CONTENT_TYPE = "application/json"
@@ -31,6 +39,8 @@ def json_body(request: HttpRequest) -> bytes:
     raw = _read(request)
     charset = request.content_params.get("charset") if request.content_type else None
     body = raw if charset is None else _transcode(raw, charset)
+    if nests_too_deeply(body):
+        raise invalid(describe_nesting())
     if (path := lone_surrogate_path(body)) is not None:
         raise invalid(describe_lone_surrogate(path), param=path)
     return body
@@ -39,8 +49,10 @@ def json_body(request: HttpRequest) -> bytes:
 def _read(request: HttpRequest) -> bytes:
     limit = settings.GATEWAY_MAX_BODY_BYTES
     too_large = ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
-    length = request.headers.get("Content-Length")
-    if length is not None and length.isdigit() and int(length) > limit:
+    length = request.headers.get("Content-Length", "")
+    # more digits than a count has declares more than any limit (and int() refuses 4,300)
+    declared = parse_count(length) if len(length) <= MAX_DIGITS else limit + 1
+    if declared is not None and declared > limit and length.isascii() and length.isdigit():
         raise too_large
     if request.content_type and request.content_type != JSON_CONTENT_TYPE:
         raise ApiError(

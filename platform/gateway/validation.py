@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from config.json_text import NUL
+from config.json_text import NUL, describe_nesting
 from gateway import structured
 from gateway.errors import ApiError, invalid
 from gateway.schemas import (
@@ -99,6 +99,8 @@ def decode(body: bytes, request_type: type) -> msgspec.Struct:
         raise invalid(message, param=_param_of(message)) from exc
     except msgspec.DecodeError as exc:
         raise invalid(f"The request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # json_body caps the depth; a batch line stored before did not
+        raise invalid(describe_nesting()) from exc
     except UnicodeDecodeError as exc:
         raise invalid(
             f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}."

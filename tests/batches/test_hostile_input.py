@@ -52,8 +52,9 @@ async def _upload(client: httpx.AsyncClient, content: bytes) -> httpx.Response:
     )
 
 
-@pytest.mark.parametrize("limit", ["\u00b2", "\u2460"])  # str.isdigit() says yes to both
-async def test_a_limit_of_unicode_digits_is_a_400(key, limit):
+# str.isdigit() says yes to all three; int() refuses the first two, and over 4,300 digits
+@pytest.mark.parametrize("limit", ["\u00b2", "\u2460", "1" * 5000])
+async def test_a_limit_of_unicode_or_too_many_digits_is_a_400(key, limit):
     async with _client(key) as client:
         for path in ("/v1/batches", "/v1/files"):
             response = await client.get(path, params={"limit": limit})
@@ -111,9 +112,39 @@ async def test_a_nul_in_a_batchs_fields_is_a_4xx(key):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
 
 
+def _nested(depth: int) -> bytes:
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+async def test_a_batchs_metadata_nested_past_the_cap_is_a_400(key):
+    """Its metadata is not typed below its top level: the decoder reads it by recursion, and
+    ran out of stack (a 500) where the API's cap did not stop it first."""
+    async with _client(key) as client:
+        upload = await _upload(client, _line())
+        input_file_id = upload.json()["id"]
+        for depth in (101, 3_000):
+            body = json.dumps({**CREATE, "input_file_id": input_file_id, "metadata": "RAW"})
+            raw = body.replace('"RAW"', _nested(depth).decode()).encode()
+            response = await client.post(
+                "/v1/batches", content=raw, headers={"Content-Type": "application/json"}
+            )
+            assert response.status_code == 400, response.text
+            assert "100 levels" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("content", "reason"),
     [
+        # past the cap a line is refused as it is uploaded, wherever it nests: where Python's
+        # stack ran out depended on the caller's own depth, and a line the upload took crashed
+        # the runner, deeper in its stack, on every pass
+        (
+            _line()
+            .replace(b'"hi"', json.dumps({"x": "RAW"}).encode())
+            .replace(b'"RAW"', _nested(101)),
+            "more than 100 levels deep",
+        ),
+        (_line().replace(b'"hi"', _nested(977)), "more than 100 levels deep"),
         (_line(custom_id="x" * 513), "at most 512 characters"),
         (_line(custom_id="a\0b"), "NUL"),
         (_line(messages=[{"role": "user", "content": "a\0b"}]), "NUL"),

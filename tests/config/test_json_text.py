@@ -2,7 +2,12 @@
 
 import pytest
 
-from config.json_text import describe_lone_surrogate, lone_surrogate_path
+from config.json_text import (
+    MAX_NESTING,
+    describe_lone_surrogate,
+    lone_surrogate_path,
+    nests_too_deeply,
+)
 
 
 @pytest.mark.parametrize(
@@ -33,3 +38,27 @@ def test_the_first_lone_surrogate_is_found_by_its_path(raw, path):
 )
 def test_text_without_a_lone_surrogate_or_that_is_no_json_gives_none(raw):
     assert lone_surrogate_path(raw) is None
+
+
+def _nested(depth: int, open_: bytes = b"[", close: bytes = b"]") -> bytes:
+    return open_ * depth + b"1" + close * depth
+
+
+@pytest.mark.parametrize(
+    ("raw", "too_deep"),
+    [
+        (_nested(MAX_NESTING), False),
+        (_nested(MAX_NESTING + 1), True),
+        (_nested(MAX_NESTING + 1, b'{"a":', b"}"), True),
+        (b"[" * 50 + _nested(MAX_NESTING - 49, b"{", b"}") + b"]" * 50, True),  # mixed
+        (b"[" + b"[]," * 1_000 + b"[]]", False),  # many brackets, two levels
+        (b"[" * 100_000, True),  # never closed: the decoder would say so, past the cap first
+        # brackets inside strings are text, whatever precedes their quotes
+        (b'["' + b"[" * 500 + b'"]', False),
+        (rb'["\\"' + b",[" * 101 + b"]" * 102, True),  # the quote after an escaped \\ ends it
+        (rb'["\"' + b"[" * 500 + b'"]', False),  # an escaped quote ends none
+        (rb'["\\\"' + b"{" * 500 + b'"]', False),  # a backslash, then a quote, escaped
+    ],
+)
+def test_nesting_is_measured_outside_strings(raw, too_deep):
+    assert nests_too_deeply(raw) is too_deep

@@ -95,6 +95,25 @@ def test_every_unknown_field_is_named_as_openai_names_them():
     assert _error(plan_chat, deep).param == "x"  # nested past any parser's depth
 
 
+@pytest.mark.parametrize("field", ["structured_outputs", "response_format", "tools"])
+def test_a_field_nested_past_pythons_stack_is_a_400(field):
+    """The decoder reads untyped fields (a schema, a tool's parameters) by recursion: where
+    Python's stack runs out it raised RecursionError, a 500 (json_body's cap stops such a body
+    first; a batch line stored before the cap reaches the planner as it is)."""
+    schema = b'{"a":' * 5_000 + b"1" + b"}" * 5_000
+    value = {
+        "structured_outputs": b'{"json": ' + schema + b"}",
+        "response_format": b'{"type": "json_schema", "json_schema": {"name": "s", "schema": '
+        + schema
+        + b"}}",
+        "tools": b'[{"type": "function", "function": {"name": "f", "parameters": '
+        + schema
+        + b"}}]",
+    }[field]
+    error = _error(plan_chat, _chat()[:-1] + b', "' + field.encode() + b'": ' + value + b"}")
+    assert "100 levels" in error.message
+
+
 def test_invalid_utf8_inside_a_string_is_a_400():
     body = b'{"model": "m", "messages": [{"role": "user", "content": "a\xffb"}]}'
     assert "UTF-8" in _error(plan_chat, body).message
