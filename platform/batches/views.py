@@ -5,7 +5,13 @@ import functools
 from collections.abc import Awaitable, Callable
 
 import msgspec
-from django.core.exceptions import ObjectDoesNotExist, RequestDataTooBig
+from django.conf import settings
+from django.core.exceptions import (
+    ObjectDoesNotExist,
+    RequestDataTooBig,
+    TooManyFieldsSent,
+    TooManyFilesSent,
+)
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
@@ -89,6 +95,12 @@ def _upload(request: HttpRequest, api_key: ApiKey) -> dict:
     # parsing the multipart body reads it whole: off the event loop
     try:
         upload = request.FILES.get("file")
+    except TooManyFilesSent as exc:
+        limit = settings.DATA_UPLOAD_MAX_NUMBER_FILES
+        raise invalid(f"The multipart body holds more than {limit} files.", param="file") from exc
+    except TooManyFieldsSent as exc:
+        limit = settings.DATA_UPLOAD_MAX_NUMBER_FIELDS
+        raise invalid(f"The multipart body holds more than {limit} fields.", param="file") from exc
     except (MultiPartParserError, RequestDataTooBig) as exc:
         raise invalid(f"The multipart body could not be read: {exc}", param="file") from exc
     if upload is None:

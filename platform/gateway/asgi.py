@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 
 from django.conf import settings
-from django.core.exceptions import DisallowedHost
+from django.core.exceptions import DisallowedHost, SuspiciousOperation
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404, HttpRequest, HttpResponse
@@ -74,6 +74,9 @@ class ApiASGIHandler(ASGIHandler):
             response = await self._get_response_async(request)
         except DisallowedHost:
             response = ApiError(400, "Invalid Host header.", code="invalid_host").response()
+        except SuspiciousOperation as exc:  # a 400 wherever Django answers, said as OpenAI says it
+            logger.warning("Refused as suspicious: %s: %s", request.path, exc)
+            response = ApiError(400, "The request was refused as malformed.").response()
         except Http404:
             response = ApiError(
                 404, f"Unknown route: {request.method} {request.path}", code="unknown_route"

@@ -112,6 +112,34 @@ async def test_a_nul_in_a_batchs_fields_is_a_4xx(key):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
 
 
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        (
+            {"files": [("file", (f"{i}.jsonl", _line(), "application/jsonl")) for i in range(101)]},
+            "files",
+        ),
+        (
+            {
+                "files": {"file": ("in.jsonl", _line(), "application/jsonl")},
+                "data": {f"f{i}": "x" for i in range(1_001)},
+            },
+            "fields",
+        ),
+    ],
+)
+async def test_an_upload_of_too_many_parts_is_a_400(key, parts, message):
+    """Past Django's limits on a multipart body's files and fields, a 400 saying which (it
+    was a 500: Django's SuspiciousOperation reached the API's catch-all)."""
+    async with _client(key) as client:
+        response = await client.post(
+            "/v1/files", data={"purpose": "batch", **parts.get("data", {})}, files=parts["files"]
+        )
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]["message"]
+        assert (await _upload(client, _line())).status_code == 200
+
+
 def _nested(depth: int) -> bytes:
     return b'{"a":' * depth + b"1" + b"}" * depth
 

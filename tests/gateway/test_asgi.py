@@ -71,6 +71,15 @@ async def test_an_api_view_that_fails_answers_with_openais_error_object(async_db
     assert "boom" in caplog.text
 
 
+async def test_what_django_finds_suspicious_is_a_400_with_openais_error_object(async_db, settings):
+    """As Django answers a SuspiciousOperation on its pages (too many fields or files in a
+    form, say), not a 500."""
+    settings.API_URLCONF = "tests.gateway.urls_failing"
+    status, _, body = await _call("/v1/suspicious")
+    assert status == 400
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
 async def test_api_paths_answer_only_the_allowed_hosts(async_db):
     for path in ("/metrics", "/v1/models", "/v1/chat/completions"):
         status, _, body = await _call(path, host="evil.example")
