@@ -27,7 +27,8 @@ from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404, HttpRequest, HttpResponse
 
 from config.stopping import as_disconnect_when_cancelled
-from gateway.errors import SERVER_ERROR, ApiError
+from gateway.errors import SERVER_ERROR, ApiError, store_unavailable
+from serving.runs import UNREACHABLE_STORE_ERRORS
 
 logger = logging.getLogger("django.request")
 
@@ -74,6 +75,9 @@ class ApiASGIHandler(ASGIHandler):
             response = await self._get_response_async(request)
         except DisallowedHost:
             response = ApiError(400, "Invalid Host header.", code="invalid_host").response()
+        except UNREACHABLE_STORE_ERRORS as exc:  # a key's lookup, a file's row, a usage page
+            logger.warning("API request %s: a store is unreachable: %r", request.path, exc)
+            response = store_unavailable().response()
         except SuspiciousOperation as exc:  # a 400 wherever Django answers, said as OpenAI says it
             logger.warning("Refused as suspicious: %s: %s", request.path, exc)
             response = ApiError(400, "The request was refused as malformed.").response()

@@ -6,7 +6,7 @@ from django.http import HttpResponse
 
 from gateway.ratelimits import ratelimit_headers
 from gateway.schemas import ErrorBody, ErrorResponse
-from serving.runs import RunError
+from serving.runs import UNAVAILABLE, UNAVAILABLE_RETRY_AFTER_SECONDS, RunError
 
 # as OpenAI's API answers: a bad key and an unknown model are invalid requests too
 ERROR_TYPES = {
@@ -94,4 +94,15 @@ def from_run_error(exc: RunError) -> ApiError:
         code=exc.code,
         param=exc.param,
         headers=headers,
+    )
+
+
+def store_unavailable() -> ApiError:
+    """The answer when the database or Redis cannot be reached: a 503 to retry, as admission
+    answers the same outage (``serving.runs``), not a server error."""
+    return ApiError(
+        503,
+        UNAVAILABLE,
+        code="service_unavailable",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
     )

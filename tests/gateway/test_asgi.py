@@ -80,6 +80,32 @@ async def test_what_django_finds_suspicious_is_a_400_with_openais_error_object(a
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
+async def test_a_store_outage_as_a_key_is_looked_up_is_a_503_to_retry(async_db, monkeypatch):
+    """The database (or Redis) gone as the key is read: a 503 with Retry-After, as admission
+    answers the same outage, not a 500, on every API route."""
+    from django.db import OperationalError
+
+    def unreachable(**_):
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr("gateway.auth.api_key_authenticate", unreachable)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    for method, path, payload in (
+        ("POST", "/v1/chat/completions", body),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/batches", None),
+    ):
+        status, headers, answer = await asgi_request(
+            method,
+            path,
+            headers={"Authorization": "Bearer sk-anything", "Content-Type": "application/json"},
+            body=payload.encode() if payload else b"",
+        )
+        assert status == 503, (path, answer)
+        assert json.loads(answer)["error"]["code"] == "service_unavailable"
+        assert headers["retry-after"] == "5"
+
+
 async def test_api_paths_answer_only_the_allowed_hosts(async_db):
     for path in ("/metrics", "/v1/models", "/v1/chat/completions"):
         status, _, body = await _call(path, host="evil.example")
