@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, models, transaction
 from django.utils import timezone
 
 from tenants import api_keys
@@ -293,8 +293,29 @@ def usage_record_build(
 
 def usage_records_save(records: list[UsageRecord]) -> None:
     """Save built records in one transaction (one statement per few hundred rows). A record
-    whose ``request_id`` is already there is skipped, leaving the first one as it was."""
+    whose ``request_id`` is already there is skipped, leaving the first one as it was.
+
+    A record naming a key or user deleted while its request ran is saved without that name,
+    as the deletion left the records written before it (SET_NULL): its foreign key would fail
+    the whole transaction at commit, and the request would go unmetered. On PostgreSQL the
+    keys are checked as each row goes in, which locks the rows they name: a deletion after the
+    check waits for the commit, then clears the name like any other record's."""
+    if connection.vendor == "postgresql" and connection.in_atomic_block:
+        with connection.cursor() as cursor:
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    _forget_deleted(records, "api_key", ApiKey.objects)
+    _forget_deleted(records, "user", get_user_model().objects)
     UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
+
+
+def _forget_deleted(records: list[UsageRecord], field: str, rows: models.Manager) -> None:
+    ids = {getattr(record, f"{field}_id") for record in records} - {None}
+    if not ids:
+        return
+    live = set(rows.filter(pk__in=ids).values_list("pk", flat=True))
+    for record in records:
+        if getattr(record, f"{field}_id") not in live:
+            setattr(record, field, None)
 
 
 # --- memberships ---------------------------------------------------------------------------

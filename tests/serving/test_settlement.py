@@ -14,7 +14,7 @@ from django.db import OperationalError, connections
 from serving import settlement
 from serving.metering import metered
 from tenants import quotas, services
-from tenants.models import Plan, UsageRecord
+from tenants.models import ApiKey, Plan, UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -373,3 +373,34 @@ async def test_a_group_whose_connection_died_mid_transaction_is_written_on_a_new
         (f"req-{n}", n) for n in range(5)
     ]
     assert dropped and await sync_to_async(_concurrent)(api_key) == 0
+
+
+async def test_a_request_whose_key_or_user_was_deleted_as_it_ran_is_still_metered(keys, groups):
+    """The record names a key (or user) deleted while the request ran: PostgreSQL refused it
+    (the foreign key), and the request went unmetered. It now stands without the name, as
+    the records written before the deletion do (SET_NULL), and its tokens are counted."""
+    from django.contrib.auth import get_user_model
+
+    api_key, _ = keys
+    doomed_key = (await sync_to_async(services.api_key_create)(tenant=api_key.tenant, name="d"))[0]
+    user = await sync_to_async(get_user_model().objects.create_user)("bob", password="x" * 12)
+    by_key = await sync_to_async(_settlement)(doomed_key, "by-deleted-key", tokens=4)
+    by_user = await sync_to_async(_settlement)(api_key, "by-deleted-user", tokens=6)
+    by_user.record.update(api_key=None, user=user, source=UsageRecord.Source.CHAT)
+    kept = await sync_to_async(_settlement)(api_key, "kept", tokens=1)
+    # by another process: the request's own objects keep their ids
+    await ApiKey.objects.filter(pk=doomed_key.pk).adelete()
+    await get_user_model().objects.filter(pk=user.pk).adelete()
+
+    outcomes = await asyncio.gather(*(settlement.settle(s) for s in (by_key, kept, by_user)))
+
+    assert outcomes == [None, None, None]
+    records = {r.request_id: r async for r in UsageRecord.objects.all()}
+    assert records["by-deleted-key"].api_key_id is None
+    assert records["by-deleted-key"].completion_tokens == 4
+    assert records["by-deleted-user"].user_id is None
+    assert records["by-deleted-user"].completion_tokens == 6
+    assert records["kept"].api_key_id == api_key.pk
+    usage = await sync_to_async(quotas.quota_usage)(tenant=api_key.tenant)
+    assert usage.month_tokens == 11
+    assert await sync_to_async(_concurrent)(api_key) == 0
