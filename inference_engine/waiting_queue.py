@@ -36,6 +36,19 @@ def _is_waiting(request: Request) -> bool:
     return request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
+def _remove(heap: list[tuple], request: Request) -> None:
+    """Remove ``request``'s entry from ``heap``: its head, as a rule (``peek`` returned it); a
+    request that went back to the queue ahead of it meanwhile (preempted in the same step)
+    stays queued."""
+    if heap[0][-1] is request:
+        heapq.heappop(heap)
+        return
+    index = next(i for i, entry in enumerate(heap) if entry[-1] is request)
+    heap[index] = heap[-1]
+    heap.pop()
+    heapq.heapify(heap)
+
+
 class WaitingQueue:
     """FCFS or priority order in one heap; aborted entries are skipped lazily."""
 
@@ -65,7 +78,11 @@ class WaitingQueue:
     def pop(self, request: Request) -> None:
         """Remove ``request``, which ``peek`` just returned."""
         self._uncount(request.tenant_id)
-        heapq.heappop(self._heap)
+        _remove(self._heap, request)
+
+    def requests(self) -> list[Request]:
+        """Every request waiting in the queue, in no particular order."""
+        return [entry[-1] for entry in self._heap if _is_waiting(entry[-1])]
 
     def _uncount(self, tenant: str) -> None:
         self._waiting_counts[tenant] -= 1
@@ -148,7 +165,16 @@ class FairQueue(WaitingQueue):
 
     def pop(self, request: Request) -> None:
         self._uncount(request.tenant_id)
-        heapq.heappop(self._tenants[request.priority][request.tenant_id])
+        _remove(self._tenants[request.priority][request.tenant_id], request)
+
+    def requests(self) -> list[Request]:
+        return [
+            entry[-1]
+            for tenants in self._tenants.values()
+            for queue in tenants.values()
+            for entry in queue
+            if _is_waiting(entry[-1])
+        ]
 
     def charge(self, request: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
         cost = num_prompt_tokens * PROMPT_TOKEN_COST + num_output_tokens * OUTPUT_TOKEN_COST

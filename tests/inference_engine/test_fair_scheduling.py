@@ -507,5 +507,51 @@ def test_a_newcomer_preempts_only_to_be_admitted(seed, monkeypatch):
                 num_wasted += bool(victims) and request.req_id not in admitted
             sampled = {item.request.req_id: 7 for item in output.scheduled if item.is_sampling}
             s.update_from_output(output, sampled)
+            assert not _unqueued(s)
     assert num_taken > 0  # the case it says
     assert num_wasted == 0
+
+
+def _unqueued(scheduler: Scheduler) -> set[str]:
+    """Requests that wait (new or preempted) but are in no queue: they would never run."""
+    queued = {r.req_id for r in scheduler.waiting.requests()}
+    waiting = {
+        r.req_id for r in scheduler.requests.values() if r.status.name in ("WAITING", "PREEMPTED")
+    }
+    return waiting - queued
+
+
+def test_a_request_preempted_in_the_step_that_admitted_it_keeps_its_place_in_the_queue():
+    """B (tenant T) does not fit, and fair admission preempts V (tenant U) for it. V's chunk
+    in this step goes unwritten, so A, admitted earlier in the step on a prefix hit of V's
+    blocks, is preempted too, and goes back to T's queue ahead of B. Admitting B then popped
+    the head of T's queue, A's entry: A waited in no queue, never to finish, and the engine
+    never idled again."""
+    s = Scheduler(num_blocks=19, block_size=4, max_num_seqs=8, max_num_batched_tokens=14)
+
+    def add(req_id: str, prompt: list[int], tenant: str) -> None:
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        s.add_request(Request(req_id, prompt, params, tenant_id=tenant))
+
+    def step() -> None:
+        output = s.schedule()
+        s.update_from_output(
+            output, {i.request.req_id: 7 for i in output.scheduled if i.is_sampling}
+        )
+        assert not _unqueued(s)
+
+    shared = list(range(200, 220))
+    add("Z", [1, 2, 3], "T")
+    add("W", list(range(300, 340)), "U")
+    for _ in range(4):
+        step()
+    add("V", shared, "U")
+    step()
+    add("A", shared[:16] + [99], "T")
+    add("B", list(range(400, 412)), "T")
+    for _ in range(500):
+        if not s.has_unfinished_requests():
+            break
+        step()
+    assert not s.has_unfinished_requests()
+    assert s.kv_cache.num_free_blocks == 19
