@@ -367,14 +367,23 @@ class Scheduler:
         """The running request to preempt when a running one needs blocks: the queue's pick
         (lowest priority, most served, newest); under fair, within the lowest priority, a
         request of a tenant at or above its fair share where there is one, so a newcomer
-        lifted to the others' counter is not the one to go."""
+        lifted to the others' counter is not the one to go.
+
+        Under fair, a request preempted before is not taken again while one that was not can
+        be, and among such requests the newest goes, as vLLM's rule has it: so the oldest
+        always makes progress. The most-served tenant's request is the one closest to
+        finishing, and requests that each needed most of the cache took turns preempting each
+        other, none ever finishing."""
         if not self.waiting.is_fair:
             return self.waiting.victim(self.running)
         lowest = max(request.priority for request in self.running)
         pool = [request for request in self.running if request.priority == lowest]
+        fresh = [request for request in pool if not request.num_preemptions]
+        if not fresh:
+            return max(pool, key=lambda request: request.arrival_order)
         num_held = self._num_blocks_by_tenant()
-        over = [r for r in pool if not self._is_below_fair_share(r.tenant_id, num_held)]
-        return self.waiting.victim(over or pool)
+        over = [r for r in fresh if not self._is_below_fair_share(r.tenant_id, num_held)]
+        return self.waiting.victim(over or fresh)
 
     def _fair_victims(
         self,

@@ -8,7 +8,8 @@
   prompt tokens computed count 1, each generated token 2, divided by the tenant's ``weight``
   (its plan's share). A tenant that comes back from idle starts at the lowest counter of the
   tenants with work in the engine, so idling banks no credit. Preemption under memory
-  pressure takes the newest request of the most-served tenant at the lowest priority.
+  pressure takes the newest request of the most-served tenant at the lowest priority, of
+  those not preempted before; once all were, the newest (so the oldest always progresses).
 
 Running requests are never preempted for fairness alone. Under ``fair`` a tenant below its
 fair share (of the KV blocks the running requests hold, split by weight among the tenants with
