@@ -63,6 +63,9 @@ class Request:
         # tokens served from the prefix cache when first scheduled; -1 until then
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # a preemption drops the request's KV and its count: the most of its prompt it had
+        # computed stays, for the metering of an abort before its first token
+        self.num_prompt_tokens_computed_before_preemption = 0
         # chained hashes of this request's full blocks, extended as tokens arrive
         self.block_hashes: list[bytes] = []
         self.timings = RequestTimings(arrival=time.time() if arrival_time is None else arrival_time)
@@ -100,7 +103,8 @@ class Request:
         prompt of a request aborted before its first token cost."""
         if self.output_token_ids:
             return self.num_prompt_tokens
-        return min(self.num_computed_tokens, self.num_prompt_tokens)
+        computed = min(self.num_computed_tokens, self.num_prompt_tokens)
+        return max(computed, self.num_prompt_tokens_computed_before_preemption)
 
     @property
     def max_num_tokens(self) -> int:

@@ -514,6 +514,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request.req_id)
+        request.num_prompt_tokens_computed_before_preemption = request.num_prefilled_prompt_tokens
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0

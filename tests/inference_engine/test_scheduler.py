@@ -313,3 +313,24 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert block.ref_cnt == held.get(block.block_id, 0)
     assert len(scheduler.running) <= scheduler.max_num_seqs
     assert {r.req_id for r in scheduler.running} == set(kv.req_to_blocks)
+
+
+def test_a_preempted_request_keeps_the_count_of_the_prompt_it_had_computed():
+    """An abort before the first token is metered by the prompt tokens computed. A preemption
+    zeroes the computed count (its KV is gone): aborted then, a request that had computed 24
+    of its prompt's 40 tokens was metered 0."""
+    scheduler = make_scheduler(num_blocks=12, max_num_batched_tokens=12, policy="fcfs")
+    scheduler.add_request(make_request("old", 20, max_tokens=24))
+    run_step(scheduler)
+    run_step(scheduler)
+    scheduler.add_request(make_request("new", 40, first_token=500))
+    computed = 0
+    for _ in range(30):
+        run_step(scheduler)
+        new = scheduler.requests["new"]
+        if new.status == RequestStatus.PREEMPTED:
+            break
+        computed = max(computed, new.num_computed_tokens)
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0  # the case
+    assert 0 < computed < 40
+    assert new.num_prefilled_prompt_tokens == computed
