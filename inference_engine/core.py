@@ -191,24 +191,32 @@ class EngineCore:
         return error
 
     def context_refusal(
-        self, num_prompt_tokens: int, params: SamplingParams, max_model_len: int | None = None
+        self,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        max_model_len: int | None = None,
+        *,
+        at_least: bool = False,
     ) -> Refusal | None:
         """A served request's prompt and ``max_tokens`` must fit the context together (the
         caller's ``max_model_len``, where lower than the engine's), as vLLM's server refuses
-        them, rather than be cut short; ``LLM`` stops such a request at the context instead."""
+        them, rather than be cut short; ``LLM`` stops such a request at the context instead.
+        ``at_least``: ``num_prompt_tokens`` is a bound, counted before tokenizing."""
         limit = min(self.max_model_len, max_model_len or self.max_model_len)
         head = f"This model's maximum context length is {limit} tokens. However, "
+        count = f"at least {num_prompt_tokens}" if at_least else f"{num_prompt_tokens}"
         if num_prompt_tokens > limit:
             return Refusal(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"{head}your messages resulted in {num_prompt_tokens} tokens. Please reduce the "
-                "length of the messages.",
+                f"{head}your messages resulted in {count} tokens. Please reduce the length of "
+                "the messages.",
             )
         if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
+            total = num_prompt_tokens + params.max_tokens
             return Refusal(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"{head}you requested {num_prompt_tokens + params.max_tokens} tokens "
-                f"({num_prompt_tokens} in the messages, {params.max_tokens} in the completion). "
+                f"{head}you requested {'at least ' if at_least else ''}{total} tokens "
+                f"({count} in the messages, {params.max_tokens} in the completion). "
                 "Please reduce the length of the messages or completion.",
             )
         return None

@@ -1,10 +1,16 @@
 """The engine process: a ROUTER socket, an input thread, the busy loop and an output thread.
 
 - The **I/O thread** owns the ROUTER socket (ZeroMQ sockets are not thread-safe). It decodes
-  and validates client frames, tokenizes prompts (applying the chat template), refuses what it
-  must at once (``invalid_request``, ``overloaded``), answers STATS and CONTROL itself, and
-  puts generates and aborts on the busy loop's ``InputQueue`` (``queues.py``). It also forwards
-  the output thread's frames, which arrive on an inproc PULL socket, to the ROUTER.
+  and validates client frames, refuses what it must at once (``invalid_request``,
+  ``overloaded``, a prompt whose characters alone are more tokens than the context holds),
+  answers STATS and CONTROL itself, hands generates to the intake thread and puts aborts on the
+  busy loop's ``InputQueue`` (``queues.py``). It also forwards the frames of the output and
+  intake threads, which arrive on an inproc PULL socket, to the ROUTER.
+- The **intake thread** tokenizes prompts (applying the chat template) and compiles their
+  grammars, one request at a time in arrival order, refuses those that do not fit, and puts
+  the rest on the ``InputQueue``. An abort of a request it holds follows the request through
+  it. Off the I/O thread, a prompt of megabytes takes seconds of this thread alone (the
+  tokenizer lets go of the GIL): heartbeats are answered and streams forwarded meanwhile.
 - The **busy loop** (the main thread) applies queued aborts, adds and model switches, then runs
   ``EngineCore.step()`` and hands the outputs on. It does nothing else, except that under
   ``fair`` on the CPU a step pauses between layers to take the adds that arrived meanwhile
@@ -63,7 +69,12 @@ from inference_engine.protocol import (
     link_keys,
 )
 from inference_engine.queues import InputKind, InputQueue, QueuedAdd, QueuedInput, StepOutputs
-from inference_engine.tokenization import render_chat, tool_call_parser
+from inference_engine.tokenization import (
+    longest_token_chars,
+    min_prompt_tokens,
+    render_chat,
+    tool_call_parser,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -83,6 +94,16 @@ class _Snapshot:
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     waiting_by_tenant: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Intake:
+    """A generate the I/O thread accepted, for the intake thread to tokenize."""
+
+    identity: bytes
+    request: GenerateRequest
+    req_id: str
+    arrival: float
 
 
 class EngineServer:
@@ -128,6 +149,15 @@ class EngineServer:
         # I/O thread only: client identity -> time.monotonic() of its last frame
         self._last_heard: dict[bytes, float] = {}
         self._next_silence_check = 0.0
+        self._last_loop_at = 0.0
+        # generates (and aborts that follow them) for the intake thread; None stops it
+        self._intake: queue.SimpleQueue[_Intake | list[str] | None] = queue.SimpleQueue()
+        # the requests the intake thread holds (added by the I/O thread, removed by intake)
+        self._tokenizing: set[str] = set()
+        # written by the intake thread: adds counted as queued that it refused
+        self._num_adds_refused = 0
+        self._adds_refused_by_tenant: collections.Counter[str] = collections.Counter()
+        self._longest_token_chars = 1
         self.controller = ModelController(
             engine_config, self._queue_switch, replace=server_config.model_swap == "replace"
         )
@@ -152,6 +182,10 @@ class EngineServer:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._install_signal_handlers()
         output_thread = None
+        intake_thread = threading.Thread(
+            target=self._intake_loop, name="engine-intake", daemon=True
+        )
+        intake_thread.start()
         try:
             self._load()
             self._ready.set()
@@ -171,9 +205,12 @@ class EngineServer:
         finally:
             self._ready.clear()
             self._draining.set()
+            self._intake.put(None)
+            intake_thread.join(timeout=10)
             if output_thread is not None:
                 self.output_queue.put(None)
                 output_thread.join()
+            self._refuse_leftover_adds()
             self._io_stop.set()
             io_thread.join(timeout=10)
             self.ctx.term()
@@ -207,6 +244,7 @@ class EngineServer:
         self.num_kv_blocks = loaded.core.scheduler.kv_cache.num_blocks if loaded else 0
         if loaded is not None:
             self.input_tokenizer = loaded.input_tokenizer
+            self._longest_token_chars = longest_token_chars(loaded.input_tokenizer)
             self.processor.tokenizer = loaded.output_tokenizer
         self._publish_snapshot()
 
@@ -250,7 +288,7 @@ class EngineServer:
                     if core is not None:
                         core.abort_requests(left)
                 idle = core is None or not core.has_unfinished_requests()
-                if idle and self.inputs.empty():
+                if idle and self.inputs.empty() and not self._tokenizing:
                     return
             if core is None or not core.has_unfinished_requests():
                 continue
@@ -459,7 +497,7 @@ class EngineServer:
                 self._on_generate(router, identity, payload)
             elif kind == RequestType.ABORT.value:
                 abort = self._abort_decoder.decode(payload)
-                self._queue_abort([_req_id(identity, r) for r in abort.req_ids])
+                self._route_aborts([_req_id(identity, r) for r in abort.req_ids])
             elif kind == RequestType.STATS.value:
                 router.send_multipart(
                     [identity, ResponseType.STATS.value, self._encoder.encode(self.stats())]
@@ -497,7 +535,12 @@ class EngineServer:
         if (refusal := self.controller.refusal) is not None:
             self._reply_error(router, identity, request_id, *refusal)
             return
-        num_queued = self.snapshot.num_waiting + self._num_adds_queued - self._num_adds_taken
+        num_queued = (
+            self.snapshot.num_waiting
+            + self._num_adds_queued
+            - self._num_adds_taken
+            - self._num_adds_refused
+        )
         if num_queued >= self.config.max_queued_requests:
             self._reply_error(
                 router,
@@ -518,7 +561,7 @@ class EngineServer:
                 "requests)",
             )
             return
-        if req_id in self.processor.states:
+        if req_id in self.processor.states or req_id in self._tokenizing:
             self._reply_error(
                 router,
                 identity,
@@ -527,47 +570,142 @@ class EngineServer:
                 f"request_id {request_id!r} is already in use",
             )
             return
+        core = self.core
+        at_least = min_prompt_tokens(request.prompt, request.messages, self._longest_token_chars)
+        if core is not None and (
+            refused := core.context_refusal(
+                at_least, request.params, request.max_model_len, at_least=True
+            )
+        ):
+            self._reply_error(router, identity, request_id, *refused)
+            return
+        # counted as queued from now: the caps above see it while it is tokenized
+        self._num_adds_queued += 1
+        self._adds_queued_by_tenant[tenant] += 1
+        self._tokenizing.add(req_id)
+        self._intake.put(_Intake(identity, request, req_id, arrival))
+
+    # -- intake thread -----------------------------------------------------------------------
+
+    def _intake_loop(self) -> None:
+        push = self._connect_push()
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while (item := self._intake.get()) is not None:
+                if isinstance(item, list):  # aborts that followed their requests here
+                    self._queue_abort(item)
+                    continue
+                try:
+                    self._take_in(item, push, encoder)
+                except Exception:  # noqa: BLE001 - one request must not stop the intake
+                    logger.exception("taking in %s failed", item.req_id)
+                    self._refuse(item, push, encoder, ErrorCode.ENGINE_ERROR, "intake failed")
+                finally:
+                    self._tokenizing.discard(item.req_id)
+        finally:
+            push.close(linger=-1)
+
+    def _take_in(self, item: _Intake, push: zmq.Socket, encoder: msgspec.msgpack.Encoder) -> None:
+        """Tokenize ``item``'s prompt, check what needs its tokens, and queue it for the core
+        (or refuse it)."""
+        request = item.request
         try:
             token_ids = self._tokenize(request)
         except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects the roles
-            self._reply_error(
-                router, identity, request_id, ErrorCode.INVALID_REQUEST, f"cannot tokenize: {exc}"
-            )
+            self._refuse(item, push, encoder, ErrorCode.INVALID_REQUEST, f"cannot tokenize: {exc}")
             return
         core = self.core
         if core is not None and (
             refused := core.context_refusal(len(token_ids), request.params, request.max_model_len)
         ):
-            self._reply_error(router, identity, request_id, *refused)
+            self._refuse(item, push, encoder, *refused)
             return
         # a new grammar compiles here, not in the busy loop; one that cannot is refused
         if core is not None and (
             refused := core.check_structured_outputs(request.params, request.cache_salt)
         ):
-            self._reply_error(router, identity, request_id, *refused)
+            self._refuse(item, push, encoder, *refused)
             return
+        tenant = request.tenant_id or ""
         self.processor.add_request(
-            req_id, identity, request_id, token_ids, request.params, tenant_id=tenant
+            item.req_id,
+            item.identity,
+            request.request_id,
+            token_ids,
+            request.params,
+            tenant_id=tenant,
         )
-        self._num_adds_queued += 1
-        self._adds_queued_by_tenant[tenant] += 1
         self.inputs.put_add(
             QueuedAdd(
-                req_id=req_id,
+                req_id=item.req_id,
                 prompt_token_ids=token_ids,
                 params=request.params,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
-                arrival_time=arrival,
+                arrival_time=item.arrival,
                 tenant_id=tenant,
                 tenant_weight=request.tenant_weight,
                 max_model_len=request.max_model_len,
             )
         )
 
+    def _refuse(
+        self,
+        item: _Intake,
+        push: zmq.Socket,
+        encoder: msgspec.msgpack.Encoder,
+        code: ErrorCode,
+        message: str,
+        param: str | None = None,
+    ) -> None:
+        """Answer a request the intake will not queue, and uncount it."""
+        self._num_adds_refused += 1
+        self._adds_refused_by_tenant[item.request.tenant_id or ""] += 1
+        delta = GenerateDelta(
+            item.request.request_id,
+            finish_reason=FinishReason.ERROR,
+            error=code,
+            error_message=message,
+            error_param=param,
+        )
+        push.send_multipart([item.identity, ResponseType.OUTPUTS.value, encoder.encode([delta])])
+
+    def _refuse_leftover_adds(self) -> None:
+        """Fail the adds the busy loop left when it stopped (queued as it drained its last):
+        every request a client sent gets its final message."""
+        left = [item.add for item in self.inputs.take_all() if item.kind == InputKind.ADD]
+        if not left:
+            return
+        outputs = [
+            EngineOutput(
+                add.req_id,
+                finish_reason=FinishReason.ERROR,
+                error_code=ErrorCode.ENGINE_ERROR,
+                error_message="the engine shut down before the request started",
+            )
+            for add in left
+        ]
+        push = self._connect_push()
+        try:
+            self._send_frames(push, self._process(StepOutputs(outputs, time.time())))
+        finally:
+            push.close(linger=-1)
+
+    def _route_aborts(self, req_ids: list[str]) -> None:
+        """Abort ``req_ids``: after their adds where the intake thread still holds one."""
+        if any(req_id in self._tokenizing for req_id in req_ids):
+            self._intake.put(req_ids)
+        else:
+            self._queue_abort(req_ids)
+
     def _abort_silent_clients(self, now: float) -> None:
         """Abort the requests of every client silent for ``client_timeout`` (see the module
         docstring); checked a few times a timeout."""
+        previous, self._last_loop_at = self._last_loop_at, now
+        if previous and now - previous > 1.0:
+            # this thread was held up, not the clients: what it did not read is no silence
+            stalled = now - previous
+            self._last_heard = {client: at + stalled for client, at in self._last_heard.items()}
         if now < self._next_silence_check:
             return
         timeout = self.config.client_timeout
@@ -578,8 +716,10 @@ class EngineServer:
         for client in silent:
             del self._last_heard[client]
         prefixes = tuple(_req_id(client, "") for client in silent)
-        # the output thread removes finished requests meanwhile: a copy of the keys, at once
-        req_ids = [req_id for req_id in list(self.processor.states) if req_id.startswith(prefixes)]
+        # the output thread removes finished requests meanwhile (and the intake thread those it
+        # took in): a copy of the keys, at once
+        known = list(self.processor.states) + list(self._tokenizing)
+        req_ids = list(dict.fromkeys(r for r in known if r.startswith(prefixes)))
         if req_ids:
             logger.warning(
                 "aborting %d requests of %d clients silent for %.0fs",
@@ -587,12 +727,16 @@ class EngineServer:
                 len(silent),
                 timeout,
             )
-            self._queue_abort(req_ids)
+            self._route_aborts(req_ids)
 
     def _num_waiting_of(self, tenant: str) -> int:
         """The tenant's waiting requests as the busy loop last saw them, plus its adds on
         their way there."""
-        in_transit = self._adds_queued_by_tenant[tenant] - self._adds_taken_by_tenant[tenant]
+        in_transit = (
+            self._adds_queued_by_tenant[tenant]
+            - self._adds_taken_by_tenant[tenant]
+            - self._adds_refused_by_tenant[tenant]
+        )
         return self.snapshot.waiting_by_tenant.get(tenant, 0) + in_transit
 
     def _tokenize(self, request: GenerateRequest) -> list[int]:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from inference_engine.protocol import Message
+
 # prompt tokens kept as left context so the first output token decodes with the right spacing
 NUM_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
@@ -91,6 +93,29 @@ def render_chat(
         messages, tools=tools or None, add_generation_prompt=True, tokenize=False
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token of ``tokenizer`` spells, special and added tokens
+    included: a text of ``n`` characters is at least ``n / longest_token_chars`` tokens (a
+    byte-level vocabulary spells a byte per character, and a text's character is at least a
+    byte)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
+def min_prompt_tokens(
+    prompt: str | None, messages: list[Message] | None, longest_token: int
+) -> int:
+    """The fewest tokens a prompt (or the messages' contents, which their template renders)
+    can come to, counted without tokenizing: a prompt over the context by this count is
+    refused at once, not after seconds of tokenizing megabytes."""
+    if prompt is not None:
+        num_chars = len(prompt)
+    elif messages is not None:
+        num_chars = sum(len(message.content) for message in messages)
+    else:
+        return 0
+    return -(-num_chars // longest_token)
 
 
 def tool_call_parser(tokenizer: PreTrainedTokenizerBase | None) -> str:
