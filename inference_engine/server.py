@@ -509,7 +509,13 @@ class EngineServer:
                 )
             else:
                 raise ValueError(f"unknown request type {kind[:8]!r}")
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+        except (
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            ValueError,
+            TypeError,
+            RecursionError,
+        ) as exc:
             logger.warning("bad frame from %s: %s", identity.hex(), exc)
             self._reply_error(router, identity, "", ErrorCode.INVALID_REQUEST, str(exc))
         except Exception:  # noqa: BLE001 - one bad frame must not stop the engine
@@ -520,7 +526,13 @@ class EngineServer:
         try:
             request = self._generate_decoder.decode(payload)
             request.validate()
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+        except (
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            ValueError,
+            TypeError,
+            RecursionError,  # an untyped field (a tool) nested past the decoder's stack
+        ) as exc:
             request_id = _recover_request_id(payload)
             self._reply_error(router, identity, request_id, ErrorCode.INVALID_REQUEST, str(exc))
             return

@@ -387,7 +387,14 @@ async def raw_exchange(endpoint: str, frames: list[bytes], wait: float = 2.0) ->
 async def test_garbage_and_oversized_frames_do_not_hurt_the_engine(engine, client):
     decoder = msgspec.msgpack.Decoder(list[GenerateDelta])
     bad_params = msgspec.msgpack.encode(["hi", None, None, [-1.0], "rid-7"])
+    # a tool nested past the decoder's stack: RecursionError, which got no reply (its id is
+    # past reading too, as the payload's is when it is garbage)
+    marker = msgspec.msgpack.encode("@@")
+    tools = [{"a": "@@"}]
+    nested = msgspec.msgpack.encode(["hi", None, None, GREEDY, "rid-8", "", 0, None, 1.0, tools])
+    nested = nested.replace(marker, b"\x91" * 5000 + b"\x01")
     cases = [
+        ([RequestType.GENERATE.value, nested], ""),
         ([RequestType.GENERATE.value, b"\xc1garbage"], ""),
         ([RequestType.GENERATE.value, bad_params], "rid-7"),
         ([RequestType.GENERATE.value, msgspec.msgpack.encode({"prompt": "x"})], ""),
