@@ -60,7 +60,9 @@ generates (with ``"message_id"``, only that reply). A conversation deleted from 
 closes its idle sockets at once (``deleted``, 4404), and a rename reaches them as a
 ``settings`` frame naming only the title. A socket whose user was signed out, or lost access,
 since its last check (at most ``ACCESS_RECHECK_SECONDS`` before) is closed, as for a frame of
-its own, instead of shown what other windows relay.
+its own, instead of shown what other windows relay; while its own reply runs, it is checked
+every ``ACCESS_RECHECK_SECONDS`` whatever it sends, and one who lost access is closed, the
+reply stopped and saved.
 
 Only one reply per conversation is generated at a time, across sockets and processes: a
 frame that would start another gets a ``busy`` error. The claim is a lease that the reply
@@ -145,6 +147,7 @@ class _Run:
     outcome: ReplyOutcome = field(default_factory=ReplyOutcome)
     task: asyncio.Task | None = None
     keeper: asyncio.Task | None = None  # renews the claim while the reply runs
+    guard: asyncio.Task | None = None  # checks the user's access while the reply runs
     is_generating: bool = True
     is_stopped: bool = False
     is_stop_asked: bool = False  # a stop (or deletion) was asked for: no token goes out after
@@ -324,7 +327,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await (self._lose_deleted() if is_deleted else self._lose_forbidden())
 
     async def _lose_access(self, close_code: int, error_code: str, message: str) -> None:
-        """Tell the client why, stop the reply being generated, and close."""
+        """Tell the client why, stop the reply being generated, and close (once: a frame and
+        the reply's access guard may both find it)."""
+        if self.is_closed:
+            return
         await self._error(error_code, message)
         self.is_closed = True  # the stopped reply is saved, but no more frames go out
         if self.run is not None:
@@ -431,6 +437,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         run.keeper = asyncio.create_task(
             claims.akeep(self.conversation, run.claim, on_deleted=partial(self._deleted, run))
         )
+        run.guard = asyncio.create_task(self._guard_access(run))
         await self._send_all({"type": "start", "message_id": reply.pk, "after_id": after_id})
         if run.is_stop_asked:  # another window's stop, or a deletion, came meanwhile
             await self._stop(run)
@@ -456,6 +463,18 @@ class ChatConsumer(AsyncWebsocketConsumer):
             run.error = ChatError("internal_error", "Something went wrong. Please try again.")
         run.is_generating = False
         await self._finish(run)
+
+    async def _guard_access(self, run: _Run) -> None:
+        """While ``run`` generates, check the user's access every ``ACCESS_RECHECK_SECONDS``:
+        one signed out, deactivated or removed from the tenant meanwhile is closed as for a
+        frame of their own, the reply stopped and saved. Without it a reply went on streaming
+        to them (and billing their tenant) until they sent a frame."""
+        while not run.is_finished:
+            await asyncio.sleep(ACCESS_RECHECK_SECONDS)
+            async with self.relay_lock:  # one check at a time with the relayed messages'
+                if run.is_finished or self.is_closed:
+                    return
+                await self._still_allowed()
 
     def _deleted(self, run: _Run) -> None:
         """The conversation was deleted while ``run`` generated its reply: stop it; its end
@@ -514,6 +533,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
         finally:
             if run.keeper is not None:
                 run.keeper.cancel()
+            if run.guard is not None and not self.is_closed:
+                # a closing socket's guard may be the one closing it: it ends by itself
+                run.guard.cancel()
             if run.text_relay is not None:
                 run.text_relay.close()
             await claims.arelease(self.conversation, run.claim)

@@ -803,3 +803,30 @@ async def test_a_frame_that_meets_a_failing_cache_or_database_gets_an_error_fram
     await chat.close()
     assert settings["settings"]["system_prompt"] == "Still here."
     assert not await sync_to_async(claims.is_claimed)(chat_world["conversation"])
+
+
+async def test_a_member_removed_mid_reply_is_closed_without_a_frame_of_their_own(
+    chat_world, async_db, ready_engine, monkeypatch
+):
+    """Access was checked only when the socket sent a frame (or another window relayed one):
+    removed from the tenant, a member kept receiving the reply under way, and the tenant
+    paying for it, to its length."""
+    from chat import consumers
+    from tenants.models import Membership
+
+    monkeypatch.setattr(consumers, "ACCESS_RECHECK_SECONDS", 0.2)
+    conversation, alice = chat_world["conversation"], chat_world["user"]
+    await _configure(conversation, max_tokens=LONG_REPLY_TOKENS)
+    connected, _, chat = await open_chat(alice, conversation.pk)
+    with engine_paused(ready_engine):
+        await chat.send(type="send", content="Tell me a long story")
+        await run_paused_engine_until(ready_engine, chat, "token")
+        await sync_to_async(Membership.objects.filter(user=alice).delete)()
+        error, frames = await chat.receive_until("error")
+    assert error["code"] == "forbidden"
+    assert "done" not in [f["type"] for f in frames]
+    closed = await chat.communicator.receive_output(timeout=30)
+    assert closed == {"type": "websocket.close", "code": 4403}
+    _, reply = await _messages(conversation)
+    assert reply.status == "stopped" and reply.completion_tokens < LONG_REPLY_TOKENS
+    assert await _engine_idle(await sync_to_async(_endpoint)(chat_world))
