@@ -386,10 +386,13 @@ class Run:
                 merged = _counted(choice, stream, self._count)
             else:
                 merged = _merge(open_streams, self._count)
-            async for choice, delta in merged:
-                if delta.error is not None:
-                    raise self._engine_error(delta)
-                yield choice, delta
+            # closed as an error goes up, not when the collector gets to it: the merge's
+            # pumps stop reading the other choices, whose streams ``aclose`` then aborts
+            async with contextlib.aclosing(merged):
+                async for choice, delta in merged:
+                    if delta.error is not None:
+                        raise self._engine_error(delta)
+                    yield choice, delta
         except EngineUnavailable as exc:
             raise self._lost(exc) from exc
 

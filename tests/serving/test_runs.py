@@ -493,3 +493,39 @@ async def test_a_stream_of_choices_cut_meters_the_deltas_it_received_and_did_not
     record = await record_of(run_world)
     assert (record.status, record.prompt_tokens, record.completion_tokens) == ("cancelled", 3, 4)
     assert run_world.fake.aborted() == ["run-1-1"]
+
+
+@pytest.mark.tenant_limits(max_concurrent_requests=2)
+async def test_an_engine_error_on_one_choice_aborts_the_others_and_meters_what_they_made(
+    run_world,  # noqa: F811
+):
+    """n=2: choice 0 fails in the engine while choice 1 generates. The merge of their streams
+    was left open as the error went up: its pumps kept reading choice 1, whose stream then
+    could not be closed, so no ABORT went out and choice 1's tokens went unmetered (until the
+    garbage collector happened to close it)."""
+    run = Run(spec(n=2, max_tokens=100), run_world.caller())
+    starting = asyncio.create_task(run.start())
+    (identity, _), _ = [await run_world.fake.generates.get() for _ in range(2)]
+    firsts = [GenerateDelta(f"run-1-{i}", "a", [1], usage=Usage(prompt_tokens=3)) for i in range(2)]
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, firsts)
+    await starting
+    failed = GenerateDelta(
+        "run-1-0", "", [], finish_reason=FinishReason.ERROR, error=ErrorCode.ENGINE_ERROR
+    )
+    await run_world.fake.send(
+        identity, ResponseType.OUTPUTS, [GenerateDelta("run-1-1", "b", [2]), failed]
+    )
+    answering = asyncio.create_task(_answer_aborts(run_world, identity, {"run-1-1": 50}))
+    caught = None
+    try:
+        async for _ in run.deltas():
+            pass
+    except RunError as exc:
+        caught = exc
+        held = exc  # the caller holds the error (as the gateway's answer does) as it closes
+        await run.aclose(held)
+    answering.cancel()
+    assert caught is not None and caught.code == "engine_error"
+    assert run_world.fake.aborted() == ["run-1-1"]
+    record = await record_of(run_world)
+    assert (record.status, record.prompt_tokens, record.completion_tokens) == ("error", 3, 51)
