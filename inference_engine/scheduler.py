@@ -309,6 +309,7 @@ class Scheduler:
             if other.request.req_id in scheduled and not unwritten.isdisjoint(context):
                 if not other.request.num_preemptions and not other.request.output_token_ids:
                     other.request.num_cached_tokens = -1  # its hits were not hits after all
+                    other.request.num_computed_tokens = 0  # nor were they computed: unmetered
                 num_refunded += self._preempt_in_step(other.request, scheduled, output)
         return num_refunded
 

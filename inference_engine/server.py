@@ -97,6 +97,13 @@ class _Snapshot:
 
 
 @dataclass
+class _Switch:
+    """A model switch on its way to the busy loop, behind the requests accepted before it."""
+
+    model: LoadedModel | None
+
+
+@dataclass
 class _Intake:
     """A generate the I/O thread accepted, for the intake thread to tokenize."""
 
@@ -150,8 +157,9 @@ class EngineServer:
         self._last_heard: dict[bytes, float] = {}
         self._next_silence_check = 0.0
         self._last_loop_at = 0.0
-        # generates (and aborts that follow them) for the intake thread; None stops it
-        self._intake: queue.SimpleQueue[_Intake | list[str] | None] = queue.SimpleQueue()
+        # generates (and the aborts and model switches that follow them) for the intake
+        # thread; None stops it
+        self._intake: queue.SimpleQueue[_Intake | _Switch | list[str] | None] = queue.SimpleQueue()
         # the requests the intake thread holds (added by the I/O thread, removed by intake)
         self._tokenizing: set[str] = set()
         # written by the intake thread: adds counted as queued that it refused
@@ -207,6 +215,7 @@ class EngineServer:
             self._draining.set()
             self._intake.put(None)
             intake_thread.join(timeout=10)
+            self._refuse_leftover_intake()
             if output_thread is not None:
                 self.output_queue.put(None)
                 output_thread.join()
@@ -249,7 +258,9 @@ class EngineServer:
         self._publish_snapshot()
 
     def _queue_switch(self, loaded: LoadedModel | None) -> None:
-        self.inputs.put_switch(loaded)
+        # through the intake: the requests accepted before it reach the busy loop before it
+        # (tokenized by the model they were accepted for, and drained before the switch)
+        self._intake.put(_Switch(loaded))
 
     def _switch_if_drained(self) -> None:
         if self._pending_switch is None:
@@ -288,7 +299,8 @@ class EngineServer:
                     if core is not None:
                         core.abort_requests(left)
                 idle = core is None or not core.has_unfinished_requests()
-                if idle and self.inputs.empty() and not self._tokenizing:
+                # the intake queues an add before it lets go of the request: looked at first
+                if idle and not self._tokenizing and self.inputs.empty():
                     return
             if core is None or not core.has_unfinished_requests():
                 continue
@@ -607,6 +619,9 @@ class EngineServer:
                 if isinstance(item, list):  # aborts that followed their requests here
                     self._queue_abort(item)
                     continue
+                if isinstance(item, _Switch):
+                    self.inputs.put_switch(item.model)
+                    continue
                 try:
                     self._take_in(item, push, encoder)
                 except Exception:  # noqa: BLE001 - one request must not stop the intake
@@ -703,12 +718,31 @@ class EngineServer:
         finally:
             push.close(linger=-1)
 
+    def _refuse_leftover_intake(self) -> None:
+        """Fail the generates handed to the intake as it stopped (accepted just before the
+        drain began, behind its stop)."""
+        push, encoder = self._connect_push(), msgspec.msgpack.Encoder()
+        try:
+            while True:
+                try:
+                    item = self._intake.get_nowait()
+                except queue.Empty:
+                    return
+                if isinstance(item, _Intake):
+                    message = "the engine shut down before the request started"
+                    self._refuse(item, push, encoder, ErrorCode.ENGINE_ERROR, message)
+                    self._tokenizing.discard(item.req_id)
+        finally:
+            push.close(linger=-1)
+
     def _route_aborts(self, req_ids: list[str]) -> None:
-        """Abort ``req_ids``: after their adds where the intake thread still holds one."""
-        if any(req_id in self._tokenizing for req_id in req_ids):
-            self._intake.put(req_ids)
-        else:
-            self._queue_abort(req_ids)
+        """Abort ``req_ids``: those the intake thread still holds after their adds, through it;
+        the others at once (not behind the prompts it has yet to tokenize)."""
+        held = [req_id for req_id in req_ids if req_id in self._tokenizing]
+        if held:
+            self._intake.put(held)
+        if len(held) < len(req_ids):
+            self._queue_abort([req_id for req_id in req_ids if req_id not in held])
 
     def _abort_silent_clients(self, now: float) -> None:
         """Abort the requests of every client silent for ``client_timeout`` (see the module
@@ -730,7 +764,8 @@ class EngineServer:
         prefixes = tuple(_req_id(client, "") for client in silent)
         # the output thread removes finished requests meanwhile (and the intake thread those it
         # took in): a copy of the keys, at once
-        known = list(self.processor.states) + list(self._tokenizing)
+        # the intake registers a request with the processor before it lets go: looked at first
+        known = list(self._tokenizing) + list(self.processor.states)
         req_ids = list(dict.fromkeys(r for r in known if r.startswith(prefixes)))
         if req_ids:
             logger.warning(

@@ -298,8 +298,9 @@ def usage_records_save(records: list[UsageRecord]) -> None:
     A record naming a key or user deleted while its request ran is saved without that name,
     as the deletion left the records written before it (SET_NULL): its foreign key would fail
     the whole transaction at commit, and the request would go unmetered. On PostgreSQL the
-    keys are checked as each row goes in, which locks the rows they name: a deletion after the
-    check waits for the commit, then clears the name like any other record's."""
+    keys are checked as each row goes in, so a deletion committed between the check and the
+    insert fails that row alone (the settlement then saves it on its own, checked again),
+    not the group's transaction."""
     if connection.vendor == "postgresql" and connection.in_atomic_block:
         with connection.cursor() as cursor:
             cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")

@@ -549,6 +549,11 @@ def test_a_request_preempted_in_the_step_that_admitted_it_keeps_its_place_in_the
     step()
     add("A", shared[:16] + [99], "T")
     add("B", list(range(400, 412)), "T")
+    step()
+    a = s.requests["A"]
+    assert a.status.name == "PREEMPTED"  # the case it says
+    # its hits were on blocks nobody wrote: an abort now meters none of them
+    assert a.num_prefilled_prompt_tokens == 0
     for _ in range(500):
         if not s.has_unfinished_requests():
             break

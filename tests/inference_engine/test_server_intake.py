@@ -13,8 +13,10 @@ import pytest
 import zmq
 
 from inference_engine.config import EngineConfig, ServerConfig
+from inference_engine.model_control import UNLOADED
 from inference_engine.protocol import (
     AbortRequest,
+    ControlRequest,
     ErrorCode,
     FinishReason,
     GenerateDelta,
@@ -162,3 +164,22 @@ def test_a_prompt_whose_characters_exceed_the_context_is_refused_untokenized(ser
     dealer.generate("fits", "a" * 20, max_tokens=1)  # a prompt within the bound is tokenized
     assert dealer.until_final("fits")[-1].finish_reason == FinishReason.LENGTH
     assert "fits" in tokenized
+
+
+def test_an_unload_waits_for_the_requests_accepted_before_it(served):
+    """A request still being tokenized when an unload came: the switch reached the busy loop
+    first, the model was gone when the request's add came, and it failed ("could not add the
+    request"). The switch now follows the requests accepted before it through the intake."""
+    server, dealer, gate, tokenized = served
+    dealer.generate("gated-3", "hello world", max_tokens=8)
+    _wait_for(lambda: "gated-3" in tokenized)
+    dealer.send(RequestType.CONTROL, ControlRequest(action="unload"))
+    _wait_for(lambda: server.controller.refusal is not None)
+    gate.set()
+    deltas = dealer.until_final("gated-3")
+    assert deltas[-1].finish_reason == FinishReason.LENGTH, deltas[-1]
+    assert sum(len(d.token_ids) for d in deltas) == 8
+    _wait_for(lambda: server.controller.state == UNLOADED)
+    dealer.generate("after", "hello world", max_tokens=1)
+    [refused] = dealer.until_final("after")
+    assert refused.error == ErrorCode.MODEL_NOT_LOADED
