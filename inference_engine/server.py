@@ -32,6 +32,7 @@ closes the sockets.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import signal
@@ -626,7 +627,8 @@ class EngineServer:
                     self._take_in(item, push, encoder)
                 except Exception:  # noqa: BLE001 - one request must not stop the intake
                     logger.exception("taking in %s failed", item.req_id)
-                    self._refuse(item, push, encoder, ErrorCode.ENGINE_ERROR, "intake failed")
+                    with contextlib.suppress(Exception):
+                        self._refuse(item, push, encoder, ErrorCode.ENGINE_ERROR, "intake failed")
                 finally:
                     self._tokenizing.discard(item.req_id)
         finally:
