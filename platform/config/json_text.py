@@ -1,9 +1,11 @@
-"""Where a client's JSON holds text that is not Unicode.
+"""Where a client's JSON holds text that is not Unicode, or nests too deeply to be read.
 
 JSON may spell a lone UTF-16 surrogate (``"\\ud800"``): valid JSON, but no Unicode string. No
 UTF-8 encoder, database or tokenizer takes one, so every text a client sends is checked where
 it enters (the API's body, the chat socket's frame), once, whatever its field.
 ``lone_surrogate_path`` names the first field holding one, for the error the client gets.
+``nests_too_deeply`` finds a document nested past ``MAX_NESTING``, before a decoder recurses
+into it.
 """
 
 import json
