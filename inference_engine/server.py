@@ -690,14 +690,8 @@ class EngineServer:
         """Answer a request the intake will not queue, and uncount it."""
         self._num_adds_refused += 1
         self._adds_refused_by_tenant[item.request.tenant_id or ""] += 1
-        delta = GenerateDelta(
-            item.request.request_id,
-            finish_reason=FinishReason.ERROR,
-            error=code,
-            error_message=message,
-            error_param=param,
-        )
-        push.send_multipart([item.identity, ResponseType.OUTPUTS.value, encoder.encode([delta])])
+        request_id = item.request.request_id
+        push.send_multipart(_error_frame(encoder, item.identity, request_id, code, message, param))
 
     def _refuse_leftover_adds(self) -> None:
         """Fail the adds the busy loop left when it stopped (queued as it drained its last):
@@ -805,14 +799,9 @@ class EngineServer:
         message: str,
         param: str | None = None,
     ) -> None:
-        delta = GenerateDelta(
-            request_id,
-            finish_reason=FinishReason.ERROR,
-            error=code,
-            error_message=message,
-            error_param=param,
+        router.send_multipart(
+            _error_frame(self._encoder, identity, request_id, code, message, param)
         )
-        router.send_multipart([identity, ResponseType.OUTPUTS.value, self._encoder.encode([delta])])
 
     # -- stats -------------------------------------------------------------------------------
 
@@ -844,6 +833,25 @@ class EngineServer:
             model_path=self.controller.model_path or "",
             tool_call_parser=tool_call_parser(self.input_tokenizer),
         )
+
+
+def _error_frame(
+    encoder: msgspec.msgpack.Encoder,
+    identity: bytes,
+    request_id: str,
+    code: ErrorCode,
+    message: str,
+    param: str | None,
+) -> list[bytes]:
+    """The frame that ends a client's request with an error."""
+    delta = GenerateDelta(
+        request_id,
+        finish_reason=FinishReason.ERROR,
+        error=code,
+        error_message=message,
+        error_param=param,
+    )
+    return [identity, ResponseType.OUTPUTS.value, encoder.encode([delta])]
 
 
 def _req_id(identity: bytes, request_id: str) -> str:

@@ -27,7 +27,7 @@ from config.json_text import (
     lone_surrogate_path,
     nests_too_deeply,
 )
-from config.numerals import MAX_DIGITS, parse_count
+from config.numerals import MAX_DIGITS
 from gateway.errors import ApiError, invalid
 
 JSON_CONTENT_TYPE = "application/json"
@@ -51,8 +51,7 @@ def _read(request: HttpRequest) -> bytes:
     too_large = ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
     length = request.headers.get("Content-Length", "")
     # more digits than a count has declares more than any limit (and int() refuses 4,300)
-    declared = parse_count(length) if len(length) <= MAX_DIGITS else limit + 1
-    if declared is not None and declared > limit and length.isascii() and length.isdigit():
+    if length.isascii() and length.isdigit() and (len(length) > MAX_DIGITS or int(length) > limit):
         raise too_large
     if request.content_type and request.content_type != JSON_CONTENT_TYPE:
         raise ApiError(
