@@ -180,6 +180,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     relay: Relay | None = None
     mirror: ReplyMirror
     mirror_checker: asyncio.Task | None = None
+    holder: asyncio.Task | None = None  # marks the conversation open while the socket is open
     allowed_at = 0.0  # when the user was last found allowed to see the conversation (monotonic)
     frame_budgets: dict[bool, FrameBudget] | None = None  # stops (True) and the other frames
     num_replies_started = 0
@@ -197,7 +198,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 STOPPING_GRACE_SECONDS,
             )
         finally:  # an instance that ended without its disconnect leaves no task behind
-            self._stop_relay_tasks()
+            self._stop_socket_tasks()
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -221,6 +222,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self.accept()  # socket open reaches it
         self.relay.listen()
         self.mirror_checker = asyncio.create_task(self._check_mirror())
+        self.holder = asyncio.create_task(self._hold_open())
 
     async def _refuse(self, code: int) -> None:
         """Accept, then close with ``code``: the browser sees the code (a refused handshake
@@ -236,15 +238,18 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self._leave()
 
     async def _leave(self) -> None:
-        self._stop_relay_tasks()
+        self._stop_socket_tasks()
         if self.relay is not None:
             relay, self.relay = self.relay, None
             await relay.leave()
 
-    def _stop_relay_tasks(self) -> None:
+    def _stop_socket_tasks(self) -> None:
         if self.mirror_checker is not None:
             self.mirror_checker.cancel()
             self.mirror_checker = None
+        if self.holder is not None:
+            self.holder.cancel()
+            self.holder = None
         if self.relay is not None:
             self.relay.abandon()
 
@@ -684,9 +689,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         """The conversation's messages, and the id of the reply being generated (None: none).
         Replies left streaming by a process that died are marked interrupted, as the page
         does."""
-        is_claimed = claims.is_claimed(self.conversation)
-        if not is_claimed:
-            services.replies_interrupt(conversation=self.conversation)
+        is_claimed = services.replies_interrupt_unless_claimed(conversation=self.conversation)
         messages = list(selectors.conversation_messages(conversation=self.conversation))
         run = self.run
         if run is not None:
@@ -695,6 +698,20 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if is_claimed and last is not None and last.status == Message.Status.STREAMING:
             return messages, last.pk
         return messages, None
+
+    async def _hold_open(self) -> None:
+        """While the socket is open, mark its conversation open every
+        ``services.HOLD_RENEW_SECONDS``: a page left open on a conversation not written in
+        yet keeps it from the purge of empty ones. A database out of reach is tried again at
+        the next mark (the grace outlasts several)."""
+        while True:
+            try:
+                await database_sync_to_async(services.conversation_hold)(
+                    conversation_id=self.conversation.pk
+                )
+            except Exception:  # noqa: BLE001 - the socket is not lost for it
+                logger.warning("conversation %s: could not mark it open", self.conversation.pk)
+            await asyncio.sleep(services.HOLD_RENEW_SECONDS)
 
     async def _check_mirror(self) -> None:
         """While this window follows another's reply and hears nothing of it, look every

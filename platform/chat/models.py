@@ -26,6 +26,9 @@ class Conversation(models.Model):
     max_tokens = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
+    # when a window last had it open (renewed while one does): the hourly purge of empty
+    # conversations spares one that a page still shows (``chat.tasks``)
+    opened_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         indexes = [models.Index(fields=["tenant", "user", "-updated_at"], name="chat_conv_recent")]

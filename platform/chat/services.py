@@ -4,6 +4,7 @@ Every function takes keyword-only arguments, validates before writing and runs i
 transaction. The consumer calls them through ``database_sync_to_async``.
 """
 
+from datetime import timedelta
 from functools import partial
 
 from django.contrib.auth.models import AbstractBaseUser
@@ -25,6 +26,11 @@ MAX_TOKENS_LIMIT = 32_768
 # empty conversations a user keeps in a tenant (new chats opened and not written in yet):
 # past this, a new chat reopens the newest of them (the hourly purge takes the rest)
 MAX_EMPTY_CONVERSATIONS = 10
+# how long an empty conversation open in no window is kept (``tasks.purge_empty_conversations``)
+EMPTY_CONVERSATION_GRACE = timedelta(hours=1)
+# how often a window with a conversation open marks it so (``conversation_hold``): well
+# within the grace, so that a page left open for hours keeps its empty conversation
+HOLD_RENEW_SECONDS = EMPTY_CONVERSATION_GRACE.total_seconds() / 4
 # what a new conversation starts with (a reopened empty one too)
 NEW_CONVERSATION_SETTINGS = {
     "system_prompt": "",
@@ -96,6 +102,12 @@ def conversation_create(
             conversation.save(update_fields=list(fresh))
             return conversation
     return Conversation.objects.create(tenant=tenant, user=user, **fields)
+
+
+def conversation_hold(*, conversation_id: int) -> None:
+    """Mark the conversation as open in a window now: the purge of empty conversations
+    spares it for its grace from now (``chat.tasks``)."""
+    Conversation.objects.filter(pk=conversation_id).update(opened_at=timezone.now())
 
 
 @transaction.atomic
@@ -261,16 +273,40 @@ def reply_start(*, conversation: Conversation, request_id: str) -> Message:
     )
 
 
-def replies_interrupt(*, conversation: Conversation) -> int:
-    """Mark the conversation's replies still saved as streaming as failed: called when nobody
-    holds its claim, they were left by a process that died mid-reply. Returns how many."""
-    return Message.objects.filter(
+def replies_interrupt(*, conversation: Conversation, up_to_id: int | None = None) -> int:
+    """Mark the conversation's replies still saved as streaming (those up to ``up_to_id``, if
+    given) as failed: called when nobody holds its claim, they were left by a process that
+    died mid-reply. Returns how many."""
+    streaming = Message.objects.filter(
         conversation=conversation, role=Message.Role.ASSISTANT, status=Message.Status.STREAMING
-    ).update(
+    )
+    if up_to_id is not None:
+        streaming = streaming.filter(id__lte=up_to_id)
+    return streaming.update(
         status=Message.Status.ERROR,
         error_code="interrupted",
         error_message=INTERRUPTED_MESSAGE,
     )
+
+
+def replies_interrupt_unless_claimed(*, conversation: Conversation) -> bool:
+    """Whether somebody holds the conversation's claim (is generating its reply); when nobody
+    does, mark the replies left streaming interrupted (``replies_interrupt``).
+
+    Only the messages saved before the claim was looked at: a window that claims the
+    conversation just after the look starts a newer reply, which is left streaming (messages
+    are written only under the claim, so a newer reply has a higher id)."""
+    newest = (
+        Message.objects.filter(conversation=conversation)
+        .order_by("-id")
+        .values_list("id", flat=True)
+        .first()
+    )
+    if claims.is_claimed(conversation):
+        return True
+    if newest is not None:
+        replies_interrupt(conversation=conversation, up_to_id=newest)
+    return False
 
 
 @transaction.atomic

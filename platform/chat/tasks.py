@@ -2,9 +2,11 @@ from datetime import timedelta
 
 from celery import shared_task
 from django.conf import settings
+from django.db.models import Q
 from django.utils import timezone
 
 from chat.models import Conversation
+from chat.services import EMPTY_CONVERSATION_GRACE
 
 
 @shared_task(name="chat.purge_old_conversations")
@@ -19,14 +21,13 @@ def purge_old_conversations() -> int:
     return by_model.get(Conversation._meta.label, 0)
 
 
-EMPTY_CONVERSATION_GRACE = timedelta(hours=1)
-
-
 @shared_task(name="chat.purge_empty_conversations")
 def purge_empty_conversations() -> int:
-    """Delete conversations left without a message for an hour (opened, never written in);
-    the number deleted."""
+    """Delete conversations left without a message for an hour (created, never written in,
+    and open in no window for the last hour); the number deleted."""
     cutoff = timezone.now() - EMPTY_CONVERSATION_GRACE
-    empty = Conversation.objects.filter(created_at__lt=cutoff, messages__isnull=True)
+    empty = Conversation.objects.filter(created_at__lt=cutoff, messages__isnull=True).filter(
+        Q(opened_at__isnull=True) | Q(opened_at__lt=cutoff)
+    )
     deleted, by_model = empty.delete()
     return by_model.get(Conversation._meta.label, 0)

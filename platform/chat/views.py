@@ -10,7 +10,7 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from chat import claims, selectors, services
+from chat import selectors, services
 from chat.examples import example_prompts
 from chat.payloads import message_payload, settings_payload
 from chat.selectors import SESSION_TENANT_KEY
@@ -73,8 +73,7 @@ def _page(request: HttpRequest, tenant: Tenant, conversation=None) -> HttpRespon
         "has_console": console_tenants(user=request.user).exists(),
     }
     if conversation is not None:
-        if not claims.is_claimed(conversation):
-            services.replies_interrupt(conversation=conversation)
+        services.replies_interrupt_unless_claimed(conversation=conversation)
         context["chat_state"] = {
             "conversation_id": conversation.pk,
             "settings": settings_payload(conversation),

@@ -830,3 +830,33 @@ async def test_a_member_removed_mid_reply_is_closed_without_a_frame_of_their_own
     _, reply = await _messages(conversation)
     assert reply.status == "stopped" and reply.completion_tokens < LONG_REPLY_TOKENS
     assert await _engine_idle(await sync_to_async(_endpoint)(chat_world))
+
+
+async def test_an_open_socket_keeps_marking_its_conversation_open(
+    chat_world, async_db, monkeypatch
+):
+    """The hourly purge of empty conversations spares one a page shows: the socket marks it
+    open as it connects, and again every ``HOLD_RENEW_SECONDS`` while it stays open."""
+    monkeypatch.setattr(services, "HOLD_RENEW_SECONDS", 0.05)
+    conversation = chat_world["conversation"]
+    _, _, chat = await open_chat(chat_world["user"], conversation.pk)
+
+    async def opened_at():
+        return (await Conversation.objects.aget(pk=conversation.pk)).opened_at
+
+    first = None
+    for _ in range(200):
+        if (first := await opened_at()) is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert first is not None
+    for _ in range(200):
+        if (await opened_at()) > first:
+            break
+        await asyncio.sleep(0.05)
+    assert await opened_at() > first
+    await chat.close()
+    await asyncio.sleep(0.2)
+    closed_at = await opened_at()
+    await asyncio.sleep(0.3)
+    assert await opened_at() == closed_at  # a closed socket marks nothing

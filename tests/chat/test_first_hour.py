@@ -78,6 +78,16 @@ def test_empty_conversations_are_not_listed_and_are_purged(alice, acme):
     assert list(Conversation.objects.all()) == [written]
 
 
+def test_the_purge_spares_an_empty_conversation_a_window_has_open(alice, acme):
+    empty = _conversation(alice, acme)
+    long_ago = timezone.now() - timedelta(hours=2)
+    Conversation.objects.filter(pk=empty.pk).update(created_at=long_ago)
+    services.conversation_hold(conversation_id=empty.pk)  # a page shows it now
+    assert purge_empty_conversations() == 0
+    Conversation.objects.filter(pk=empty.pk).update(opened_at=long_ago)  # closed since
+    assert purge_empty_conversations() == 1
+
+
 def test_the_new_chat_button_creates_nothing(alice, acme):
     page = _client(alice).get("/chat/").content.decode()
     assert 'id="new-chat"' in page and 'href="/chat/"' in page

@@ -216,6 +216,31 @@ def test_a_reply_nobody_is_writing_shows_as_interrupted(alice, acme):
     assert (interrupted["status"], interrupted["error_code"]) == ("error", "interrupted")
 
 
+def test_a_reply_started_as_the_page_looks_at_the_claim_is_not_marked_interrupted(
+    alice, acme, monkeypatch
+):
+    """The page finds the claim free, and another window claims the conversation and starts a
+    reply before the page marks the replies left streaming: that new reply keeps streaming."""
+    conversation = services.conversation_create(user=alice, tenant=acme)
+    services.message_send(conversation=conversation, content="Hello?")
+    orphan = services.reply_start(conversation=conversation, request_id="chat-orphan")
+    started = []
+    is_claimed = claims.is_claimed
+
+    def claimed_just_after_the_look(looked_at):
+        answer = is_claimed(looked_at)
+        if not started:  # the other window, between the look and the marking
+            started.append(services.reply_start(conversation=conversation, request_id="chat-new"))
+            cache.add(claims.claim_key(conversation), "new-claim", 60)
+        return answer
+
+    monkeypatch.setattr(claims, "is_claimed", claimed_just_after_the_look)
+    login(alice).get(f"/chat/{conversation.pk}/")
+    [live] = started
+    statuses = dict(Message.objects.filter(role="assistant").values_list("id", "status"))
+    assert statuses == {orphan.pk: "error", live.pk: "streaming"}
+
+
 def test_nobody_sees_another_users_or_tenants_conversations(alice, acme, plan, django_user_model):
     mine = services.conversation_create(user=alice, tenant=acme, title="Mine")
     bob = django_user_model.objects.create_user("bob", password=PASSWORD)
