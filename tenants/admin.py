@@ -7,6 +7,8 @@ from django.contrib.auth.forms import UserChangeForm
 from django.core.exceptions import ValidationError
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.utils.cache import add_never_cache_headers
 
 from tenants import services
 from tenants.audit import HIDDEN_VALUE, audit_record
@@ -256,7 +258,24 @@ class ApiKeyAdmin(AuditedAdmin):
             **{name: data[name] for name in ApiKeyCreationForm.Meta.fields[3:]},
         )
         obj.pk, obj.prefix, obj.key_hash = api_key.pk, api_key.prefix, api_key.key_hash
-        messages.warning(request, f"New API key (copy it now, it is not shown again): {raw_key}")
+        request.new_api_key = raw_key  # for response_add, this request only
+
+    def response_add(self, request: HttpRequest, obj: ApiKey, post_url_continue=None):
+        """The new key on a page of its own, which no cache keeps: not through a message,
+        which the session (a database row) would hold until the next page, or for good."""
+        raw_key = getattr(request, "new_api_key", None)
+        if raw_key is None:
+            return super().response_add(request, obj, post_url_continue)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "API key created",
+            "api_key": obj,
+            "raw_key": raw_key,
+        }
+        response = TemplateResponse(request, "admin/tenants/apikey/created.html", context)
+        add_never_cache_headers(response)
+        return response
 
     @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke_selected(self, request: HttpRequest, queryset) -> None:

@@ -5,8 +5,6 @@ own parser. A line the parser refuses (it fails when it runs) counts its body's 
 A tenant's queued batch tokens are its unfinished batches' input tokens, as OpenAI's
 "enqueued tokens" limit counts them."""
 
-import msgspec
-
 from batches.jsonl import InputLine
 from gateway.errors import ApiError
 from gateway.validation import plan_chat, plan_completion
@@ -16,8 +14,7 @@ PLANNERS = {"/v1/chat/completions": plan_chat, "/v1/completions": plan_completio
 
 
 def line_input_tokens(line: InputLine) -> int:
-    body = msgspec.json.encode(line.body)
     try:
-        return PLANNERS[line.url](body).prompt_tokens.likely
+        return PLANNERS[line.url](line.body).prompt_tokens.likely
     except ApiError:
-        return len(body) // CHARS_PER_TOKEN + 1
+        return len(line.body) // CHARS_PER_TOKEN + 1

@@ -27,7 +27,8 @@ class InputLine:
     line_number: int  # 1-based, as an editor counts
     custom_id: str
     url: str
-    body: dict
+    body: bytes  # the request's body, compact JSON, its keys in their order
+    model: str | None  # the body's model, where it names one as a string
 
 
 def parse_line(raw: bytes, line_number: int) -> InputLine:
@@ -64,7 +65,15 @@ def parse_line(raw: bytes, line_number: int) -> InputLine:
     body = item.get("body")
     if not isinstance(body, dict):
         raise InputLineError(line_number, "'body' must be a JSON object.")
-    return InputLine(line_number=line_number, custom_id=custom_id, url=url, body=body)
+    model = body.get("model")
+    # the body alone is kept, as bytes: a decoded line holds many times its size in objects
+    return InputLine(
+        line_number=line_number,
+        custom_id=custom_id,
+        url=url,
+        body=msgspec.json.encode(body),
+        model=model if isinstance(model, str) else None,
+    )
 
 
 def _holds_nul(value: object) -> bool:
@@ -87,26 +96,44 @@ def _holds_nul(value: object) -> bool:
 READ_CHUNK_BYTES = 1 << 16
 
 
-def split_lines(stream: BinaryIO) -> Iterator[bytes]:
+def split_lines(stream: BinaryIO, max_line_bytes: int | None = None) -> Iterator[bytes]:
     """The stream's lines, split at line feeds only, as JSON Lines separates documents: a
     carriage return is JSON whitespace (a CRLF file's lines keep theirs, which parsing
-    ignores), where Python's file iteration would split at it too."""
+    ignores), where Python's file iteration would split at it too. Raises ``InputLineError``
+    for a line longer than ``max_line_bytes``, before reading the rest of it."""
     start: list[bytes] = []  # the line read so far, in chunks (one line may span many)
+    start_bytes = 0
+    line_number = 0
     while chunk := stream.read(READ_CHUNK_BYTES):
         *lines, rest = chunk.split(b"\n")
         if lines:
             lines[0] = b"".join([*start, lines[0]])
-            yield from lines
-            start = []
+            for line in lines:
+                line_number += 1
+                _check_length(line, line_number, max_line_bytes)
+                yield line
+            start, start_bytes = [], 0
         start.append(rest)
+        start_bytes += len(rest)
+        if max_line_bytes is not None and start_bytes > max_line_bytes + len(b"\r"):
+            _check_length(b"".join(start), line_number + 1, max_line_bytes)
     if tail := b"".join(start):
+        _check_length(tail, line_number + 1, max_line_bytes)
         yield tail
 
 
-def parse_lines(raw_lines: Iterable[bytes]) -> list[InputLine]:
-    """Every request of a file, in order; blank lines are skipped. Raises ``InputLineError``
-    for the first bad line, a ``custom_id`` seen before, or one request too many."""
-    lines: list[InputLine] = []
+def _check_length(line: bytes, line_number: int, max_line_bytes: int | None) -> None:
+    if max_line_bytes is not None and len(line.rstrip(b"\r")) > max_line_bytes:
+        raise InputLineError(
+            line_number,
+            f"longer than {max_line_bytes} bytes, the most one request may have.",
+        )
+
+
+def iter_lines(raw_lines: Iterable[bytes]) -> Iterator[InputLine]:
+    """Every request of a file, in order, one at a time; blank lines are skipped. Raises
+    ``InputLineError`` for the first bad line, a ``custom_id`` seen before, one request too
+    many, or (at the end) a file without requests."""
     custom_ids: set[str] = set()
     for line_number, raw in enumerate(raw_lines, start=1):
         if line_number == 1:
@@ -116,13 +143,12 @@ def parse_lines(raw_lines: Iterable[bytes]) -> list[InputLine]:
         line = parse_line(raw, line_number)
         if line.custom_id in custom_ids:
             raise InputLineError(line_number, f"duplicate custom_id '{line.custom_id}'.")
-        if len(lines) == MAX_REQUESTS:
+        if len(custom_ids) == MAX_REQUESTS:
             raise InputLineError(line_number, f"a batch holds at most {MAX_REQUESTS} requests.")
         custom_ids.add(line.custom_id)
-        lines.append(line)
-    if not lines:
+        yield line
+    if not custom_ids:
         raise InputLineError(1, "the file holds no requests.")
-    return lines
 
 
 def encode_lines(items: Iterable[object]) -> bytes:

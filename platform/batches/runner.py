@@ -26,6 +26,7 @@ tenant, plan or deployment) and at least every ``GATEWAY_AUTH_CACHE_SECONDS``.
 """
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +51,8 @@ from serving.runs import Caller, Run, RunError, count_refusal
 from serving.selectors import deployment_for_tenant
 from tenants.models import ApiKey, Plan, Tenant, UsageRecord
 from tenants.selectors import SERVICE_TIER_PRIORITY
+
+logger = logging.getLogger(__name__)
 
 # a batch's endpoint -> the response kind and the parser of a line's body
 ENDPOINT_PLANS: dict[str, tuple[str, Callable[[bytes], GenerationPlan]]] = {
@@ -175,7 +178,13 @@ class BatchRun:
         try:
             while True:
                 await asyncio.sleep(self.lease_seconds / 3)
-                status = await _renew(self.batch, self.runner, self.lease_seconds)
+                try:
+                    status = await _renew(self.batch, self.runner, self.lease_seconds)
+                except Exception:  # noqa: BLE001 - the database out of reach a moment
+                    # the lease is the runner's until another takes it (a renewal then finds
+                    # it lost), and none can while the database is away: try again
+                    logger.warning("batch %s: could not renew its lease", self.batch.pk)
+                    continue
                 if status != Batch.Status.IN_PROGRESS:
                     self.is_stopping = True
                 if status is None:

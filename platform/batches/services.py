@@ -5,7 +5,7 @@ in ``selectors``."""
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import msgspec
@@ -21,11 +21,11 @@ from batches.jsonl import (
     InputLine,
     InputLineError,
     encode_lines,
-    parse_lines,
+    iter_lines,
     split_lines,
 )
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
-from batches.storage import file_storage, max_file_bytes
+from batches.storage import file_storage, max_file_bytes, max_line_bytes
 from config.json_text import NUL
 from tenants.models import ApiKey, Tenant, UsageRecord
 from tenants.selectors import tenant_queued_batch_tokens_limit
@@ -78,8 +78,12 @@ def file_create(*, tenant: Tenant, upload: DjangoFile, purpose: str) -> File:
             code="file_too_large",
         )
     upload.seek(0)
+    num_lines = num_input_tokens = 0
     try:
-        lines = parse_lines(split_lines(upload))
+        # a line at a time: the decoded lines of a whole file would take many times its size
+        for line in iter_lines(split_lines(upload, max_line_bytes())):
+            num_lines += 1
+            num_input_tokens += line_input_tokens(line)
     except InputLineError as exc:
         raise InvalidRequest(
             f"Invalid batch input file: {exc}", param="file", code="invalid_file"
@@ -90,8 +94,8 @@ def file_create(*, tenant: Tenant, upload: DjangoFile, purpose: str) -> File:
         purpose=purpose,
         filename=(upload.name or "file.jsonl")[:255],
         bytes=upload.size,
-        num_lines=len(lines),
-        num_input_tokens=sum(line_input_tokens(line) for line in lines),
+        num_lines=num_lines,
+        num_input_tokens=num_input_tokens,
     )
     return _file_save(file, upload)
 
@@ -317,76 +321,112 @@ def _fail(batch: Batch, errors: list[dict]) -> Batch:
     return batch
 
 
-def _mismatch(batch: Batch, lines: list[InputLine]) -> dict | None:
-    """OpenAI's error for the first line that calls another endpoint than the batch's, or
-    another model than the file's first line that names one (a batch runs one model)."""
-    model = None
-    for line in lines:
-        if line.url != batch.endpoint:
-            return {
+class _Mismatch(Exception):  # noqa: N818 - the file's fault, not an error of the platform's
+    """A line of the input file calls another endpoint than the batch's, or another model
+    than the file's first line that names one (a batch runs one model); ``error`` is OpenAI's
+    error object for it."""
+
+    def __init__(self, error: dict) -> None:
+        super().__init__(error["message"])
+        self.error = error
+
+
+def _check_calls(batch: Batch, line: InputLine, model: str | None) -> str | None:
+    """The file's model once ``line`` is read (``model``: before it); raises ``_Mismatch``."""
+    if line.url != batch.endpoint:
+        raise _Mismatch(
+            {
                 "code": "mismatched_endpoint",
                 "message": f"The line's url {line.url} is not the batch's endpoint "
                 f"{batch.endpoint}.",
                 "param": "url",
                 "line": line.line_number,
             }
-        line_model = line.body.get("model")
-        if not isinstance(line_model, str):
-            continue  # the line's own answer says what is wrong with it
-        if model is None:
-            model = line_model
-        elif line_model != model:
-            return {
+        )
+    if line.model is None or model is None:
+        return model or line.model  # a line without one: its own answer says what is wrong
+    if line.model != model:
+        raise _Mismatch(
+            {
                 "code": "mismatched_model",
-                "message": f"The line's model '{line_model}' is not the file's model '{model}': "
+                "message": f"The line's model '{line.model}' is not the file's model '{model}': "
                 "a batch's requests all call one model.",
                 "param": "body.model",
                 "line": line.line_number,
             }
-    return None
-
-
-@transaction.atomic
-def batch_validate(*, batch: Batch) -> Batch:
-    """Turn a ``validating`` batch's input file into one pending request per line and start
-    it, or fail it with OpenAI's ``errors`` when a line calls another endpoint or model. Does
-    nothing to a batch past validating, so a worker may call it again after a crash."""
-    batch = Batch.objects.select_for_update().get(pk=batch.pk)
-    if batch.status != Batch.Status.VALIDATING:
-        return batch
-    input_file = File.objects.filter(tenant=batch.tenant, pk=batch.input_file_id).first()
-    if input_file is None:
-        return _fail(
-            batch,
-            [
-                {
-                    "code": "invalid_input_file",
-                    "message": "The input file was deleted.",
-                    "param": "input_file_id",
-                    "line": None,
-                }
-            ],
         )
-    with file_storage().open(input_file.storage_name, "rb") as stream:
-        lines = parse_lines(split_lines(stream))
-    error = _mismatch(batch, lines)
-    if error is not None:
-        return _fail(batch, [error])
-    BatchRequest.objects.bulk_create(
-        [
+    return model
+
+
+REQUESTS_CREATED_AT_ONCE = 1000
+
+
+def _requests_create(batch: Batch, lines: Iterable[InputLine]) -> int:
+    """One pending request per line, written a page at a time as the lines are read; how
+    many. Raises ``_Mismatch`` (the requests written before stay: roll them back)."""
+    page: list[BatchRequest] = []
+    num_created = 0
+    model = None
+    for line in lines:
+        model = _check_calls(batch, line, model)
+        page.append(
             BatchRequest(
                 tenant=batch.tenant,
                 batch=batch,
                 custom_id=line.custom_id,
                 line_number=line.line_number,
-                body=msgspec.json.encode(line.body).decode(),  # its keys in their order
+                body=line.body.decode(),
             )
-            for line in lines
-        ],
-        batch_size=1000,
-    )
+        )
+        if len(page) == REQUESTS_CREATED_AT_ONCE:
+            BatchRequest.objects.bulk_create(page)
+            num_created, page = num_created + len(page), []
+    BatchRequest.objects.bulk_create(page)
+    return num_created + len(page)
+
+
+def _input_file_error(message: str) -> dict:
+    return {
+        "code": "invalid_input_file",
+        "message": message,
+        "param": "input_file_id",
+        "line": None,
+    }
+
+
+@transaction.atomic
+def batch_validate(*, batch: Batch) -> Batch:
+    """Turn a ``validating`` batch's input file into one pending request per line and start
+    it, or fail it with OpenAI's ``errors`` when a line calls another endpoint or model, or
+    the file is gone. Does nothing to a batch past validating, so a worker may call it again
+    after a crash. A file that cannot be read for now (another error of the storage) raises,
+    for a later pass, unless the batch's window is over: then it is left validating, for
+    ``batch_finish`` to expire."""
+    batch = Batch.objects.select_for_update().get(pk=batch.pk)
+    if batch.status != Batch.Status.VALIDATING:
+        return batch
+    input_file = File.objects.filter(tenant=batch.tenant, pk=batch.input_file_id).first()
+    if input_file is None:
+        return _fail(batch, [_input_file_error("The input file was deleted.")])
+    try:
+        # a savepoint: a mismatch found past the first page undoes the requests written
+        with transaction.atomic(), file_storage().open(input_file.storage_name, "rb") as stream:
+            num_total = _requests_create(batch, iter_lines(split_lines(stream)))
+    except _Mismatch as exc:
+        return _fail(batch, [exc.error])
+    except FileNotFoundError:
+        logger.error("batch %s: its input file's bytes are gone", batch.pk)
+        return _fail(batch, [_input_file_error("The input file's contents were lost.")])
+    except InputLineError as exc:  # the bytes are no longer what was checked at the upload
+        logger.error("batch %s: its input file no longer reads: %s", batch.pk, exc)
+        return _fail(batch, [_input_file_error(f"Invalid batch input file: {exc}")])
+    except OSError:
+        if batch.expires_at > timezone.now():
+            raise
+        logger.exception("batch %s: its input file could not be read in its window", batch.pk)
+        return batch
     batch.status = Batch.Status.IN_PROGRESS
-    batch.num_total = len(lines)
+    batch.num_total = num_total
     batch.in_progress_at = timezone.now()
     batch.save(update_fields=["status", "num_total", "in_progress_at"])
     return batch
@@ -506,10 +546,11 @@ def batch_request_unclaim(*, request: BatchRequest) -> None:
 @transaction.atomic
 def batch_request_finish(*, request: BatchRequest, response: dict) -> None:
     """Write a running line's response (``{"status_code", "request_id", "body"}``) and count
-    it: completed for a 200, failed for any other status."""
+    it: completed for a 200, failed for any other status. Not where the line runs again under
+    another id (its runner lost the lease meanwhile, and another runs it)."""
     is_ok = response["status_code"] == 200
     is_written = BatchRequest.objects.filter(
-        pk=request.pk, status=BatchRequest.Status.RUNNING
+        pk=request.pk, status=BatchRequest.Status.RUNNING, request_id=response["request_id"]
     ).update(
         status=BatchRequest.Status.COMPLETED if is_ok else BatchRequest.Status.FAILED,
         response=msgspec.json.encode(response).decode(),

@@ -23,3 +23,9 @@ def file_storage() -> Storage:
 def max_file_bytes() -> int:
     """The largest file ``POST /v1/files`` takes: ``FILES_MAX_BYTES``, default 100 MB."""
     return settings.FILES_MAX_BYTES
+
+
+def max_line_bytes() -> int:
+    """The longest line of a batch input file: ``GATEWAY_MAX_BODY_BYTES``, the largest
+    request the API takes."""
+    return settings.GATEWAY_MAX_BODY_BYTES

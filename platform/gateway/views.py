@@ -108,9 +108,10 @@ async def live(request: HttpRequest) -> HttpResponse:
 
 def _has_metrics_token(request: HttpRequest) -> bool:
     token = settings.METRICS_BEARER_TOKEN
-    return bool(token) and hmac.compare_digest(
-        request.headers.get("Authorization", ""), f"Bearer {token}"
-    )
+    # as bytes (the header as it came, latin-1 being how it was read): compare_digest
+    # refuses strings of other characters than ASCII, and a header may hold any
+    header = request.headers.get("Authorization", "").encode("latin-1", "replace")
+    return bool(token) and hmac.compare_digest(header, f"Bearer {token}".encode())
 
 
 async def ready(request: HttpRequest) -> HttpResponse:

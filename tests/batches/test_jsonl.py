@@ -1,25 +1,29 @@
+import io
+import json
+
 import pytest
 
-from batches.jsonl import InputLineError, parse_lines
+from batches.jsonl import InputLineError, iter_lines, split_lines
 from tests.batches.conftest import jsonl, request_line
 
 
 def _error(raw: bytes) -> InputLineError:
     with pytest.raises(InputLineError) as caught:
-        parse_lines(raw.splitlines(keepends=True))
+        list(iter_lines(raw.splitlines(keepends=True)))
     return caught.value
 
 
 def test_every_request_is_read_in_order_and_blank_lines_are_skipped():
     raw = jsonl([request_line("a")]) + b"\n  \n" + jsonl([request_line("b", url="/v1/completions")])
 
-    lines = parse_lines(raw.splitlines(keepends=True))
+    lines = list(iter_lines(raw.splitlines(keepends=True)))
 
     assert [(line.custom_id, line.line_number, line.url) for line in lines] == [
         ("a", 1, "/v1/chat/completions"),
         ("b", 4, "/v1/completions"),
     ]
-    assert lines[0].body["max_tokens"] == 4
+    assert json.loads(lines[0].body)["max_tokens"] == 4
+    assert lines[0].model == request_line("a")["body"]["model"]
 
 
 @pytest.mark.parametrize(
@@ -57,21 +61,53 @@ def test_a_file_without_requests_is_refused():
 def test_a_byte_order_mark_at_the_start_of_the_file_is_read_past():
     """Windows' editors write one; the first line was "not a JSON object"."""
     raw = b"\xef\xbb\xbf" + jsonl([request_line("a"), request_line("b")])
-    assert [line.custom_id for line in parse_lines(raw.splitlines(keepends=True))] == ["a", "b"]
+    assert [line.custom_id for line in list(iter_lines(raw.splitlines(keepends=True)))] == [
+        "a",
+        "b",
+    ]
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 1 << 16])
 def test_lines_split_at_line_feeds_only(monkeypatch, chunk_bytes):
     """JSON Lines separates documents by LF; a CR is JSON whitespace. Python's file iteration
     (which the upload and the validation used) split a valid line at a CR between tokens."""
-    import io
-
     from batches import jsonl as jsonl_module
 
     monkeypatch.setattr(jsonl_module, "READ_CHUNK_BYTES", chunk_bytes)
     with_cr = jsonl([request_line("a")]).replace(b', "method"', b',\r"method"')
     raw = with_cr + b"\r\n" + jsonl([request_line("b")]).rstrip(b"\n")  # CRLF, no last LF
 
-    lines = parse_lines(jsonl_module.split_lines(io.BytesIO(raw)))
+    lines = list(iter_lines(jsonl_module.split_lines(io.BytesIO(raw))))
 
     assert [(line.custom_id, line.line_number) for line in lines] == [("a", 1), ("b", 3)]
+
+
+class EndlessLine:
+    """A stream of one line that never ends: what a reader that keeps a whole line would
+    run out of memory on."""
+
+    def __init__(self) -> None:
+        self.num_read = 0
+
+    def read(self, size: int) -> bytes:
+        self.num_read += size
+        return b"x" * size
+
+
+def test_a_line_longer_than_a_request_may_be_is_refused_before_it_is_read_whole():
+    stream = EndlessLine()
+    lines = split_lines(io.BytesIO(b'{"a": 1}\n'), max_line_bytes=8)
+    assert list(lines) == [b'{"a": 1}']
+    with pytest.raises(InputLineError) as caught:
+        list(split_lines(stream, max_line_bytes=1 << 20))
+    assert caught.value.line_number == 1 and "longer than 1048576 bytes" in str(caught.value)
+    assert stream.num_read < 2 << 20  # it read little more than the limit
+
+
+def test_the_longest_line_may_end_in_a_carriage_return():
+    """A CRLF file's carriage returns are JSON whitespace, not part of the request."""
+    lines = split_lines(io.BytesIO(b'{"a": 1}\r\n{"b": 22}\r\n'), max_line_bytes=8)
+    assert next(lines) == b'{"a": 1}\r'
+    with pytest.raises(InputLineError) as caught:
+        next(lines)
+    assert caught.value.line_number == 2

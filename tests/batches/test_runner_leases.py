@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.db import connections
+from django.db import OperationalError, connections
 from django.utils import timezone
 
 from batches import runner as batch_runner
@@ -105,6 +105,60 @@ def test_lines_in_flight_at_a_cancel_finish_under_a_lease_kept(world, settings, 
         thread.join()
 
     batch.refresh_from_db()
+    assert batch.id not in unattended and second == "held"
+    assert outcome["first"] == "cancelled" == batch.status
+    assert _custom_ids(batch.output_file_id) == sorted(answered) == ["r0", "r1"]
+
+
+def test_a_renewal_that_fails_once_does_not_stop_the_lease(world, settings, monkeypatch):
+    """A database error in one renewal ended the heartbeat for good: the lines in flight ran on
+    with no lease, the sweep gave the batch to another runner, which ended it under them, and
+    their answers (metered) never reached the output file."""
+    tenant, api_key, answered = world
+    settings.BATCH_LEASE_SECONDS = 0.6  # renewed every 0.2 s
+    settings.BATCH_MAX_IN_FLIGHT = 2
+    release = threading.Event()
+
+    async def long_answer(self, request):
+        answered.append(request.custom_id)
+        while not release.is_set():
+            await asyncio.sleep(0.02)
+        return _ok(request)
+
+    renew, num_renewals = batch_runner._renew, []
+
+    async def renew_failing_once(*args):
+        num_renewals.append(1)
+        if len(num_renewals) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return await renew(*args)
+
+    monkeypatch.setattr(batch_runner.BatchRun, "_answer", long_answer)
+    monkeypatch.setattr(batch_runner, "_renew", renew_failing_once)
+    batch = _batch(tenant, api_key, n=5)
+    outcome = {}
+
+    def first_runner():
+        try:
+            outcome["first"] = batch_runner.batch_run(batch_id=batch.id)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=first_runner)
+    thread.start()
+    try:
+        while len(answered) < 2:
+            time.sleep(0.02)
+        batch_services.batch_cancel(batch=batch)
+        time.sleep(2.0)  # three leases: one not renewed has run out
+        unattended = batches_unattended()
+        second = batch_runner.batch_run(batch_id=batch.id)
+    finally:
+        release.set()
+        thread.join()
+
+    batch.refresh_from_db()
+    assert len(num_renewals) > 1
     assert batch.id not in unattended and second == "held"
     assert outcome["first"] == "cancelled" == batch.status
     assert _custom_ids(batch.output_file_id) == sorted(answered) == ["r0", "r1"]

@@ -250,6 +250,120 @@ def test_a_file_calling_two_models_fails_the_batch_as_openai_does(tenant, file_s
     assert "another-model" in error["message"] and not BatchRequest.objects.exists()
 
 
+def test_a_mismatch_past_the_first_page_of_requests_leaves_none(
+    tenant, file_storage_dir, monkeypatch
+):
+    """The requests are written a page at a time as the file is read: those written before a
+    line for another endpoint are undone with the batch's failure."""
+    monkeypatch.setattr(services, "REQUESTS_CREATED_AT_ONCE", 2)
+    lines = [request_line(f"r{i}") for i in range(5)]
+    lines.append(request_line("last", url="/v1/completions"))
+    batch = services.batch_validate(batch=_batch(tenant, _upload(tenant, lines)))
+
+    assert batch.status == Batch.Status.FAILED and batch.errors[0]["line"] == 6
+    assert not BatchRequest.objects.exists()
+
+
+def test_pages_of_requests_add_up_to_the_file(tenant, file_storage_dir, monkeypatch):
+    monkeypatch.setattr(services, "REQUESTS_CREATED_AT_ONCE", 2)
+    lines = [request_line(f"r{i}") for i in range(5)]
+    batch = services.batch_validate(batch=_batch(tenant, _upload(tenant, lines)))
+
+    assert batch.status == Batch.Status.IN_PROGRESS and batch.num_total == 5
+    assert sorted(BatchRequest.objects.values_list("custom_id", flat=True)) == [
+        f"r{i}" for i in range(5)
+    ]
+
+
+def test_a_batch_whose_input_bytes_are_gone_fails_instead_of_validating_for_ever(
+    tenant, file_storage_dir
+):
+    file = _upload(tenant, [request_line("a")])
+    (file_storage_dir / file.storage_name).unlink()
+
+    batch = services.batch_validate(batch=_batch(tenant, file))
+
+    assert batch.status == Batch.Status.FAILED
+    assert batch.errors[0]["code"] == "invalid_input_file" and not BatchRequest.objects.exists()
+
+
+class UnreadableStorage:
+    def open(self, name, mode):
+        raise PermissionError(13, "Permission denied", name)
+
+
+def test_an_input_file_unreadable_for_now_is_read_again_later_within_the_window(
+    tenant, file_storage_dir, monkeypatch
+):
+    batch = _batch(tenant, _upload(tenant, [request_line("a")]))
+    monkeypatch.setattr(services, "file_storage", UnreadableStorage)
+
+    with pytest.raises(PermissionError):
+        services.batch_validate(batch=batch)
+    batch.refresh_from_db()
+    assert batch.status == Batch.Status.VALIDATING  # the next pass reads it again
+
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now())
+    batch = services.batch_validate(batch=batch)  # past the window: left for batch_finish
+    assert batch.status == Batch.Status.VALIDATING
+    batch = services.batch_finish(batch=batch, runner=batch.runner)
+    assert batch.status == Batch.Status.EXPIRED
+
+
+def test_an_upload_is_read_a_line_at_a_time(tenant, file_storage_dir):
+    """Every line decoded at once took about 25 times the file's size: a hostile upload of
+    large lines of tiny objects within the limits could take gigabytes."""
+    import tracemalloc
+
+    line = request_line("x0")
+    line["body"]["metadata"] = [{} for _ in range(100_000)]  # ~300 kB of text
+    lines = [{**line, "custom_id": f"x{i}"} for i in range(10)]
+    upload = SimpleUploadedFile("big.jsonl", jsonl(lines))
+    tracemalloc.start()
+    try:
+        services.file_create(tenant=tenant, upload=upload, purpose="batch")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert peak < 5 * upload.size  # one line's objects at a time, not ten lines'
+
+
+def test_a_line_longer_than_a_request_may_be_is_refused(tenant, file_storage_dir, settings):
+    settings.GATEWAY_MAX_BODY_BYTES = 400
+    long_line = request_line("b")
+    long_line["body"]["messages"][0]["content"] = "x" * 400
+
+    with pytest.raises(services.InvalidRequest) as caught:
+        _upload(tenant, [request_line("a"), long_line])
+
+    assert caught.value.message.startswith("Invalid batch input file: Line 2: longer than 400")
+
+
+def test_a_runner_that_lost_the_lease_writes_nothing_into_a_line_run_again(
+    tenant, file_storage_dir
+):
+    """Another runner took the batch and runs the line again under a new id: the first
+    runner's late answer (its run was cut short) does not take the line's place."""
+    batch = services.batch_validate(batch=_batch(tenant, _upload(tenant, [request_line("a")])))
+    [request] = batch.requests.all()
+    services.batch_request_claim(request=request, request_id="chatcmpl-first")
+    services.batch_requests_resume(batch=batch)  # the second runner
+    services.batch_request_claim(request=request, request_id="chatcmpl-second")
+
+    late = {"status_code": 500, "request_id": "chatcmpl-first", "body": {"error": {}}}
+    services.batch_request_finish(request=request, response=late)
+    request.refresh_from_db()
+    assert (request.status, request.request_id) == ("running", "chatcmpl-second")
+    batch.refresh_from_db()
+    assert batch.num_failed == 0
+
+    answer = {"status_code": 200, "request_id": "chatcmpl-second", "body": {}}
+    services.batch_request_finish(request=request, response=answer)
+    request.refresh_from_db()
+    assert request.status == "completed"
+
+
 def test_a_running_batch_can_be_cancelled_and_a_finished_one_not(tenant, file_storage_dir):
     file = _upload(tenant, [request_line("a")])
     batch = services.batch_cancel(batch=_batch(tenant, file))

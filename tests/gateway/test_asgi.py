@@ -126,6 +126,19 @@ async def test_metrics_need_the_token_when_one_is_set(async_db, settings):
     assert status == 200 and b'tenant="acme-secret-co"' in body
 
 
+async def test_a_token_of_other_characters_than_ascii_is_refused_not_a_500(async_db, settings):
+    """hmac.compare_digest raises TypeError for str holding other characters than ASCII: the
+    metrics and the readiness probe (which looks at the token too) answered 500."""
+    settings.METRICS_BEARER_TOKEN = "s3cret"
+    status, _, _ = await _call("/metrics", headers={"Authorization": "Bearer s3crét"})
+    assert status == 401
+    status, _, _ = await _call("/health/ready", headers={"Authorization": "Bearer s3crét"})
+    assert status in (200, 503)
+    settings.METRICS_BEARER_TOKEN = "s3crét"  # a token of any characters works
+    status, _, _ = await _call("/metrics", headers={"Authorization": "Bearer s3crét"})
+    assert status == 200
+
+
 async def test_production_metrics_without_a_token_name_no_tenant(async_db, settings):
     from gateway import metrics
 
