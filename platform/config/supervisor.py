@@ -2,20 +2,22 @@
 together.
 
 `make run` starts one supervisor; it starts each child in its own session (so a Ctrl-C reaches
-only the supervisor, which then stops the children in order), forwards SIGINT and SIGTERM as a
-graceful SIGTERM to every child, in stages (the engine first: it finishes or fails its running
-requests, and the web processes pass that on to their streams before they stop), and kills what
-is still alive after a grace period. A child that exits on its own is restarted, as systemd's
-``Restart=always`` or supervisord would: after 1 s, then 2, 4, ... up to 30 s while it keeps
-dying, and from 1 s again once it has stayed up for a minute. What a dead child leaves behind
-in its process group (a Celery worker's beat and pool processes outlive a SIGKILL of the
-worker) gets SIGTERM at once and SIGKILL when the child is restarted, as systemd's
-``KillMode=control-group`` does, so a restart never runs beside a copy of the old one. Only a
-stop signal stops the platform; a child that cannot be started at all (a fork refused) is
-tried again on the same schedule. Each child's restarts and last exit code are written to
-``status_file`` (JSON) for the web tier's metrics and console, and once the platform has
-stopped, that none runs. On Linux each child also gets
-PR_SET_PDEATHSIG, so even a supervisor killed with SIGKILL leaves no child behind.
+only the supervisor, which then stops the children in order), forwards SIGINT, SIGTERM, SIGHUP
+(the terminal closed) and SIGQUIT as a graceful SIGTERM to every child, in stages (the engine
+first: it finishes or fails its running requests, and the web processes pass that on to their
+streams before they stop), and kills what is still alive after a grace period. A child that
+exits on its own is restarted, as systemd's ``Restart=always`` or supervisord would: after 1 s,
+then 2, 4, ... up to 30 s while it keeps dying, and from 1 s again once it has stayed up for a
+minute. What a dead child leaves behind in its process group (a Celery worker's beat and pool
+processes outlive a SIGKILL of the worker) gets SIGTERM at once and SIGKILL when the child is
+restarted, as systemd's ``KillMode=control-group`` does, so a restart never runs beside a copy
+of the old one. Only a stop signal stops the platform; a child that cannot be started at all (a
+fork refused) is tried again on the same schedule. Each child's restarts and last exit code are
+written to ``status_file`` (JSON) for the web tier's metrics and console, and once the platform
+has stopped, that none runs. On Linux each child also gets PR_SET_PDEATHSIG, so even a
+supervisor killed with SIGKILL leaves no child behind: with a signal that stops it without
+waiting (``ProcessSpec.parent_death_signal``: a Celery worker's SIGTERM waits for its running
+task, a batch of hours, so its children get SIGQUIT, Celery's cold shutdown).
 """
 
 import contextlib
@@ -34,6 +36,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+# the signals that stop the platform: Ctrl-C, a service manager's stop, the terminal closing
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 POLL_SECONDS = 0.2
 FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
@@ -68,6 +72,9 @@ class ProcessSpec:
     # children stop in stages, lowest first: the engine before the web processes, so that the
     # streams open on them end with the engine's error event instead of a dropped connection
     stop_stage: int = 1
+    # what the child gets should the supervisor die without stopping it (SIGKILL): one that
+    # stops it without waiting for long work to finish, as nothing escalates after it
+    parent_death_signal: int = signal.SIGTERM
 
 
 def python_path_env(base_dir: Path) -> dict[str, str]:
@@ -78,10 +85,10 @@ def python_path_env(base_dir: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(entries)}
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(sig: int) -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(PR_SET_PDEATHSIG, sig)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -90,9 +97,9 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _child_setup(cpus: frozenset[int] | None):
+def _child_setup(cpus: frozenset[int] | None, parent_death_signal: int):
     def setup() -> None:
-        _die_with_parent()
+        _die_with_parent(parent_death_signal)
         if cpus is not None and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)
 
@@ -116,9 +123,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Start every child, wait for a signal or a child's exit, stop all; the exit code."""
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
             for spec in self.specs:
                 self._start_or_retry(spec)
@@ -145,7 +150,7 @@ class Supervisor:
             spec.argv,
             env={**os.environ, **spec.env},
             start_new_session=True,
-            preexec_fn=_child_setup(spec.cpus),
+            preexec_fn=_child_setup(spec.cpus, spec.parent_death_signal),
             pass_fds=spec.pass_fds,
         )
         self._write_status()

@@ -160,6 +160,73 @@ Supervisor([ProcessSpec("child", child)]).run()
     assert not _alive(child_pid)
 
 
+def _supervisor_process(spec: str) -> subprocess.Popen:
+    """A supervisor of its own (its signal handlers installed) running ``spec``, Python for
+    one ProcessSpec."""
+    script = f"""
+import signal, sys
+from config.supervisor import ProcessSpec, Supervisor
+sys.exit(Supervisor([{spec}], grace_seconds=5).run())
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, "-c", script], env=env)
+
+
+def _read_pid(pid_file) -> int:
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_closed_terminal_stops_the_platform_as_a_stop_signal_does(tmp_path, sig):
+    """SIGHUP (the terminal running `make run` closed, the ssh session dropped) killed the
+    supervisor outright: no staged stop, and a child waiting out its work was left running."""
+    pid_file, stopped = tmp_path / "child.pid", tmp_path / "stopped"
+    code = (
+        "import os, signal, sys, time; "
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(stopped)!r}, 'w').close(), "
+        "sys.exit(0))); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    supervisor = _supervisor_process(f"ProcessSpec('child', [sys.executable, '-c', {code!r}])")
+    child_pid = _read_pid(pid_file)
+
+    supervisor.send_signal(sig)
+
+    assert supervisor.wait(timeout=20) == 0  # it stopped its children, then itself
+    assert stopped.exists() and _dies(child_pid)
+
+
+def test_a_child_whose_sigterm_waits_dies_with_a_killed_supervisor_by_its_own_signal(tmp_path):
+    """A Celery worker takes SIGTERM as "finish the running task" (a batch of hours): as the
+    parent-death signal, it kept the worker running with no supervisor to escalate."""
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    supervisor = _supervisor_process(
+        f"ProcessSpec('child', [sys.executable, '-c', {code!r}], "
+        "parent_death_signal=signal.SIGQUIT)"
+    )
+    child_pid = _read_pid(pid_file)
+
+    supervisor.kill()
+    supervisor.wait()
+
+    assert _dies(child_pid)
+
+
+def test_the_celery_workers_die_cold_with_a_killed_supervisor(settings):
+    from config.management.commands.runplatform import Command
+
+    workers = Command()._workers({})
+    assert [spec.name for spec in workers] == ["celery", "celery-batches"]
+    assert all(spec.parent_death_signal == signal.SIGQUIT for spec in workers)
+
+
 def _parent_of_a_sleeper(pid_file) -> list[str]:
     """A child that starts a grandchild of its own (as Celery starts its beat and pool),
     writes the grandchild's pid to ``pid_file`` and sleeps."""
@@ -178,27 +245,20 @@ def _dies(pid: int, timeout: float = 10) -> bool:
     return not _alive(pid)
 
 
-def _grandchild(pid_file) -> int:
-    deadline = time.monotonic() + 20
-    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return int(pid_file.read_text())
-
-
 def test_what_a_killed_child_left_behind_dies_before_it_is_restarted(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     supervisor = Supervisor([ProcessSpec("parent", _parent_of_a_sleeper(pid_file))])
     thread, result = _run_in_thread(supervisor)
     try:
         _wait_started(supervisor, 1)
-        first, orphan = supervisor.children["parent"].pid, _grandchild(pid_file)
+        first, orphan = supervisor.children["parent"].pid, _read_pid(pid_file)
         pid_file.unlink()
 
         os.kill(first, signal.SIGKILL)  # its grandchild lives on, an orphan
         deadline = time.monotonic() + 20
         while supervisor.children["parent"].pid == first and time.monotonic() < deadline:
             time.sleep(0.05)
-        replacement = _grandchild(pid_file)
+        replacement = _read_pid(pid_file)
 
         # no second copy of what the child ran (a second Celery beat sends every task twice)
         assert _dies(orphan) and _alive(replacement)

@@ -1,6 +1,7 @@
 import os
 import shlex
 import shutil
+import signal
 import socket
 import sys
 from dataclasses import replace
@@ -74,16 +75,21 @@ class Command(BaseCommand):
         celery = [sys.executable, "-m", "celery", "-A", "config", "worker", "--loglevel", "INFO"]
         default_queue = ["--queues", "celery", "--hostname", "celery@%h", "--beat"]
         batch_queue = ["--queues", settings.BATCH_QUEUE, "--hostname", "batches@%h"]
+        # should the supervisor die without stopping them: Celery's cold shutdown (its warm
+        # one, on SIGTERM, waits for the running task; a batch's lines are resumed later)
+        cold = signal.SIGQUIT
         return [
             ProcessSpec(
                 "celery",
                 [*celery, *default_queue, *shlex.split(settings.CELERY_WORKER_ARGS)],
                 env,
+                parent_death_signal=cold,
             ),
             ProcessSpec(
                 "celery-batches",
                 [*celery, *batch_queue, *shlex.split(settings.BATCH_WORKER_ARGS)],
                 env,
+                parent_death_signal=cold,
             ),
         ]
 
