@@ -309,6 +309,11 @@ class UsageRecordAdmin(admin.ModelAdmin):
     def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
         return False
 
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        # the billing record: kept for USAGE_RETENTION_DAYS (``tasks.purge_old_usage``); a
+        # deletion here would leave the dashboards' roll-ups counting it
+        return False
+
 
 class OwnerKeepingUserChangeForm(UserChangeForm):
     def clean(self) -> dict:

@@ -23,6 +23,10 @@ class AuditedAdmin(admin.ModelAdmin):
         """The tenant whose log the event is in; None: the platform's only."""
         return None
 
+    def audit_name(self, obj: models.Model) -> str:
+        """What the event calls ``obj``."""
+        return str(obj)
+
     def _audited_fields(self, form, change: bool) -> list[str]:
         """The model's fields the form holds: on a change, those the editor changed (not
         what others wrote since the form was shown, nor what the widgets round)."""
@@ -49,6 +53,7 @@ class AuditedAdmin(admin.ModelAdmin):
                 action=f"{self.audit_prefix}.{verb}",
                 actor=request.user,
                 target=obj,
+                target_name=self.audit_name(obj),
                 tenant=self.audit_tenant(obj),
                 changes=changes,
             )
@@ -71,5 +76,6 @@ class AuditedAdmin(admin.ModelAdmin):
                 action=f"{self.audit_prefix}.deleted",
                 actor=request.user,
                 target=obj,
+                target_name=self.audit_name(obj),
                 tenant=self.audit_tenant(obj),
             )

@@ -318,6 +318,8 @@ class AuditEvent(models.Model):
         USER_DELETED = "user.deleted", "User deleted"
         USER_SIGNED_IN = "user.signed_in", "Signed in"
         USER_SIGN_IN_FAILED = "user.sign_in_failed", "Sign-in failed"
+        BATCH_CANCELLED = "batch.cancelled", "Batch cancelled"
+        CONVERSATION_DELETED = "conversation.deleted", "Conversation deleted"
 
     created_at = models.DateTimeField(default=timezone.now)
     action = models.CharField(max_length=48, choices=Action.choices)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import msgspec
+from django.contrib.auth.models import AbstractBaseUser
 from django.core.files import File as DjangoFile
 from django.core.files.base import ContentFile
 from django.db import transaction
@@ -27,7 +28,8 @@ from batches.jsonl import (
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
 from batches.storage import file_storage, max_file_bytes, max_line_bytes
 from config.json_text import NUL
-from tenants.models import ApiKey, Tenant, UsageRecord
+from tenants.audit import audit_record
+from tenants.models import ApiKey, AuditEvent, Tenant, UsageRecord
 from tenants.selectors import tenant_queued_batch_tokens_limit
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
@@ -433,8 +435,10 @@ def batch_validate(*, batch: Batch) -> Batch:
 
 
 @transaction.atomic
-def batch_cancel(*, batch: Batch) -> Batch:
-    """Stop a batch from starting new lines; the worker finishes it as ``cancelled``."""
+def batch_cancel(*, batch: Batch, actor: AbstractBaseUser | None = None) -> Batch:
+    """Stop a batch from starting new lines; the worker finishes it as ``cancelled``.
+    ``actor``: the person cancelling it in the console, in the tenant's audit log (None: the
+    tenant's app, through the API)."""
     batch = Batch.objects.select_for_update().get(pk=batch.pk)
     if batch.status == Batch.Status.CANCELLING:
         return batch
@@ -445,6 +449,10 @@ def batch_cancel(*, batch: Batch) -> Batch:
     batch.status = Batch.Status.CANCELLING
     batch.cancelling_at = timezone.now()
     batch.save(update_fields=["status", "cancelling_at"])
+    if actor is not None:
+        audit_record(
+            action=AuditEvent.Action.BATCH_CANCELLED, actor=actor, target=batch, tenant=batch.tenant
+        )
     return batch
 
 

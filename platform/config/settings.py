@@ -102,6 +102,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "config.security.ContentSecurityPolicyMiddleware",
+    "config.query_values.QueryValueMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -119,8 +120,8 @@ for _proxy in FORWARDED_ALLOW_IPS:  # a typo stops start-up, not every request
     except ValueError as exc:
         raise ImproperlyConfigured(f"FORWARDED_ALLOW_IPS: {exc}") from None
 
-# Flash messages live in the session (on the server), not in a cookie: the admin's message
-# carries a new API key to the next page, and a cookie is signed but not encrypted.
+# Flash messages live in the session (on the server), not in a cookie, which is signed but
+# not encrypted. No secret goes through them: a new API key is shown on the page that made it.
 MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
 
 ROOT_URLCONF = "config.urls"

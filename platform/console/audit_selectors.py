@@ -12,7 +12,7 @@ from tenants.models import AuditEvent, Membership, Tenant
 TENANT_ACTIONS = [
     (value, label)
     for value, label in AuditEvent.Action.choices
-    if value.split(".")[0] in ("tenant", "member", "api_key")
+    if value.split(".")[0] in ("tenant", "member", "api_key", "batch", "conversation")
 ]
 EMPTY = "—"
 

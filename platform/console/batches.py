@@ -57,7 +57,7 @@ def batch_cancel(request: HttpRequest, tenant: Tenant, batch_id: str) -> HttpRes
             request, "console/batches_cancel.html", _context(request, tenant, batch=batch)
         )
     try:
-        services.batch_cancel(batch=batch)
+        services.batch_cancel(batch=batch, actor=request.user)
     except services.Conflict as exc:
         messages.error(request, exc.message)
     else:

@@ -12,7 +12,7 @@ from batches import services as batch_services
 from batches.models import Batch
 from console import batches_selectors, selectors
 from tenants import rollups, services
-from tenants.models import Plan, UsageRecord
+from tenants.models import AuditEvent, Plan, UsageRecord
 from tests.batches.conftest import jsonl, request_line
 from tests.console.test_console import people  # noqa: F401 - fixture
 from tests.usage_records import usage_record_add
@@ -42,9 +42,10 @@ def _finished(tenant) -> Batch:
     batch = batch_services.batch_validate(batch=_batch(tenant, num_lines=2))
     first, second = batch.requests.order_by("line_number")
     for request, status in ((first, 200), (second, 400)):
-        batch_services.batch_request_claim(request=request, request_id=f"id-{request.pk}")
+        request_id = f"id-{request.pk}"
+        batch_services.batch_request_claim(request=request, request_id=request_id)
         batch_services.batch_request_finish(
-            request=request, response={"status_code": status, "request_id": "x", "body": {}}
+            request=request, response={"status_code": status, "request_id": request_id, "body": {}}
         )
     assert batch_services.batch_claim(batch_id=batch.id, runner="r", lease_seconds=60)
     return batch_services.batch_finish(batch=batch, runner="r")
@@ -117,6 +118,9 @@ def test_cancel_asks_first_then_cancels(manager, tenant, file_storage_dir):
 
     again = manager.post(url, follow=True)  # cancelling already: nothing changes
     assert again.status_code == 200
+    # in the tenant's audit log, once, with who cancelled it
+    [event] = AuditEvent.objects.filter(action=AuditEvent.Action.BATCH_CANCELLED)
+    assert (event.tenant, event.target_id, event.actor.is_authenticated) == (tenant, batch.id, True)
 
 
 def test_an_ended_batch_cannot_be_cancelled(manager, tenant, file_storage_dir):

@@ -5,9 +5,11 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.contrib.sessions.models import Session
 from django.urls import reverse
+from django.utils import timezone
 
 from tenants import api_keys, services
-from tenants.models import ApiKey, Membership
+from tenants.models import ApiKey, Membership, UsageRecord
+from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db
 
@@ -289,3 +291,28 @@ def test_the_plan_admin_takes_allowed_models_only_as_a_list_of_names(staff_clien
     assert "list of served model names" in response.content.decode()
     plan.refresh_from_db()
     assert plan.allowed_models == []
+
+
+def test_usage_records_cannot_be_deleted_in_the_admin(staff_client, tenant):
+    """A deletion here (no audit event) left the dashboards' roll-ups counting the tokens the
+    monthly budget, built again from the records, no longer did. Retention purges them."""
+    api_key, _ = services.api_key_create(tenant=tenant, name="k")
+    record = usage_record_add(
+        request_id="r1",
+        tenant=tenant,
+        api_key=api_key,
+        model="m",
+        source=UsageRecord.Source.API,
+        status=UsageRecord.Status.OK,
+        started_at=timezone.now(),
+        finished_at=timezone.now(),
+        prompt_tokens=1000,
+        completion_tokens=1000,
+    )
+    url = reverse("admin:tenants_usagerecord_changelist")
+    staff_client.post(
+        url, {"action": "delete_selected", "_selected_action": [record.pk], "post": "yes"}
+    )
+    delete = reverse("admin:tenants_usagerecord_delete", args=[record.pk])
+    assert staff_client.post(delete, {"post": "yes"}).status_code == 403
+    assert UsageRecord.objects.filter(pk=record.pk).exists()
