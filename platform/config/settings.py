@@ -229,7 +229,11 @@ else:
 
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 BATCH_SWEEP_SECONDS = float(os.environ.get("BATCH_SWEEP_SECONDS", "60"))
+# usage records the database could not take when their requests ended, until it can
+# (``serving.usage_spool``): shared by the web processes and the Celery worker
+USAGE_SPOOL_DIR = Path(os.environ.get("USAGE_SPOOL_DIR", VAR_DIR / "usage-spool"))
 CELERY_BEAT_SCHEDULE = {
+    "replay-usage-spool": {"task": "serving.replay_usage_spool", "schedule": 60.0},
     "rollup-usage": {"task": "tenants.rollup_usage", "schedule": 300.0},
     "purge-old-usage": {"task": "tenants.purge_old_usage", "schedule": 24 * 3600.0},
     "purge-old-audit-events": {"task": "tenants.purge_old_audit_events", "schedule": 24 * 3600.0},

@@ -24,6 +24,7 @@ from typing import Any
 from django.db import InterfaceError, OperationalError, connection, transaction
 
 from config.workers import database_worker
+from serving import usage_spool
 from tenants import month_locks, quotas, services
 from tenants.models import UsageRecord
 
@@ -125,8 +126,10 @@ def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
     next request the moment it has read the end of the last. Then the records are written
     and the month's reservations settled in one transaction that no rebuild of those
     tenants' month counters overlaps (``tenants.month_locks``), tried again once on a new
-    connection where the database dropped the one it ran on; where it fails, the month's
-    reservations are settled all the same (to nothing: no record counts them)."""
+    connection where the database dropped the one it ran on. Where the database stays out of
+    reach, the records are kept on disk for later (``_spool``); where the transaction fails
+    otherwise, the month's reservations are settled all the same (to nothing: no record
+    counts them)."""
     _release(group, _counted_tokens(group, set()), quotas.admission_free)
     for attempt in range(1 + CONNECTION_RETRIES):
         outcomes: list[BaseException | None] = [None] * len(group)
@@ -141,12 +144,37 @@ def _settle_group(group: list[Settlement]) -> list[BaseException | None]:
                 logger.warning("settling %d requests: %s; trying a new connection", len(group), exc)
                 connection.close()
                 continue
-            failure: Exception = exc
+            return _spool(group, exc)
         except Exception as exc:  # the transaction failed: none of its records stands
-            failure = exc
-        break
-    outcomes = [outcome or failure for outcome in outcomes]
-    _release(group, [0] * len(group), quotas.admission_settle_month)
+            _release(group, [0] * len(group), quotas.admission_settle_month)
+            return [outcome or exc for outcome in outcomes]
+    raise AssertionError("unreachable: the last attempt returns")
+
+
+def _spool(group: list[Settlement], failure: Exception) -> list[BaseException | None]:
+    """The database out of reach: keep the group's records on disk until it answers
+    (``serving.usage_spool``), and settle the month's reservations with what the requests
+    used, as if the records were written. Where the disk refuses them too, the requests hear
+    ``failure``, and their reservations are settled to nothing."""
+    outcomes: list[BaseException | None] = [None] * len(group)
+    built = []
+    for index, settlement in enumerate(group):
+        try:
+            built.append(services.usage_record_build(**settlement.record))
+        except Exception as exc:
+            outcomes[index] = exc
+    try:
+        path = usage_spool.spool_write(built)
+    except OSError:
+        logger.exception("could not keep %d usage records on disk either", len(built))
+        _release(group, [0] * len(group), quotas.admission_settle_month)
+        return [outcome or failure for outcome in outcomes]
+    logger.error(
+        "database out of reach (%s): %d usage records kept in %s", failure, len(built), path
+    )
+    counted = _counted_tokens(group, set())
+    tokens = [0 if outcome else used for outcome, used in zip(outcomes, counted, strict=True)]
+    _release(group, tokens, quotas.admission_settle_month)
     return outcomes
 
 

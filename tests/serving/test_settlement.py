@@ -11,7 +11,7 @@ from django.core.cache import cache
 from django.core.exceptions import ValidationError
 from django.db import OperationalError, connections
 
-from serving import settlement
+from serving import settlement, usage_spool
 from serving.metering import metered
 from tenants import quotas, services
 from tenants.models import ApiKey, Plan, UsageRecord
@@ -162,22 +162,100 @@ async def test_a_batch_line_run_again_under_its_id_is_charged_once(async_db):
     await sync_to_async(cache.clear)()
 
 
-async def test_when_the_database_fails_each_request_hears_it_and_frees_its_slot(
-    keys, groups, monkeypatch
+@pytest.fixture
+def spool(settings, tmp_path):
+    settings.USAGE_SPOOL_DIR = tmp_path / "usage-spool"
+    return settings.USAGE_SPOOL_DIR
+
+
+async def test_records_the_database_cannot_take_are_kept_and_saved_once_it_answers(
+    budgeted_key, groups, monkeypatch, spool
+):
+    """The database out of reach as requests ended: their records were lost (served, never
+    billed). They are kept on disk, the requests end well, and the month counts them."""
+    api_key = budgeted_key
+    save = services.usage_records_save
+
+    def unavailable(records):
+        raise OperationalError("the database went away")
+
+    monkeypatch.setattr(services, "usage_records_save", unavailable)
+    await asyncio.gather(*(_run(api_key, f"kept-{n}", tokens=n) for n in range(5)))
+
+    assert await sync_to_async(_concurrent)(api_key) == 0 and sum(groups) == 5
+    assert await UsageRecord.objects.acount() == 0
+    assert await sync_to_async(_month_tokens)(api_key.tenant) == 5 * 5 + sum(range(5))
+    kept = list(spool.glob("*.jsonl"))
+    assert kept and all(path.stat().st_mode & 0o077 == 0 for path in kept)  # owner-only
+
+    monkeypatch.setattr(services, "usage_records_save", save)  # the database is back
+    assert await sync_to_async(usage_spool.spool_replay)() == 5
+
+    records = await sync_to_async(list)(UsageRecord.objects.order_by("completion_tokens"))
+    assert [(r.request_id, r.completion_tokens, r.api_key_id) for r in records] == [
+        (f"kept-{n}", n, api_key.pk) for n in range(5)
+    ]
+    assert not list(spool.iterdir())
+
+
+async def test_where_the_disk_refuses_them_too_each_request_hears_it(
+    keys, groups, monkeypatch, spool
 ):
     api_key, _ = keys
 
     def unavailable(records):
         raise OperationalError("the database went away")
 
+    def disk_full(records):
+        raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(services, "usage_records_save", unavailable)
+    monkeypatch.setattr(usage_spool, "spool_write", disk_full)
     outcomes = await asyncio.gather(
         *(_run(api_key, f"lost-{n}", tokens=1) for n in range(5)), return_exceptions=True
     )
 
     assert all(isinstance(outcome, OperationalError) for outcome in outcomes)
     assert await sync_to_async(_concurrent)(api_key) == 0
-    assert sum(groups) == 5
+    assert await sync_to_async(_month_tokens)(api_key.tenant) == 0
+
+
+def test_a_replay_skips_what_was_saved_and_drops_what_has_no_tenant(keys, spool, settings):
+    """The commit that failed to answer may have gone through (its records stand once); a
+    tenant deleted meanwhile takes its records with it. Both leave the rest saved, and a
+    replayed record is new to the usage roll-ups."""
+    api_key, other = keys
+    gone = services.tenant_create(slug="gone")
+    gone_key, _ = services.api_key_create(tenant=gone, name="k")
+    records = [
+        services.usage_record_build(**_settlement(api_key, "saved-already").record),
+        services.usage_record_build(**_settlement(gone_key, "tenant-gone").record),
+        services.usage_record_build(**_settlement(api_key, "new", tokens=3).record),
+    ]
+    created_at = records[2].created_at
+    services.usage_records_save([records[0]])
+    usage_spool.spool_write(records)
+    gone.delete()
+
+    assert usage_spool.spool_replay() == 3
+
+    saved = dict(UsageRecord.objects.values_list("request_id", "completion_tokens"))
+    assert saved == {"saved-already": 7, "new": 3}
+    assert UsageRecord.objects.get(request_id="new").created_at > created_at
+    assert not list(spool.iterdir())
+
+
+def test_a_replay_with_the_database_still_away_keeps_the_file(keys, spool, monkeypatch):
+    api_key, _ = keys
+    usage_spool.spool_write([services.usage_record_build(**_settlement(api_key, "r").record)])
+
+    def unavailable(records):
+        raise OperationalError("the database went away")
+
+    monkeypatch.setattr(services, "usage_records_save", unavailable)
+    with pytest.raises(OperationalError):
+        usage_spool.spool_replay()
+    assert len(list(spool.glob("*.jsonl"))) == 1
 
 
 async def test_a_request_whose_counters_could_not_be_corrected_still_ends_well(
