@@ -27,6 +27,10 @@ from tenants.models import UsageRecord
 # a run's error codes -> (the chat's code, what to tell the user; None: the run's message)
 CHAT_ERRORS: dict[str, tuple[str, str | None]] = {
     "rate_limit_exceeded": ("rate_limited", None),
+    "insufficient_quota": (
+        "insufficient_quota",
+        "Your organization has used its token budget for this month: its owner may raise it.",
+    ),
     "request_too_large": (
         "request_too_large",
         "This reply would need more tokens than your organization's limit allows at once: "

@@ -21,8 +21,12 @@ ERROR_TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+# error codes whose type is not their status's: OpenAI's quota used up (a 429 that SDKs and
+# proxies know not to retry, unlike a rate limit's)
+ERROR_TYPES_BY_CODE = {"insufficient_quota": "insufficient_quota"}
 # a run's error codes (serving.runs.RunError) -> HTTP status; any other code is a 503
 RUN_ERROR_STATUS = {
+    "insufficient_quota": 429,
     "context_length_exceeded": 400,
     "invalid_request": 400,
     "request_too_large": 400,
@@ -62,7 +66,9 @@ class ApiError(Exception):
         return ErrorResponse(
             error=ErrorBody(
                 message=self.message,
-                type=ERROR_TYPES.get(self.status, "invalid_request_error"),
+                type=ERROR_TYPES_BY_CODE.get(
+                    self.code or "", ERROR_TYPES.get(self.status, "invalid_request_error")
+                ),
                 param=self.param,
                 code=self.code,
             )
@@ -86,6 +92,8 @@ def from_run_error(exc: RunError) -> ApiError:
     limit the ``x-ratelimit-*`` headers, and for a run admitted before it failed the
     ``x-request-id`` its usage record is filed under."""
     headers = ratelimit_headers(exc.windows, exc.retry_after)
+    if exc.code == "insufficient_quota":
+        headers["x-should-retry"] = "false"  # OpenAI's SDKs retry a 429 unless told not to
     if exc.request_id is not None:
         headers["x-request-id"] = exc.request_id
     return ApiError(

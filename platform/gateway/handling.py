@@ -55,7 +55,11 @@ async def serve_generation(
     except RunError as exc:
         error = from_run_error(exc)
         if not _was_admitted(runs):
-            status = "rate_limited" if exc.code == "rate_limit_exceeded" else str(error.status)
+            status = (
+                "rate_limited"
+                if exc.code in ("rate_limit_exceeded", "insufficient_quota")
+                else str(error.status)
+            )
             metrics.observe_refusal(model, status, tenant)
         return error.response()
     except ApiError as exc:

@@ -304,6 +304,13 @@ class Run:
             ) from exc
 
     def _refusal(self, exc: QuotaExceeded) -> RunError:
+        if exc.kind == "monthly_tokens":  # OpenAI's answer to a quota used up: retries fail
+            return RunError(
+                "insufficient_quota",
+                f"You exceeded your current quota: {exc}",
+                retry_after=exc.retry_after,
+                windows=exc.windows,
+            )
         if not exc.is_hopeless:
             return RunError(
                 "rate_limit_exceeded", str(exc), retry_after=exc.retry_after, windows=exc.windows

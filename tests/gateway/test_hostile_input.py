@@ -108,6 +108,38 @@ def test_a_request_larger_than_a_per_minute_limit_is_a_400_not_a_429(platform):
     assert _post(platform, CHAT, {**body, "max_tokens": 2}).status_code == 200
 
 
+def test_a_monthly_budget_used_up_is_openais_insufficient_quota(platform):
+    """It was a rate limit's 429 with a Retry-After of days: the SDKs retried it, and proxies
+    took it for a busy minute. OpenAI answers a quota used up with its own type and code."""
+    from django.utils import timezone
+
+    from tenants.models import ApiKey, UsageRecord
+    from tests.usage_records import usage_record_add
+
+    platform.tenant.monthly_token_budget = 1000
+    platform.tenant.save()
+    now = timezone.now()
+    usage_record_add(
+        request_id="earlier",
+        tenant=platform.tenant,
+        api_key=ApiKey.objects.get(tenant=platform.tenant),
+        model=MODEL_NAME,
+        source=UsageRecord.Source.API,
+        status=UsageRecord.Status.OK,
+        started_at=now,
+        finished_at=now,
+        prompt_tokens=1000,
+    )
+    response = _post(platform, CHAT, {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2})
+
+    error = _error(response, 429)
+    assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+    assert error["message"].startswith("You exceeded your current quota")
+    assert response.headers["x-should-retry"] == "false"
+    platform.tenant.monthly_token_budget = None
+    platform.tenant.save()
+
+
 def test_a_body_over_the_limit_is_refused_as_it_arrives(platform):
     """Declared by Content-Length or streamed in chunks, a body past the limit is a 413 (the
     server's default limit, 8 MiB), and the server serves on."""
