@@ -371,6 +371,8 @@ def deployment_action(request: HttpRequest) -> HttpResponse:
             messages.success(request, f"{deployment.name} is {action}d.")
     except ValidationError as exc:
         messages.error(request, " ".join(exc.messages))
+    except serving_services.ControlNotQueued as exc:
+        messages.error(request, str(exc))
     except ModelDeployment.DoesNotExist:
         raise Http404("No such deployment") from None
     return redirect("console:platform")

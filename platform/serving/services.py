@@ -3,6 +3,7 @@
 Each change, and each request, goes to the audit log as ``actor``'s (None: the platform
 itself, as ``make run`` registering its engine)."""
 
+import logging
 import re
 
 from django.contrib.auth.models import AbstractBaseUser
@@ -20,6 +21,8 @@ CONTROL_ACTIONS = {
 }
 DEPLOYMENT_AUDITED_FIELDS = ("name", "endpoints", "description", "max_context", "is_enabled")
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
+logger = logging.getLogger(__name__)
 
 
 class Kept:
@@ -90,6 +93,10 @@ def deployment_set_enabled(
     return deployment
 
 
+class ControlNotQueued(Exception):
+    """A load or unload the task broker did not take: nothing was asked of the replica."""
+
+
 def deployment_control_request(
     *,
     deployment_id: int | None,
@@ -101,9 +108,9 @@ def deployment_control_request(
     """Queue ``action`` ("load" the model directory ``model``, or "unload") for the replica at
     ``endpoint``; the ``serving.control_engine`` task sends it and records how it goes.
 
-    Raises ``ModelDeployment.DoesNotExist`` for no such deployment, and ``ValidationError``
-    for an unknown action, an endpoint that is not one of the deployment's replicas, or a
-    load without a model.
+    Raises ``ModelDeployment.DoesNotExist`` for no such deployment, ``ValidationError`` for an
+    unknown action, an endpoint that is not one of the deployment's replicas, or a load
+    without a model, and ``ControlNotQueued`` where the broker did not take the task.
     """
     if action not in CONTROL_ACTIONS:
         raise ValidationError(f"Unknown action {action!r}.")
@@ -117,7 +124,14 @@ def deployment_control_request(
         raise ValidationError("A model directory's path holds no control characters.")
     # sent first, and outside any transaction: a request the broker did not take leaves no
     # event, and a task run at once (eagerly, or by a quick worker) finds no write waiting
-    control_engine.delay(deployment.pk, endpoint, action, model)
+    try:
+        control_engine.delay(deployment.pk, endpoint, action, model)
+    except Exception as exc:  # the broker (Redis) out of reach: nothing was asked
+        logger.warning("could not queue %s on %s: %s", action, endpoint, exc)
+        raise ControlNotQueued(
+            f"The {action} could not be queued (the task broker is out of reach): nothing was "
+            "asked of the replica. Try again in a moment."
+        ) from exc
     audit_record(
         action=CONTROL_ACTIONS[action],
         actor=actor,

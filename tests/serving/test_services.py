@@ -119,3 +119,29 @@ def test_the_command_keeps_what_it_is_not_given(deployment, flags, is_enabled, m
         is_enabled,
         max_context,
     )
+
+
+def test_a_broker_out_of_reach_is_said_in_the_console_and_audits_nothing(
+    monkeypatch, deployment, client, django_user_model
+):
+    """The broker (Redis) down: the console's load or unload was a 500."""
+    from django.urls import reverse
+    from kombu.exceptions import OperationalError
+
+    from tenants.models import AuditEvent
+
+    def unreachable(*args):
+        raise OperationalError("Error 111 connecting to localhost:6379. Connection refused.")
+
+    monkeypatch.setattr(services.control_engine, "delay", unreachable)
+    client.force_login(django_user_model.objects.create_superuser("root", "", "pw-root-123"))
+    before = AuditEvent.objects.count()
+    answer = client.post(
+        reverse("console:deployment-action"),
+        {"action": "unload", "deployment_id": deployment.pk, "endpoint": "tcp://h:1"},
+        follow=True,
+    )
+
+    assert answer.status_code == 200
+    assert "could not be queued" in answer.content.decode()
+    assert AuditEvent.objects.count() == before
