@@ -42,12 +42,12 @@ from batches.models import Batch, BatchRequest
 from config.workers import database_worker
 from gateway.auth import refusal_of
 from gateway.authorization import GENERATION_KEY, model_not_found
-from gateway.errors import ApiError, from_run_error
+from gateway.errors import SERVER_ERROR, ApiError, from_run_error
 from gateway.handling import new_response_id
 from gateway.responses import Responder
 from gateway.validation import GenerationPlan, plan_chat, plan_completion
 from serving.pool import get_pool
-from serving.runs import Caller, Run, RunError, count_refusal
+from serving.runs import UNREACHABLE_STORE_ERRORS, Caller, Run, RunError, count_refusal
 from serving.selectors import deployment_for_tenant
 from tenants.models import ApiKey, Plan, Tenant, UsageRecord
 from tenants.selectors import SERVICE_TIER_PRIORITY
@@ -69,6 +69,7 @@ RETRIED_CODES = frozenset(
         "service_unavailable",
     }
 )
+SERVER_FAILURE = ApiError(500, SERVER_ERROR, code="server_error")
 PAGE_SIZE = 500  # pending lines read at a time
 # how long a line owed its answer is tried again past its batch's window (or, for a batch
 # already past it, past the start of the pass that runs it), while its refusals may pass
@@ -213,6 +214,15 @@ class BatchRun:
                 if exc.request_id is not None and not is_owed:
                     request.request_id = new_response_id(self.kind)
                     await _rename(request, request.request_id)
+            except UNREACHABLE_STORE_ERRORS:
+                raise  # the pass ends (``_raise_failures``): the line is run again later
+            except Exception:
+                # a failure of the platform's own with this line: answered as the online API
+                # answers it, a 500, not an end of the pass, which the next pass would meet
+                # again (every pass then ran, and billed, the lines in flight with it anew)
+                logger.exception("batch %s: line %s failed", self.batch.pk, request.custom_id)
+                response = _response(SERVER_FAILURE, request.request_id)
+                break
         await _finish(request, response)
 
     async def _answer(self, request: BatchRequest) -> dict:
@@ -284,8 +294,9 @@ def _response(error: ApiError, request_id: str) -> dict:
 
 
 def _raise_failures(tasks: set[asyncio.Task]) -> None:
-    """A line that failed outside its run (say, the database went away) ends the pass; its
-    row stays running, for the next runner."""
+    """A line that failed for the database or the cache (out of reach) ends the pass; its
+    row stays running, for the next runner. (A failure of the platform's own with one line
+    is that line's 500: ``BatchRun._run_line``.)"""
     failures = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
     if failures:
         raise failures[0]

@@ -337,3 +337,28 @@ def test_an_owed_line_whose_rerun_failed_after_admission_keeps_its_paid_request_
     assert tries == ["chatcmpl-dead0", "chatcmpl-dead0"]
     r0 = BatchRequest.objects.get(batch=batch, custom_id="r0")
     assert r0.request_id == "chatcmpl-dead0" and r0.status == BatchRequest.Status.COMPLETED
+
+
+def test_a_line_that_fails_the_platform_is_a_500_and_the_rest_of_the_batch_runs(world, monkeypatch):
+    """A failure of the platform's own with one line (not the database's or the cache's)
+    ended the pass: the next pass met it again, and the batch ran, and billed, its lines in
+    flight anew on every pass until it expired."""
+    tenant, api_key, answered = world
+
+    async def fails_on_r1(self, request):
+        if request.custom_id == "r1":
+            raise KeyError("a bug with this line")
+        answered.append(request.custom_id)
+        return _ok(request)
+
+    monkeypatch.setattr(batch_runner.BatchRun, "_answer", fails_on_r1)
+    batch = _batch(tenant, api_key, n=3)
+
+    assert batch_runner.batch_run(batch_id=batch.id) == "completed"
+
+    r1 = BatchRequest.objects.get(batch=batch, custom_id="r1")
+    assert r1.status == BatchRequest.Status.FAILED
+    response = json.loads(r1.response)
+    assert response["status_code"] == 500
+    assert response["body"]["error"]["code"] == "server_error"
+    assert sorted(answered) == ["r0", "r2"]
