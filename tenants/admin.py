@@ -351,8 +351,16 @@ class UserAdmin(AuditedAdmin, auth_admin.UserAdmin):
             )
         return response
 
+    def save_model(self, request: HttpRequest, obj, form, change: bool) -> None:
+        was_active = form.initial.get("is_active", True)
+        super().save_model(request, obj, form, change)
+        if change and was_active and not obj.is_active:  # deactivated: their keys go too
+            services.api_keys_revoke_made_by(user=obj, tenant=None, actor=request.user)
+
     def _audit_deleted(self, request: HttpRequest, obj) -> None:
-        """A user deleted leaves the tenants they were in: each tenant's log says so."""
+        """A user deleted leaves the tenants they were in, and the keys they made stop: each
+        tenant's log says so."""
+        services.api_keys_revoke_made_by(user=obj, tenant=None, actor=request.user)
         for membership in Membership.objects.filter(user=obj).select_related("tenant"):
             audit_record(
                 action=AuditEvent.Action.MEMBER_REMOVED,

@@ -208,6 +208,23 @@ def api_key_revoke(*, api_key: ApiKey, actor: AbstractBaseUser | None = None) ->
     return api_key
 
 
+def api_keys_revoke_made_by(
+    *, user: AbstractBaseUser, tenant: Tenant | None, actor: AbstractBaseUser | None
+) -> int:
+    """Revoke the live keys ``user`` made in ``tenant`` (None: in every tenant): who leaves a
+    tenant (removed, deactivated, deleted) takes the keys they made with them, as OpenAI's
+    keys go with their member, and as the console tells whoever removes one. Each
+    revocation is in the audit log; the number revoked."""
+    keys = ApiKey.objects.select_related("tenant").filter(created_by=user, revoked_at__isnull=True)
+    if tenant is not None:
+        keys = keys.filter(tenant=tenant)
+    revoked = 0
+    for api_key in keys:
+        api_key_revoke(api_key=api_key, actor=actor)
+        revoked += 1
+    return revoked
+
+
 def api_key_revoke_by_id(
     *, tenant: Tenant, api_key_id: int | None, actor: AbstractBaseUser | None = None
 ) -> ApiKey:
@@ -429,6 +446,7 @@ def memberships_apply(
             continue
         if change.role is None:
             Membership.objects.filter(tenant=tenant, user=change.user).delete()
+            api_keys_revoke_made_by(user=change.user, tenant=tenant, actor=actor or audit_actor)
         else:
             Membership.objects.update_or_create(
                 tenant=tenant, user=change.user, defaults={"role": change.role}
@@ -546,3 +564,4 @@ def user_deactivate(*, user: AbstractBaseUser, actor: AbstractBaseUser | None = 
         target=user,
         changes={"is_active": [True, False]},
     )
+    api_keys_revoke_made_by(user=user, tenant=None, actor=actor)

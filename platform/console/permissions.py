@@ -37,8 +37,10 @@ def sees_every_tenant(user: AbstractBaseUser) -> bool:
 def console_tenants(*, user: AbstractBaseUser) -> QuerySet[Tenant]:
     if sees_every_tenant(user):
         return Tenant.objects.all().order_by("slug")
+    # a deactivated tenant is staff's alone to see: its managers neither make keys nor
+    # change members nor download its files (its API keys are refused already)
     return Tenant.objects.filter(
-        memberships__user=user, memberships__role__in=MANAGER_ROLES
+        memberships__user=user, memberships__role__in=MANAGER_ROLES, is_active=True
     ).order_by("slug")
 
 

@@ -447,3 +447,15 @@ def test_nul_characters_in_console_forms_are_refused_with_a_message(client, peop
     assert Membership.objects.filter(tenant=tenant).count() == 3
     with pytest.raises(ValidationError):  # a line break after it, too
         serving_services.deployment_register(name="m\n", endpoints=["tcp://x:1"])
+
+
+def test_a_deactivated_tenant_is_staffs_alone_in_the_console(client, people, tenant):
+    """Its managers kept making keys, changing members and downloading its batch files."""
+    tenant.is_active = False
+    tenant.save()
+    for page in ("console:keys", "console:members", "console:batches"):
+        url = reverse(page, args=[tenant.slug])
+        client.force_login(people["owner_a"])
+        assert client.get(url).status_code == 404
+        client.force_login(people["staff"])
+        assert client.get(url).status_code == 200

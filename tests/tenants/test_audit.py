@@ -159,7 +159,7 @@ def test_a_request_the_broker_refused_leaves_no_event(monkeypatch):
         raise ConnectionError("broker down")
 
     monkeypatch.setattr(serving_services.control_engine, "delay", broker_down)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(serving_services.ControlNotQueued):
         serving_services.deployment_control_request(
             deployment_id=deployment.pk, endpoint="ipc:///tmp/m.sock", action="unload"
         )
