@@ -36,9 +36,17 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None
 
 
-class TextPart(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
+class TextPart(msgspec.Struct, forbid_unknown_fields=True, tag="text", tag_field="type"):
     text: str
+
+
+class RefusalPart(msgspec.Struct, forbid_unknown_fields=True, tag="refusal", tag_field="type"):
+    """An assistant's refusal, as OpenAI's answers carry it and SDKs send it back."""
+
+    refusal: str
+
+
+ContentPart = TextPart | RefusalPart
 
 
 # A message is read leniently, as vLLM reads it: clients send back the assistant messages the
@@ -59,19 +67,22 @@ class MessageToolCall(msgspec.Struct):
 
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # null only on an assistant turn that calls tools
-    content: str | list[TextPart] | None = None
+    # null only on an assistant turn that calls tools or refused
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool turn answers
-    refusal: str | None = None  # echoed back by SDKs on assistant turns; not shown to the model
+    refusal: str | None = None  # an assistant's refusal, echoed back by SDKs
 
     def text(self) -> str:
+        """What the model is shown of the turn: its text, or what it refused with."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(
+            part.text if isinstance(part, TextPart) else part.refusal for part in self.content
+        )
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -139,7 +150,7 @@ class _GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     model: str
     max_tokens: TokenCount | None = None
     temperature: Temperature | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_p: Probability | None = None  # 0: the likeliest token alone, as greedy sampling
     n: Choices | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
@@ -154,6 +165,8 @@ class _GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=INT32_MAX)] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None  # stop at any of these tokens too
+    include_stop_str_in_output: bool | None = None  # keep the stop string that ended it
     # vLLM's: lower values are served first; a caller may only lower its plan's priority
     priority: Priority | None = None
     # token id (as a string, JSON's keys) -> a bias in [-100, 100] added to its logit
@@ -180,6 +193,16 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's, for what this server does not do: taken where they ask for nothing (null,
+    # text output, the default verbosity), else a 400 that says so (``gateway.validation``)
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    web_search_options: dict | None = None
+    verbosity: str | None = None
+    # OpenAI's predicted output: a hint that only speeds its answer up; accepted and ignored
+    prediction: dict | None = None
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -190,6 +213,9 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     max_tokens: TokenCount | None = COMPLETION_MAX_TOKENS
     logprobs: Logprobs | None = None
     echo: bool | None = None
+    # taken where they ask for nothing (no suffix; best_of the same as n), else a 400
+    suffix: str | None = None
+    best_of: Choices | None = None
 
 
 # --- Responses -------------------------------------------------------------------------------

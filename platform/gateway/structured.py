@@ -182,11 +182,21 @@ def engine_messages(request: schemas.ChatCompletionRequest) -> list[Message]:
             raise invalid("A tool message needs the tool_call_id it answers.", where)
         if message.tool_calls and message.role != "assistant":
             raise invalid("Only assistant messages may carry tool_calls.", f"{where}.tool_calls")
-        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        if message.content is None and not (
+            message.role == "assistant" and (message.tool_calls or message.refusal is not None)
+        ):
             raise invalid(
-                "content may be null only on an assistant message with tool_calls.",
+                "content may be null only on an assistant message with tool_calls or a refusal.",
                 f"{where}.content",
             )
+        if message.role != "assistant" and (
+            message.refusal is not None
+            or (
+                isinstance(message.content, list)
+                and any(isinstance(part, schemas.RefusalPart) for part in message.content)
+            )
+        ):
+            raise invalid("Only assistant messages may carry a refusal.", f"{where}.content")
         calls = [
             ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)
             for call in message.tool_calls or ()

@@ -30,7 +30,6 @@ _FIELD = re.compile(r"field `([^`]+)`")
 # where the API calls a sampling parameter otherwise
 _API_PARAM = {
     "logprobs": "top_logprobs",
-    "stop_token_ids": "stop",
     "structured_outputs": "response_format",
 }
 
@@ -158,9 +157,11 @@ def _sampling_params(
     tool_plan: ToolPlan | None = None,
 ) -> SamplingParams:
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    # a nucleus of 0 holds the likeliest token alone (OpenAI takes 0): greedy sampling
+    is_greedy = request.top_p == 0
     values = {
-        "temperature": request.temperature,
-        "top_p": request.top_p,
+        "temperature": 0.0 if is_greedy else request.temperature,
+        "top_p": None if is_greedy else request.top_p,
         "top_k": request.top_k,
         "min_p": request.min_p,
         "repetition_penalty": request.repetition_penalty,
@@ -170,6 +171,8 @@ def _sampling_params(
         "min_tokens": request.min_tokens,
         "stop": stop,
         "ignore_eos": request.ignore_eos,
+        "stop_token_ids": request.stop_token_ids,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
         "logprobs": logprobs,
         "logit_bias": structured.logit_bias(request.logit_bias),
         "structured_outputs": structured.constraint(request, tool_plan),
@@ -186,9 +189,30 @@ def _sampling_params(
         raise invalid(message, param or exc.field) from exc
 
 
+def _not_supported(message: str, param: str) -> ApiError:
+    return invalid(f"{message} is not supported by this server.", param)
+
+
+def _check_chat_extras(request: ChatCompletionRequest) -> None:
+    """OpenAI's fields for what this server does not do: a 400 that says so, unless they ask
+    for nothing (text output, no audio or web search, the default verbosity)."""
+    if request.modalities is not None and set(request.modalities) - {"text"}:
+        raise _not_supported("Output other than text", "modalities")
+    if request.audio is not None:
+        raise _not_supported("Audio output", "audio")
+    for name in ("functions", "function_call"):
+        if getattr(request, name) is not None:
+            raise invalid(f"{name} is not supported by this server: use tools.", name)
+    if request.web_search_options is not None:
+        raise _not_supported("Web search", "web_search_options")
+    if request.verbosity not in (None, "medium"):
+        raise _not_supported("A verbosity other than medium", "verbosity")
+
+
 def plan_chat(body: bytes) -> GenerationPlan:
     request = decode(body, ChatCompletionRequest)
     _check_common(request)
+    _check_chat_extras(request)
     if not request.messages:
         raise invalid("messages must contain at least one message.", "messages")
     if len(request.messages) > MAX_MESSAGES:
@@ -242,7 +266,11 @@ def plan_completion(body: bytes) -> GenerationPlan:
     request = decode(body, CompletionRequest)
     _check_common(request)
     if request.echo:
-        raise invalid("echo is not supported.", "echo")
+        raise _not_supported("echo", "echo")
+    if request.suffix:
+        raise _not_supported("suffix", "suffix")
+    if request.best_of is not None and request.best_of != (request.n or 1):
+        raise _not_supported("best_of other than n", "best_of")
     # unset or null: the API's default, not up to the context as a chat's
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
     params = _sampling_params(

@@ -36,7 +36,8 @@ def _error(plan, body: bytes) -> ApiError:
     [
         ({"temperature": "hot"}, "temperature"),
         ({"temperature": -1}, "temperature"),
-        ({"top_p": 0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": -5}, "max_completion_tokens"),
         ({"n": 0}, "n"),
@@ -52,7 +53,8 @@ def _error(plan, body: bytes) -> ApiError:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"functions": []}, "functions"),  # unknown fields name themselves
+        ({"functions": []}, "functions"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
         ({"model": ""}, "model"),
         ({"user": "u" * 300}, "user"),
         ({"top_k": -2}, "top_k"),
@@ -85,8 +87,8 @@ def test_malformed_bodies_are_refused(body):
 
 
 def test_every_unknown_field_is_named_as_openai_names_them():
-    error = _error(plan_chat, _chat(functions=[], foo=1, bar=2))
-    assert error.message == "Unrecognized request arguments supplied: bar, foo, functions"
+    error = _error(plan_chat, _chat(frobnicate=[], foo=1, bar=2))
+    assert error.message == "Unrecognized request arguments supplied: bar, foo, frobnicate"
     assert error.param == "bar"
     assert _error(plan_chat, _chat(foo=1)).message == (
         "Unrecognized request argument supplied: foo"
@@ -170,6 +172,84 @@ def test_fields_of_openais_api_that_change_nothing_here_are_accepted():
     )
     assert plan.include_usage
     assert _error(plan_chat, _chat(prompt_cache_keys="x")).param == "prompt_cache_keys"
+
+
+def test_openais_fields_for_what_this_server_does_not_do_are_taken_when_they_ask_nothing():
+    """Sent by SDKs, LangChain or LiteLLM as null or their no-op value, they were refused as
+    "Unrecognized request argument" (OpenAI's words for a name it does not know)."""
+    plan = plan_chat(
+        _chat(
+            modalities=["text"],
+            audio=None,
+            functions=None,
+            function_call=None,
+            web_search_options=None,
+            verbosity="medium",
+            prediction={"type": "content", "content": "hi there"},
+        )
+    )
+    assert plan.prompts[0].messages[0].content == "hi"
+    completion = {"model": "m", "prompt": "hi", "n": 2}
+    assert plan_completion(json.dumps({**completion, "suffix": None, "best_of": 2}).encode())
+    assert plan_completion(json.dumps({**completion, "suffix": ""}).encode())
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"verbosity": "low"}, "verbosity"),
+    ],
+)
+def test_asking_for_what_this_server_does_not_do_says_so(fields, param):
+    error = _error(plan_chat, _chat(**fields))
+    assert error.param == param and "not supported" in error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"suffix": "end"}, "suffix"), ({"best_of": 3, "n": 2}, "best_of"), ({"echo": True}, "echo")],
+)
+def test_a_completion_asking_for_what_this_server_does_not_do_says_so(fields, param):
+    body = json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
+    error = _error(plan_completion, body)
+    assert error.param == param and "not supported" in error.message
+
+
+def test_a_top_p_of_zero_is_greedy_as_openai_takes_it():
+    params = plan_chat(_chat(top_p=0, temperature=0.9)).prompts[0].params
+    assert (params.temperature, params.top_p) == (0.0, 1.0)
+
+
+def test_vllms_stop_token_ids_and_stop_string_keeping_reach_the_engine():
+    params = plan_chat(_chat(stop_token_ids=[7, 9], include_stop_str_in_output=True))
+    assert params.prompts[0].params.stop_token_ids == [7, 9]
+    assert params.prompts[0].params.include_stop_str_in_output
+
+
+def test_an_assistant_turn_that_refused_is_sent_back_as_openai_gave_it():
+    """SDKs give back the refusal OpenAI answered with: a null content beside it, or a part
+    of the content. Both were 400s; the model is shown what it refused with."""
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+        {"role": "user", "content": "why?"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "Policy."}]},
+        {"role": "user", "content": "ok"},
+    ]
+    messages = plan_chat(_chat(messages=turns)).prompts[0].messages
+    assert [m.content for m in messages] == [
+        "hi",
+        "I can't help with that.",
+        "why?",
+        "Policy.",
+        "ok",
+    ]
+    user_refusal = [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]
+    assert _error(plan_chat, _chat(messages=user_refusal)).param == "messages[0].content"
 
 
 @pytest.mark.parametrize(
