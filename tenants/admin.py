@@ -336,6 +336,15 @@ class UserAdmin(AuditedAdmin, auth_admin.UserAdmin):
 
     audit_prefix = "user"
     form = OwnerKeepingUserChangeForm
+    # what makes one staff, superuser or holder of a permission: a superuser's to give (Django
+    # lets any staff who may change users give them, themselves included)
+    POWERS = ("is_superuser", "is_staff", "user_permissions", "groups")
+
+    def get_readonly_fields(self, request: HttpRequest, obj=None):
+        readonly = super().get_readonly_fields(request, obj)
+        if obj is not None and not request.user.is_superuser:
+            return (*readonly, *self.POWERS)
+        return readonly
 
     def user_change_password(self, request: HttpRequest, id: str, form_url: str = ""):
         """Django's page that sets a user's password (a view of its own, past ``save_model``):

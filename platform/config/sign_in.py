@@ -18,6 +18,7 @@ stolen session tries no more passwords there than at the sign-in), and a change 
 
 import contextlib
 import hashlib
+import ipaddress
 import math
 import time
 
@@ -45,9 +46,29 @@ class SignInThrottled(ValidationError):
         self.retry_after = retry_after
 
 
+# an IPv6 host (or its customer line) is given a whole /64: counted per address, each guess
+# could come from an address of its own
+IPV6_PREFIX = 64
+
+
+def address_bucket(address: str) -> str:
+    """What failures are counted by for ``address``: an IPv4 address itself (also written as
+    IPv6), an IPv6 address's /64 network."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_PREFIX}", strict=False))
+    return str(ip)
+
+
 def _counters(username: str, address: str | None) -> dict[str, tuple[str, int]]:
     """The counters one attempt counts in, by kind: each one's cache key and limit."""
     account = hashlib.sha256(username.casefold().encode()).hexdigest()[:32]
+    address = None if address is None else address_bucket(address)
     counters = {"account": (f"sign-in:account:{account}", settings.SIGN_IN_FAILURES_PER_ACCOUNT)}
     if address is not None:
         counters["pair"] = (f"sign-in:pair:{account}:{address}", settings.SIGN_IN_FAILURES_PER_PAIR)

@@ -219,13 +219,17 @@ def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser, ready_engi
                         .filter((a) => a.name.startsWith('on')).length,
                     scriptLinks: all.filter((n) => /^\\s*javascript:/i.test(
                         n.getAttribute('href') || '')).length,
+                    hrefs: [...el.querySelectorAll('a[href]')].map((a) => a.getAttribute('href')),
                     copyButtons: el.querySelectorAll('.code-block .copy-code').length,
                 };
             }""",
             MALICIOUS + "\n\n[click](javascript:window.__pwned=3)\n\n<iframe src=x></iframe>\n\n"
-            "```python\nprint('hi')\n```\n",
+            "```python\nprint('hi')\n```\n\n[web](https://example.com/) [mail](mailto:a@b.c) "
+            "[here](/admin/) [file](ftp://example.com/x) [data](data:text/html,hi)\n",
         )
         assert rendered["dangerous"] == rendered["handlers"] == rendered["scriptLinks"] == 0
+        # links lead to the web or to mail only, never to a page of this site dressed up
+        assert rendered["hrefs"] == ["https://example.com/", "mailto:a@b.c"]
         assert "<img src=x" in rendered["text"]  # raw HTML is shown as text
         assert rendered["copyButtons"] == 1 and "print('hi')" in rendered["text"]
         page.wait_for_timeout(300)

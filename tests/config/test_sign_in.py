@@ -64,6 +64,15 @@ def test_guessing_one_account_from_many_addresses_meets_its_own_limit(client, us
     assert _sign_in(client, PASSWORD, address="192.0.2.1").status_code == 429
 
 
+def test_an_ipv6_host_cannot_guess_from_a_new_address_each_time(client, user):
+    """A host holds a whole /64: rotating its addresses skipped the limits per address."""
+    for n in range(5):
+        _sign_in(client, "wrong", address=f"2001:db8:1:2::{n + 1:x}")
+
+    assert _sign_in(client, PASSWORD, address="2001:db8:1:2:ffff::9").status_code == 429
+    assert _sign_in(client, PASSWORD, address="2001:db8:1:3::1").status_code == 302
+
+
 def test_one_address_guessing_many_accounts_meets_its_limit(client, user):
     for n in range(50):
         _sign_in(client, "wrong", username=f"someone-{n}")

@@ -316,3 +316,28 @@ def test_usage_records_cannot_be_deleted_in_the_admin(staff_client, tenant):
     delete = reverse("admin:tenants_usagerecord_delete", args=[record.pk])
     assert staff_client.post(delete, {"post": "yes"}).status_code == 403
     assert UsageRecord.objects.filter(pk=record.pk).exists()
+
+
+def test_staff_who_may_change_users_cannot_give_powers(client):
+    """Django's user admin lets any staff who may change users make anybody, themselves
+    included, a superuser: the powers are a superuser's to give."""
+    from tests.conftest import staff_user
+
+    clerk = staff_user("clerk", "auth.change_user", "auth.view_user")
+    client.force_login(clerk)
+    url = reverse("admin:auth_user_change", args=[clerk.pk])
+    page = client.get(url)
+    form = page.context["adminform"].form
+    assert not {"is_superuser", "is_staff", "user_permissions", "groups"} & set(form.fields)
+
+    data = {
+        "username": "clerk",
+        "is_active": "on",
+        "is_superuser": "on",
+        "is_staff": "on",
+        "date_joined_0": clerk.date_joined.strftime("%Y-%m-%d"),
+        "date_joined_1": clerk.date_joined.strftime("%H:%M:%S"),
+    }
+    assert client.post(url, data).status_code == 302
+    clerk.refresh_from_db()
+    assert clerk.is_staff and not clerk.is_superuser

@@ -1,6 +1,6 @@
 /* Markdown for chat replies: marked parses, DOMPurify sanitises, so neither a model's output
  * nor a user's text can inject script. Raw HTML in the source is shown as text, never
- * rendered; links open in a new tab without an opener. */
+ * rendered; links (web and mail addresses only) open in a new tab without an opener. */
 (function () {
   "use strict";
 
@@ -32,6 +32,9 @@
 
   const PURIFY = {
     USE_PROFILES: { html: true },
+    // links a model writes lead to the web or to mail only: no other scheme, and no address
+    // on this site (a reply could dress one of its pages up as anything)
+    ALLOWED_URI_REGEXP: /^(?:https?|mailto):/i,
     FORBID_TAGS: ["style", "form", "input", "button", "textarea", "select", "iframe", "img"],
     FORBID_ATTR: ["style"],
   };
