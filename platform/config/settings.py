@@ -326,6 +326,9 @@ ENGINE_CPUS = os.environ.get("ENGINE_CPUS", "auto")
 # --- API gateway ------------------------------------------------------------------------------
 
 GATEWAY_MAX_BODY_BYTES = int(os.environ.get("GATEWAY_MAX_BODY_BYTES", str(8 * 1024 * 1024)))
+# web pages (origins) that may call /v1/ from the browser; "*": any, as OpenAI's API and vLLM
+# answer (the API's credential is a key the page must hold, never a cookie; gateway.cors)
+API_CORS_ALLOWED_ORIGINS = env_list("API_CORS_ALLOWED_ORIGINS", ["*"])
 # the largest file POST /v1/files takes (the Batch API's input); only that path gets the room
 FILES_MAX_BYTES = int(os.environ.get("FILES_MAX_BYTES", str(100 * 1024 * 1024)))
 # where files' bytes live (batches.storage): every web process and worker must see the same

@@ -27,6 +27,7 @@ from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404, HttpRequest, HttpResponse
 
 from config.stopping import as_disconnect_when_cancelled
+from gateway import cors
 from gateway.errors import SERVER_ERROR, ApiError, store_unavailable
 from serving.runs import UNREACHABLE_STORE_ERRORS
 
@@ -67,12 +68,16 @@ class ApiASGIHandler(ASGIHandler):
 
     async def _api_response(self, request: HttpRequest) -> HttpResponse:
         request.urlconf = settings.API_URLCONF  # the API's few routes, not the whole site's
+        is_v1 = request.path.startswith(V1_PATH_PREFIX)
         try:
             if not request.path.startswith(HEALTH_PATH_PREFIX):
                 # ALLOWED_HOSTS, as CommonMiddleware checks it for the pages; health probes
                 # come by IP (a load balancer, Kubernetes) and tell nothing
                 request.get_host()
-            response = await self._get_response_async(request)
+            if is_v1 and cors.is_preflight(request):
+                response = cors.preflight_response(request)
+            else:
+                response = await self._get_response_async(request)
         except DisallowedHost:
             response = ApiError(400, "Invalid Host header.", code="invalid_host").response()
         except UNREACHABLE_STORE_ERRORS as exc:  # a key's lookup, a file's row, a usage page
@@ -88,9 +93,11 @@ class ApiASGIHandler(ASGIHandler):
         except Exception:
             logger.exception("Internal Server Error: %s", request.path)
             response = ApiError(500, SERVER_ERROR, code="server_error").response()
-        if request.path.startswith(V1_PATH_PREFIX) and "x-request-id" not in response.headers:
-            # every answer has one, as OpenAI's; an admitted request's is its usage record's
-            response.headers["x-request-id"] = f"req_{uuid.uuid4().hex}"
+        if is_v1:
+            if "x-request-id" not in response.headers:
+                # every answer has one, as OpenAI's; an admitted request's is its usage record's
+                response.headers["x-request-id"] = f"req_{uuid.uuid4().hex}"
+            cors.add_headers(request, response)
         if settings.SECURE_CONTENT_TYPE_NOSNIFF:
             response.headers.setdefault("X-Content-Type-Options", "nosniff")
         if settings.SECURE_HSTS_SECONDS and request.is_secure():

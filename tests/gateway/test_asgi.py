@@ -166,3 +166,44 @@ async def test_readiness_does_not_tell_why_a_check_failed(async_db, monkeypatch)
     report = json.loads(body)
     assert report["checks"]["cache"] == "error: unavailable"
     assert b"10.1.2.3" not in body and b"db-admin" not in body
+
+
+async def test_a_browser_page_may_call_the_api_as_openais_allows(async_db):
+    """A preflight was a 405 and answers had no Access-Control-Allow-Origin: a page calling
+    the API from the browser (OpenAI's SDKs allow it) could not."""
+    status, headers, _ = await _call(
+        "/v1/chat/completions",
+        method="OPTIONS",
+        headers={
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+        },
+    )
+    assert status == 204
+    assert headers["access-control-allow-origin"] == "*"
+    assert "POST" in headers["access-control-allow-methods"]
+    assert headers["access-control-allow-headers"] == "authorization, content-type, x-stainless-os"
+
+    status, headers, _ = await _call("/v1/models", headers={"Origin": "https://app.example"})
+    assert status == 401 and headers["access-control-allow-origin"] == "*"
+    assert "x-request-id" in headers["access-control-expose-headers"]
+    assert "retry-after" in headers["access-control-expose-headers"]
+    _, headers, _ = await _call("/v1/models")  # no origin: no cross-origin answer
+    assert "access-control-allow-origin" not in headers
+
+
+async def test_origins_may_be_named_and_others_are_not_let_in(async_db, settings):
+    settings.API_CORS_ALLOWED_ORIGINS = ["https://app.example"]
+    preflight = {"Access-Control-Request-Method": "POST"}
+    _, headers, _ = await _call(
+        "/v1/models", method="OPTIONS", headers={"Origin": "https://app.example", **preflight}
+    )
+    assert headers["access-control-allow-origin"] == "https://app.example"
+    assert headers["vary"] == "Origin"
+    status, headers, _ = await _call(
+        "/v1/models", method="OPTIONS", headers={"Origin": "https://evil.example", **preflight}
+    )
+    assert status == 204 and "access-control-allow-origin" not in headers
+    _, headers, _ = await _call("/v1/models", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in headers
