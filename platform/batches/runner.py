@@ -45,6 +45,7 @@ from gateway.authorization import GENERATION_KEY, model_not_found
 from gateway.errors import SERVER_ERROR, ApiError, from_run_error
 from gateway.handling import new_response_id
 from gateway.responses import Responder
+from gateway.tool_calls import check_auto_tool_choice
 from gateway.validation import GenerationPlan, plan_chat, plan_completion
 from serving.pool import get_pool
 from serving.runs import UNREACHABLE_STORE_ERRORS, Caller, Run, RunError, count_refusal
@@ -232,6 +233,7 @@ class BatchRun:
         try:
             plan = self.plan_of(request.body_bytes())
             caller = await self._caller(plan.model)
+            await check_auto_tool_choice(plan.tool_plan, caller.deployment.endpoints)
             run = Run(plan.run_spec(request_id), caller)
             await run.start()
             responder = Responder(kind=self.kind, plan=plan, run=run, model=caller.deployment.name)

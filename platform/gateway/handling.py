@@ -17,6 +17,7 @@ from gateway.bodies import json_body
 from gateway.errors import ApiError, from_run_error
 from gateway.ratelimits import ratelimit_headers
 from gateway.responses import Responder
+from gateway.tool_calls import check_auto_tool_choice
 from gateway.validation import GenerationPlan
 from serving.runs import Caller, Run, RunError
 from tenants.models import UsageRecord
@@ -98,6 +99,7 @@ async def _serve(
         precondition=auth.ensure_current if is_checked else None,
     )
     on_finish = functools.partial(metrics.observe_finished, deployment.name, api_key.tenant)
+    await check_auto_tool_choice(plan.tool_plan, deployment.endpoints)
     run = Run(spec, caller, on_finish=on_finish)
     runs.append(run)
     await run.start()

@@ -119,7 +119,7 @@ class Responder:
             return
         parser = ""
         if plan.mode == "auto":
-            parser = await get_pool().tool_call_parser(self.run.caller.deployment.endpoints)
+            parser = await get_pool().tool_call_parser(self.run.caller.deployment.endpoints) or ""
         self.readers = [ToolCallReader(plan, parser) for _ in self.run.choices]
 
     def usage(self) -> schemas.Usage:

@@ -20,10 +20,29 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from gateway.errors import invalid
 from gateway.structured import ToolPlan
+from serving.pool import get_pool
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
+
+
+async def check_auto_tool_choice(plan: ToolPlan | None, endpoints: list[str]) -> None:
+    """Refuse (400) tools the model may call at will where its calls cannot be read back: its
+    chat template writes them in no convention the API parses, so they would come back as the
+    message's text, and an agent would take them for the answer. vLLM refuses them too (its
+    ``--tool-call-parser``); a named function or ``required`` still works (guided decoding).
+    Where no replica has said yet, the run finds out (and reads no calls)."""
+    if plan is None or plan.mode != "auto":
+        return
+    if await get_pool().tool_call_parser(endpoints) == "":
+        raise invalid(
+            'tool_choice "auto" is not supported for this model: its chat template writes '
+            "tool calls in no format this server reads. Name a function in tool_choice, or "
+            'use "required".',
+            "tool_choice",
+        )
 
 
 def new_call_id() -> str:

@@ -66,14 +66,15 @@ class EnginePool:
         stats = await self._recent_stats(endpoint)
         return stats.max_model_len if stats is not None and stats.max_model_len else None
 
-    async def tool_call_parser(self, endpoints: list[str]) -> str:
-        """How the deployment's model writes tool calls (``StatsResponse.tool_call_parser``),
-        as its replicas last said; "" when none has."""
+    async def tool_call_parser(self, endpoints: list[str]) -> str | None:
+        """How the deployment's model writes tool calls (``StatsResponse.tool_call_parser``,
+        "" for no convention the API can read), as its replicas last said; None when none
+        has said."""
         for endpoint in endpoints:
             stats = await self._recent_stats(endpoint)
             if stats is not None:
                 return stats.tool_call_parser
-        return ""
+        return None
 
     async def ready_max_model_len(self, endpoints: list[str]) -> int | None:
         """The context length the deployment's ready replicas serve (the smallest, should

@@ -120,7 +120,16 @@ def test_a_line_the_api_would_refuse_is_answered_with_its_error(platform, shared
     client = platform.client()
     bad_body = {**request_line("x")["body"], "max_tokens": "many"}
     unknown_model = {**request_line("x")["body"], "model": "no-such-model"}
-    lines = [request_line("good"), request_line("bad-body", body=bad_body)]
+    # tools the tiny model may call at will, whose calls no format of the API reads
+    auto_tools = {
+        **request_line("x")["body"],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    }
+    lines = [
+        request_line("good"),
+        request_line("bad-body", body=bad_body),
+        request_line("auto-tools", body=auto_tools),
+    ]
 
     assert run_batch(_create(client, lines).id) == "completed"
     # a batch calls one model (as OpenAI's): one for a model nobody serves is answered 404
@@ -129,7 +138,7 @@ def test_a_line_the_api_would_refuse_is_answered_with_its_error(platform, shared
     )
 
     unknown, batch = client.batches.list().data[:2]
-    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 2)
     assert (unknown.request_counts.completed, unknown.request_counts.failed) == (0, 1)
     assert [line["custom_id"] for line in _lines_of(client, batch.output_file_id)] == ["good"]
     errors = {
@@ -137,7 +146,8 @@ def test_a_line_the_api_would_refuse_is_answered_with_its_error(platform, shared
         for file_id in (batch.error_file_id, unknown.error_file_id)
         for line in _lines_of(client, file_id)
     }
-    for custom_id, body in (("bad-body", bad_body), ("unknown-model", unknown_model)):
+    cases = (("bad-body", bad_body), ("unknown-model", unknown_model), ("auto-tools", auto_tools))
+    for custom_id, body in cases:
         online = _online(platform, body)
         response = errors[custom_id]["response"]
         assert (response["status_code"], response["body"]) == (online.status_code, online.json())
