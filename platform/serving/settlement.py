@@ -163,6 +163,9 @@ def _spool(group: list[Settlement], failure: Exception) -> list[BaseException | 
             built.append(services.usage_record_build(**settlement.record))
         except Exception as exc:
             outcomes[index] = exc
+    if not built:  # not one valid record: nothing to keep
+        _release(group, [0] * len(group), quotas.admission_settle_month)
+        return outcomes
     try:
         path = usage_spool.spool_write(built)
     except OSError:

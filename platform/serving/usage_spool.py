@@ -73,9 +73,13 @@ def spool_replay() -> int:
     still out of reach raises, leaving the rest for the next run."""
     num_records = 0
     for path in sorted(spool_dir().glob(f"*{SUFFIX}")):
-        records = [_record(line) for line in path.read_bytes().splitlines() if line.strip()]
+        try:
+            content = path.read_bytes()
+        except FileNotFoundError:  # another replay (a run that overlapped) took it
+            continue
+        records = [_record(line) for line in content.splitlines() if line.strip()]
         _save(records, path)
-        path.unlink()
+        path.unlink(missing_ok=True)
         num_records += len(records)
         logger.info("saved %d usage records kept in %s", len(records), path.name)
     return num_records
