@@ -482,3 +482,25 @@ async def test_a_request_whose_key_or_user_was_deleted_as_it_ran_is_still_metere
     usage = await sync_to_async(quotas.quota_usage)(tenant=api_key.tenant)
     assert usage.month_tokens == 11
     assert await sync_to_async(_concurrent)(api_key) == 0
+
+
+def test_a_replay_skips_a_file_an_overlapping_replay_took(keys, spool, monkeypatch):
+    api_key, _ = keys
+    kept = usage_spool.spool_write(
+        [services.usage_record_build(**_settlement(api_key, "kept").record)]
+    )
+    taken = spool / f"0-taken{usage_spool.SUFFIX}"  # listed, then saved by the other run
+    monkeypatch.setattr(usage_spool, "spool_dir", lambda: _Listing(spool, [taken, kept]))
+
+    assert usage_spool.spool_replay() == 1
+    assert UsageRecord.objects.filter(request_id="kept").exists() and not kept.exists()
+
+
+class _Listing:
+    """A spool directory whose listing is given."""
+
+    def __init__(self, path, listed) -> None:
+        self.path, self.listed = path, listed
+
+    def glob(self, pattern):
+        return list(self.listed)
