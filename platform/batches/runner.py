@@ -202,6 +202,13 @@ class BatchRun:
                 break
             except RunError as exc:
                 if not self._may_retry(exc, is_owed):
+                    if _is_passing(exc) and not is_owed:
+                        # refused for a while, with no try left in this pass (cancelled, the
+                        # lease lost, the window at its end): left unrun, as a line never
+                        # started, which the batch's end reports (cancelled, batch_expired),
+                        # not answered with a busy moment's refusal
+                        await _unclaim(request)
+                        return
                     await self._count_refusal(request, exc)
                     response = _response(from_run_error(exc), request.request_id)
                     break
@@ -277,7 +284,7 @@ class BatchRun:
         """Whether a refusal that may pass is tried again: within the batch's window, while
         it takes lines; a line owed its answer also once it takes none, and for
         ``OWED_RETRY_SECONDS`` past the window's end or this pass's start."""
-        if exc.code not in RETRIED_CODES or exc.retry_after is None or not self.has_lease:
+        if not _is_passing(exc) or not self.has_lease:
             return False
         if self.is_stopping and not is_owed:
             return False
@@ -285,6 +292,11 @@ class BatchRun:
         if is_owed:
             deadline = max(deadline, self.started_at) + OWED_RETRY_SECONDS
         return timezone.now().timestamp() + exc.retry_after < deadline
+
+
+def _is_passing(exc: RunError) -> bool:
+    """Whether a run's refusal may pass with time (a rate limit, no ready replica)."""
+    return exc.code in RETRIED_CODES and exc.retry_after is not None
 
 
 def _response(error: ApiError, request_id: str) -> dict:

@@ -362,3 +362,30 @@ def test_a_line_that_fails_the_platform_is_a_500_and_the_rest_of_the_batch_runs(
     assert response["status_code"] == 500
     assert response["body"]["error"]["code"] == "server_error"
     assert sorted(answered) == ["r0", "r2"]
+
+
+def test_lines_refused_for_a_while_as_the_window_ends_expire_unrun(world, monkeypatch):
+    """A line refused for a while (a rate limit, no ready replica) that its window leaves no
+    time to try again was answered with that moment's 429 or 503, and the batch completed
+    with every line failed; OpenAI reports such lines batch_expired."""
+    from serving.runs import RunError
+
+    tenant, api_key, answered = world
+
+    async def busy(self, request):
+        raise RunError("rate_limit_exceeded", "busy", retry_after=10)
+
+    monkeypatch.setattr(batch_runner.BatchRun, "_answer", busy)
+    batch = _batch(tenant, api_key, n=2)
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() + timedelta(seconds=2))
+
+    assert batch_runner.batch_run(batch_id=batch.id) == "in_progress"  # within its window
+    assert not BatchRequest.objects.filter(batch=batch, status="failed").exists()
+    time.sleep(2.5)
+    assert batch_runner.batch_run(batch_id=batch.id) == "expired"
+
+    batch.refresh_from_db()
+    with file_storage().open(batch.error_file.storage_name, "rb") as stream:
+        errors = [json.loads(line) for line in stream.read().splitlines()]
+    assert [e["error"]["code"] for e in errors] == ["batch_expired", "batch_expired"]
+    assert batch.output_file_id is None
