@@ -545,10 +545,11 @@ def batch_request_claim(*, request: BatchRequest, request_id: str) -> bool:
 
 
 def batch_request_unclaim(*, request: BatchRequest) -> None:
-    """A running line that never ran to an answer (its batch stopped) is pending again."""
-    BatchRequest.objects.filter(pk=request.pk, status=BatchRequest.Status.RUNNING).update(
-        status=BatchRequest.Status.PENDING
-    )
+    """A running line that never ran to an answer (its batch stopped) is pending again; not
+    where another runner runs it now under another id (this one lost the lease)."""
+    BatchRequest.objects.filter(
+        pk=request.pk, status=BatchRequest.Status.RUNNING, request_id=request.request_id
+    ).update(status=BatchRequest.Status.PENDING)
 
 
 @transaction.atomic

@@ -358,6 +358,10 @@ def test_a_runner_that_lost_the_lease_writes_nothing_into_a_line_run_again(
     batch.refresh_from_db()
     assert batch.num_failed == 0
 
+    request.request_id = "chatcmpl-first"  # nor is it made pending again by the first
+    services.batch_request_unclaim(request=request)
+    assert BatchRequest.objects.get(pk=request.pk).status == "running"
+
     answer = {"status_code": 200, "request_id": "chatcmpl-second", "body": {}}
     services.batch_request_finish(request=request, response=answer)
     request.refresh_from_db()
