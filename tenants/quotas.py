@@ -32,7 +32,6 @@ headers); ``admission_release`` (idempotent, call it in ``finally``; or its two 
 record); ``quota_usage`` for dashboards.
 """
 
-import contextlib
 import logging
 import math
 import time
@@ -55,6 +54,7 @@ from tenants.reservations import (
 )
 from tenants.selectors import Limits, api_key_limits, month_tokens_used, tenant_limits
 from tenants.slots import Slot, slot_acquire, slot_count, slot_release
+from tenants.window_counters import counter_add, counter_adjust
 
 logger = logging.getLogger(__name__)
 
@@ -188,19 +188,12 @@ def _scopes(tenant: Tenant, api_key: ApiKey | None) -> list[_Scope]:
 
 def _add(key: str, amount: int, timeout: int) -> int:
     """Atomically add ``amount`` to a counter, creating it when missing; the new value."""
-    for _ in range(3):
-        cache.add(key, 0, timeout=timeout)
-        try:
-            return cache.incr(key, amount)
-        except ValueError:  # evicted between add and incr
-            continue
-    raise RuntimeError(f"quota counter {key} keeps disappearing")
+    return counter_add(key, amount, timeout)
 
 
 def _subtract(key: str, amount: int) -> None:
     # A missing key means its window expired: nothing is left to give back or correct.
-    with contextlib.suppress(ValueError):
-        cache.incr(key, -amount)
+    counter_adjust(key, -amount)
 
 
 def _undo(step: Callable[..., None], *args: object) -> None:
