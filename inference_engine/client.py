@@ -48,6 +48,8 @@ from inference_engine.protocol import (
     AbortRequest,
     ControlRequest,
     ControlResponse,
+    ErrorCode,
+    FinishReason,
     GenerateDelta,
     GenerateRequest,
     RequestType,
@@ -68,6 +70,8 @@ SEND_HWM = 100_000
 # cancel that lands as what it waits for finishes, and a stopped chat reply ran on.
 SEND_WAIT_SECONDS = 0.5
 HANDSHAKE_FAILED_EVENTS = handshake_failed_events()
+# aborts kept for the engine's reconnect at most (the rest are ended by its silent-client check)
+MAX_UNSENT_ABORTS = 10_000
 
 
 class EngineUnavailable(ConnectionError):
@@ -120,6 +124,11 @@ class AsyncEngineClient:
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
         self._deltas_decoder = msgspec.msgpack.Decoder(list[GenerateDelta])
+        self._raw_deltas_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+        self._delta_decoder = msgspec.msgpack.Decoder(GenerateDelta)
+        # aborts that found no engine connected: sent once one is again (the engine they
+        # were for, reconnected, would otherwise generate them to the end for nobody)
+        self._unsent_aborts: set[str] = set()
         self._stats_decoder = msgspec.msgpack.Decoder(StatsResponse)
         self._control_decoder = msgspec.msgpack.Decoder(ControlResponse)
 
@@ -156,7 +165,8 @@ class AsyncEngineClient:
             self._streams.pop(request_id, None)
             if not finished:
                 self._abandon(request_id, stream, is_lost=failure is not None)
-                self._send(RequestType.ABORT, AbortRequest([request_id]))
+                if not self._send(RequestType.ABORT, AbortRequest([request_id])):
+                    self._keep_abort(request_id)
 
     async def _send_generate(self, request: GenerateRequest) -> None:
         """Send, or wait up to ``send_wait`` while the queue to a connected engine is full;
@@ -350,6 +360,17 @@ class AsyncEngineClient:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return True
 
+    def _keep_abort(self, request_id: str) -> None:
+        if len(self._unsent_aborts) < MAX_UNSENT_ABORTS:
+            self._unsent_aborts.add(request_id)
+
+    def _send_kept_aborts(self) -> None:
+        """On a reconnect: the aborts no engine was connected to take."""
+        if self._unsent_aborts and self._send(
+            RequestType.ABORT, AbortRequest(sorted(self._unsent_aborts))
+        ):
+            self._unsent_aborts.clear()
+
     async def _send_soon(
         self, kind: RequestType, message: msgspec.Struct | None, deadline: float = math.inf
     ) -> bool:
@@ -383,7 +404,11 @@ class AsyncEngineClient:
     def _dispatch(self, frames: list[bytes]) -> None:
         kind, payload = frames[0], frames[-1]
         if kind == ResponseType.OUTPUTS.value:
-            for delta in self._deltas_decoder.decode(payload):
+            try:
+                deltas = self._deltas_decoder.decode(payload)
+            except msgspec.ValidationError:
+                deltas = self._deltas_one_by_one(payload)
+            for delta in deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
                     stream[0].put_nowait(delta)
@@ -396,11 +421,34 @@ class AsyncEngineClient:
             if stats.engine_id != self._engine_id:
                 if self._engine_id is not None:
                     self._fail_all(EngineUnavailable(f"the engine at {self.endpoint} restarted"))
+                    self._unsent_aborts.clear()  # their requests died with the old engine
                 self._engine_id = stats.engine_id
             self._latest_stats, self._latest_stats_at = stats, time.monotonic()
             _resolve(self._stats_waiters, stats)
         elif kind == ResponseType.CONTROL.value:
             _resolve(self._control_waiters, self._control_decoder.decode(payload))
+
+    def _deltas_one_by_one(self, payload: bytes) -> list[GenerateDelta]:
+        """The deltas of a frame one of which this client cannot read (a value a newer engine
+        knows, as a new error code): the others as they are, and that one as an engine error
+        of its stream, which then ends instead of waiting for a delta that came unread."""
+        deltas = []
+        for raw in self._raw_deltas_decoder.decode(payload):
+            try:
+                deltas.append(self._delta_decoder.decode(raw))
+            except msgspec.ValidationError as exc:
+                request_id = _delta_request_id(raw)
+                logger.warning("unreadable delta of %r from the engine: %s", request_id, exc)
+                if request_id is not None:
+                    deltas.append(
+                        GenerateDelta(
+                            request_id,
+                            finish_reason=FinishReason.ERROR,
+                            error=ErrorCode.ENGINE_ERROR,
+                            error_message=f"the engine sent what this client cannot read: {exc}",
+                        )
+                    )
+        return deltas
 
     async def _disconnect_loop(self) -> None:
         """A dropped connection (the engine process died or was restarted) fails the open
@@ -414,6 +462,7 @@ class AsyncEngineClient:
                 if self._is_connected:
                     self._disconnected = asyncio.Event()
                     self._handshake_failure = None
+                    self._send_kept_aborts()
                 else:
                     self._disconnected.set()
                 if event["event"] & HANDSHAKE_FAILED_EVENTS:
@@ -476,3 +525,14 @@ def _resolve(waiters: list[asyncio.Future], result: object) -> None:
         if not waiter.done():
             waiter.set_result(result)
     waiters.clear()
+
+
+def _delta_request_id(raw: bytes) -> str | None:
+    """The request id of an encoded delta (its first field), where it can be read."""
+    try:
+        fields = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and fields and isinstance(fields[0], str):
+        return fields[0]
+    return None

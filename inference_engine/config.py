@@ -166,7 +166,9 @@ class ServerConfig:
         "auto replaces on a GPU, whose memory the serving model sized its KV cache to fill",
         MODEL_SWAP_MODES,
     )
-    max_frame_bytes: int = option(MAX_FRAME_BYTES, "larger client frames are dropped unread")
+    max_frame_bytes: int = option(
+        MAX_FRAME_BYTES, "a larger client frame is refused (invalid_request), the link kept"
+    )
     client_timeout: float = option(
         5.0,
         "seconds without a frame from a client (its heartbeat comes every second) after which "

@@ -84,6 +84,8 @@ logger = logging.getLogger(__name__)
 
 # frames queued per client before ZeroMQ drops more; a client this far behind is stuck
 SEND_HWM = 100_000
+# how far past --max-frame-bytes the transport's own limit (MAXMSGSIZE) is set
+TRANSPORT_FRAME_LIMIT_FACTOR = 4
 
 
 @dataclass
@@ -450,7 +452,12 @@ class EngineServer:
     def _io_loop(self) -> None:
         try:
             router = self.ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+            # the transport drops the sender's whole connection for a frame past its limit,
+            # every stream of that web process with it: its limit is a backstop well above
+            # the engine's own, which refuses the one frame (``_handle_frames``)
+            router.setsockopt(
+                zmq.MAXMSGSIZE, self.config.max_frame_bytes * TRANSPORT_FRAME_LIMIT_FACTOR
+            )
             router.setsockopt(zmq.SNDHWM, SEND_HWM)
             router.setsockopt(zmq.LINGER, 2000)
             # a client that reconnects under its routing id gets its streams back
@@ -506,6 +513,17 @@ class EngineServer:
             if len(frames) != 3:
                 raise ValueError(f"expected [type, payload] frames, got {len(frames) - 1}")
             kind, payload = frames[1], frames[2]
+            if len(payload) > self.config.max_frame_bytes:
+                is_generate = kind == RequestType.GENERATE.value
+                self._reply_error(
+                    router,
+                    identity,
+                    _recover_request_id(payload) if is_generate else "",
+                    ErrorCode.INVALID_REQUEST,
+                    f"the request is {len(payload)} bytes; the engine takes at most "
+                    f"{self.config.max_frame_bytes} (--max-frame-bytes)",
+                )
+                return
             if kind == RequestType.GENERATE.value:
                 self._on_generate(router, identity, payload)
             elif kind == RequestType.ABORT.value:

@@ -134,6 +134,7 @@ class BatchRun:
         self.has_lease = True  # False: another runner has the batch, take no line at all
         self.started_at = time.time()
         self._callers: dict[str, Caller | None] = {}  # model -> its caller (None: no access)
+        self._attempts: dict[int, int] = {}  # a line's tries in this pass, by its row
 
     async def run(self) -> None:
         heartbeat = asyncio.create_task(self._keep_lease())
@@ -241,7 +242,8 @@ class BatchRun:
             plan = self.plan_of(request.body_bytes())
             caller = await self._caller(plan.model)
             await check_auto_tool_choice(plan.tool_plan, caller.deployment.endpoints)
-            run = Run(plan.run_spec(request_id), caller)
+            attempt = self._attempts[request.pk] = self._attempts.get(request.pk, -1) + 1
+            run = Run(plan.run_spec(request_id, attempt), caller)
             await run.start()
             responder = Responder(kind=self.kind, plan=plan, run=run, model=caller.deployment.name)
             try:

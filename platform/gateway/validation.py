@@ -54,11 +54,17 @@ class GenerationPlan:
     user: str | None = None  # the caller's end user, stored on the usage record
     metadata: dict[str, str] | None = None  # stored on the usage record
 
-    def run_spec(self, response_id: str) -> RunSpec:
-        """The run of this request; its usage record is filed under ``response_id``."""
+    def run_spec(self, response_id: str, attempt: int = 0) -> RunSpec:
+        """The run of this request; its usage record is filed under ``response_id``. A later
+        ``attempt`` under the same id (a batch line owed its answer) gets engine requests of
+        its own: the last try's may still run on the engine, which refuses an id in use."""
+        requests = self.engine_requests(response_id)
+        if attempt:
+            for request in requests:
+                request.request_id = f"{request.request_id}.{attempt}"
         return RunSpec(
             request_id=response_id,
-            requests=self.engine_requests(response_id),
+            requests=requests,
             prompt_tokens=self.prompt_tokens,
             max_tokens_name=self.max_tokens_param,
             choices_per_prompt=self.n,

@@ -25,6 +25,8 @@ from tests.usage_records import usage_record_add
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
+ANSWER = batch_runner.BatchRun._answer  # the real one: the world's is made up
+
 
 @pytest.fixture
 def world(file_storage_dir, monkeypatch):
@@ -389,3 +391,37 @@ def test_lines_refused_for_a_while_as_the_window_ends_expire_unrun(world, monkey
         errors = [json.loads(line) for line in stream.read().splitlines()]
     assert [e["error"]["code"] for e in errors] == ["batch_expired", "batch_expired"]
     assert batch.output_file_id is None
+
+
+def test_an_owed_lines_tries_in_one_pass_run_under_engine_ids_of_their_own(world, monkeypatch):
+    """An owed line keeps its paid request id across tries; its engine requests did too, and
+    the engine refused the next try's while the last one still ran there ("already in
+    use"), which is no refusal that passes: the line got a wrong final answer."""
+    from gateway.errors import ApiError
+    from serving.runs import RunError
+    from serving.services import deployment_register
+    from tests.batches.conftest import MODEL_NAME
+
+    tenant, api_key, answered = world
+    deployment_register(name=MODEL_NAME, endpoints=["ipc:///tmp/nobody-here.sock"])
+    engine_ids: list[list[str]] = []
+
+    class RecordingRun:
+        def __init__(self, spec, caller) -> None:
+            self.spec = spec
+            engine_ids.append([request.request_id for request in spec.requests])
+
+        async def start(self) -> None:
+            if len(engine_ids) == 1:  # admitted, then the engine was lost
+                lost = RunError("engine_unavailable", "lost", retry_after=0)
+                lost.request_id = self.spec.request_id
+                raise lost
+            raise ApiError(400, "enough")  # the second try ends the line
+
+    monkeypatch.setattr(batch_runner.BatchRun, "_answer", ANSWER)
+    monkeypatch.setattr(batch_runner, "Run", RecordingRun)
+    batch = _left_by_a_dead_runner(tenant, api_key, _batch(tenant, api_key, n=1))
+
+    batch_runner.batch_run(batch_id=batch.id)
+
+    assert engine_ids == [["chatcmpl-dead0-0"], ["chatcmpl-dead0-0.1"]]

@@ -327,3 +327,49 @@ async def test_a_full_send_queue_to_a_live_engine_is_overloaded_not_unavailable(
         client.close()
         router.close(linger=0)
         ctx.term()
+
+
+async def test_a_delta_this_client_cannot_read_ends_its_stream_alone(fake, client):
+    """A newer engine's error code in one delta failed the whole frame: every stream of the
+    web process lost that step's tokens, and the one whose last delta it was hung."""
+    from inference_engine.protocol import ErrorCode
+
+    tasks = {
+        i: asyncio.create_task(_collect(client.generate(GenerateRequest(prompt=i, request_id=i))))
+        for i in ("A", "B")
+    }
+    identity, _ = await fake.generates.get()
+    await fake.generates.get()
+    readable = msgspec.msgpack.encode(GenerateDelta("A", text="a"))
+    unknown = msgspec.msgpack.encode(["B", "", [], 3, "code_of_a_newer_engine"])
+    frame = b"\x92" + readable + unknown  # a msgpack array of the two
+    await fake.router.send_multipart([identity, ResponseType.OUTPUTS.value, frame])
+    done = GenerateDelta("A", text="!", finish_reason=FinishReason.STOP)
+    await fake.send(identity, ResponseType.OUTPUTS, [done])
+
+    assert "".join(d.text for d in await asyncio.wait_for(tasks["A"], 5)) == "a!"
+    [ended] = await asyncio.wait_for(tasks["B"], 5)
+    assert (ended.finish_reason, ended.error) == (FinishReason.ERROR, ErrorCode.ENGINE_ERROR)
+
+
+async def test_an_abort_no_engine_took_is_sent_once_it_is_back(tmp_path):
+    """A stream left while the link was down sent its abort into nothing: the engine, back
+    on the same link, generated the request to its end for nobody."""
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    fake = FakeEngine(endpoint)
+    client = AsyncEngineClient(endpoint, heartbeat_interval=0.05, heartbeat_timeout=60)
+    try:
+        task = asyncio.create_task(
+            _collect(client.generate(GenerateRequest(prompt="x", request_id="orphan")))
+        )
+        await fake.generates.get()
+        fake.close()  # the link drops: the stream fails, its abort finds no engine
+        with pytest.raises(EngineUnavailable):
+            await asyncio.wait_for(task, timeout=10)
+        assert not fake.aborted()
+
+        fake = FakeEngine(endpoint)  # the engine is back on the link
+        await _eventually(lambda: "orphan" in fake.aborted())
+    finally:
+        client.close()
+        fake.close()

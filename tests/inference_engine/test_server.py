@@ -384,6 +384,24 @@ async def raw_exchange(endpoint: str, frames: list[bytes], wait: float = 2.0) ->
     return replies
 
 
+async def test_an_oversized_request_fails_alone_and_its_links_other_streams_go_on(engine, client):
+    """The transport's size limit dropped the sender's whole connection: every other stream
+    of that web process failed, and their generations ran on unmetered. A tenant's tools of
+    8 MB of floats encode past 16 MiB."""
+    long = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    victim = asyncio.create_task(collect(client, GenerateRequest(prompt="hello", params=long)))
+    await asyncio.sleep(0.2)  # streaming
+    huge = GenerateRequest(prompt="x" * (MAX_FRAME_BYTES + 1), params=GREEDY)
+    [refused] = await collect(client, huge)
+
+    assert refused.error == ErrorCode.INVALID_REQUEST and "--max-frame-bytes" in (
+        refused.error_message or ""
+    )
+    deltas = await victim
+    assert deltas[-1].finish_reason == FinishReason.LENGTH and deltas[-1].error is None
+    assert sum(len(d.token_ids) for d in deltas) == 48
+
+
 async def test_garbage_and_oversized_frames_do_not_hurt_the_engine(engine, client):
     decoder = msgspec.msgpack.Decoder(list[GenerateDelta])
     bad_params = msgspec.msgpack.encode(["hi", None, None, [-1.0], "rid-7"])
@@ -411,7 +429,10 @@ async def test_garbage_and_oversized_frames_do_not_hurt_the_engine(engine, clien
 
     huge = GenerateRequest(prompt="x" * (MAX_FRAME_BYTES + 1), request_id="huge")
     frames = [RequestType.GENERATE.value, msgspec.msgpack.encode(huge)]
-    assert await raw_exchange(engine.endpoint, frames, wait=1.0) == []
+    [reply] = await raw_exchange(engine.endpoint, frames, wait=30.0)
+    [delta] = decoder.decode(reply[1])
+    assert (delta.request_id, delta.error) == ("huge", ErrorCode.INVALID_REQUEST)
+    assert "--max-frame-bytes" in delta.error_message
 
     stats = await client.stats()
     assert stats.ready and engine.proc.poll() is None
