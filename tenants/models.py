@@ -210,6 +210,8 @@ class UsageRecord(models.Model):
             models.Index(fields=["tenant", "api_key", "started_at"], name="usage_tenant_key_time"),
             models.Index(fields=["tenant", "model", "started_at"], name="usage_tenant_model_time"),
             models.Index(fields=["created_at"], name="usage_created"),
+            # every tenant's records of a period: the roll-ups, the platform's usage page
+            models.Index(fields=["started_at"], name="usage_time"),
         ]
 
     @property

@@ -62,9 +62,10 @@ def tenant_rows() -> list[TenantRow]:
     return [TenantRow(t, t.plan.name, t.num_members, t.num_active_keys) for t in tenants]
 
 
+# the key's name, and (last) its prefix: names may repeat, and a deleted key has neither
 USAGE_CSV_HEADER = [
     "date", "model", "source", "api_key", "requests", "prompt_tokens", "completion_tokens",
-    "cached_tokens", "errors",
+    "cached_tokens", "errors", "api_key_prefix",
 ]  # fmt: skip
 
 

@@ -355,7 +355,8 @@ def usage_csv_rows(
     today is there), and with ``end_user`` that end user's records only."""
     start, end = date_range.bounds
     handover = handover_of(start, end, end_user)
-    key_names = dict(ApiKey.objects.filter(tenant=tenant).values_list("pk", "name"))
+    keys = ApiKey.objects.filter(tenant=tenant).only("pk", "name", "prefix")
+    key_names = {key.pk: (key.name, key.display_prefix) for key in keys}
     by_row: dict[tuple, Totals] = defaultdict(Totals)
 
     def scoped(queryset):
@@ -372,12 +373,13 @@ def usage_csv_rows(
             day.isoformat(),
             model,
             source,
-            key_names.get(api_key_id, ""),
+            key_names.get(api_key_id, ("", ""))[0],
             totals.requests,
             totals.prompt_tokens,
             totals.completion_tokens,
             totals.cached_tokens,
             totals.errors,
+            key_names.get(api_key_id, ("", ""))[1],
         ]
         for (day, model, source, api_key_id), totals in sorted(
             by_row.items(), key=lambda item: (item[0][0], item[0][1], item[0][2], item[0][3] or 0)

@@ -167,9 +167,10 @@ def usage_csv(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         messages = range_form.error_messages() + end_user_form.error_messages()
         return HttpResponseBadRequest("\n".join(messages), content_type="text/plain")
     date_range, end_user = range_form.date_range(), end_user_form.end_user_or_none()
-    response = HttpResponse(content_type="text/csv")
+    response = HttpResponse(content_type="text/csv; charset=utf-8")
     filename = f"usage-{tenant.slug}-{date_range.start}-{date_range.end}.csv"
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    response.write("\ufeff")  # a byte-order mark: Excel reads UTF-8 (a key's name) as such
     writer = csv.writer(response)
     writer.writerow(selectors.USAGE_CSV_HEADER)
     rows = usage.usage_csv_rows(date_range=date_range, tenant=tenant, end_user=end_user)

@@ -102,8 +102,9 @@ def test_csv_export_matches_the_rollups(client, people, tenant):
     _usage(tenant)
     client.force_login(people["owner_a"])
     response = client.get(reverse("console:usage-csv", args=[tenant.slug]))
-    lines = response.content.decode().strip().splitlines()
-    assert response["Content-Type"] == "text/csv"
+    lines = response.content.decode("utf-8-sig").strip().splitlines()
+    assert response["Content-Type"] == "text/csv; charset=utf-8"
+    assert response.content.startswith("\ufeff".encode())  # Excel then reads it as UTF-8
     assert lines[0].startswith("date,model,source,api_key,requests")
     assert sum(int(line.split(",")[4]) for line in lines[1:]) == 6
     assert sum(int(line.split(",")[6]) for line in lines[1:]) == sum(50 + n for n in range(6))
@@ -122,7 +123,7 @@ def test_a_csv_cell_a_spreadsheet_would_run_as_a_formula_is_kept_text(client, pe
     ApiKey.objects.filter(pk=api_key.pk).update(name=name)
     client.force_login(people["owner_a"])
     response = client.get(reverse("console:usage-csv", args=[tenant.slug]))
-    rows = list(csv.reader(io.StringIO(response.content.decode())))[1:]
+    rows = list(csv.reader(io.StringIO(response.content.decode("utf-8-sig"))))[1:]
     assert rows and {row[3] for row in rows} == {"'" + name}
 
 
