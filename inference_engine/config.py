@@ -174,6 +174,12 @@ class ServerConfig:
         "seconds without a frame from a client (its heartbeat comes every second) after which "
         "its requests are aborted: its process died",
     )
+    step_timeout: float = option(
+        300.0,
+        "seconds one step may run before the engine takes itself for hung and exits (code "
+        "70), so that its supervisor restarts it and its streams fail instead of waiting "
+        "for ever; 0: never",
+    )
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:
@@ -188,6 +194,8 @@ class ServerConfig:
         _check_choice(self, "model_swap")
         if not self.client_timeout > 0:
             raise ValueError(f"client_timeout must be > 0, got {self.client_timeout}")
+        if self.step_timeout < 0:
+            raise ValueError(f"step_timeout must be >= 0, got {self.step_timeout}")
         if self.metrics_port is not None:
             _check_positive("metrics_port", self.metrics_port)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import queue
 import signal
 import threading
@@ -86,6 +87,8 @@ logger = logging.getLogger(__name__)
 SEND_HWM = 100_000
 # how far past --max-frame-bytes the transport's own limit (MAXMSGSIZE) is set
 TRANSPORT_FRAME_LIMIT_FACTOR = 4
+# the exit code of an engine that took itself for hung (``ServerConfig.step_timeout``)
+HUNG_EXIT_CODE = 70
 
 
 @dataclass
@@ -154,6 +157,8 @@ class EngineServer:
         self._draining = threading.Event()
         self._abort_now = threading.Event()
         self._io_stop = threading.Event()
+        # when the busy loop's step under way began (monotonic); None between steps
+        self._step_started_at: float | None = None
         self._io_bound = threading.Event()
         self._io_error: BaseException | None = None
         # I/O thread only: client identity -> time.monotonic() of its last frame
@@ -307,7 +312,9 @@ class EngineServer:
                     return
             if core is None or not core.has_unfinished_requests():
                 continue
+            self._step_started_at = time.monotonic()
             outputs = core.step()
+            self._step_started_at = None
             self._publish_snapshot()
             if shutdown_aborted:
                 _mark_shutdown_aborts(outputs, shutdown_aborted)
@@ -497,6 +504,7 @@ class EngineServer:
                             break
                         self._handle_frames(router, frames)
                 self._abort_silent_clients(time.monotonic())
+                self._exit_if_hung(time.monotonic())
             _forward(pull, router)
         finally:
             pull.close(linger=0)
@@ -757,6 +765,23 @@ class EngineServer:
             self._intake.put(held)
         if len(held) < len(req_ids):
             self._queue_abort([req_id for req_id in req_ids if req_id not in held])
+
+    def _exit_if_hung(self, now: float) -> None:
+        """A step that has run for ``step_timeout`` is taken for hung (a kernel that never
+        returns, a deadlock): the process exits at once, so that its supervisor starts it
+        again and its clients, their link dropped, fail their streams (metered) instead of
+        waiting on an engine whose I/O thread still answers their heartbeats."""
+        started = self._step_started_at
+        timeout = self.config.step_timeout
+        if not timeout or started is None or now - started < timeout:
+            return
+        logger.critical(
+            "a step has run for %.0fs (--step-timeout %.0f): exiting to be restarted",
+            now - started,
+            timeout,
+        )
+        logging.shutdown()
+        os._exit(HUNG_EXIT_CODE)
 
     def _abort_silent_clients(self, now: float) -> None:
         """Abort the requests of every client silent for ``client_timeout`` (see the module

@@ -688,3 +688,43 @@ def test_help_lists_every_option():
         "--threads",
     ):
         assert option in result.stdout
+
+
+HANGING_STEP = """
+import sys, threading
+from inference_engine import core
+from inference_engine.__main__ import main
+
+step, steps = core.EngineCore.step, []
+
+def hanging(self):
+    steps.append(1)
+    if len(steps) == 3:  # a kernel that never returns
+        threading.Event().wait()
+    return step(self)
+
+core.EngineCore.step = hanging
+main(sys.argv[1:])
+"""
+
+
+async def test_a_hung_step_makes_the_engine_exit_and_its_streams_fail(llama_dir, tmp_path):
+    """A step that never returned left every stream open for ever: the I/O thread answered
+    the heartbeats, so the clients waited, and the replica kept saying ready."""
+    from inference_engine.server import HUNG_EXIT_CODE
+
+    process = EngineProcess(llama_dir, tmp_path, "--step-timeout", "2")
+    process.command = [PYTHON, "-c", HANGING_STEP, *process.command[3:]]
+    with running(process):
+        client = AsyncEngineClient(process.endpoint, heartbeat_timeout=60)
+        try:
+            await client.wait_ready(timeout=90)
+            long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+            started = time.monotonic()
+            with pytest.raises(EngineUnavailable):
+                await asyncio.wait_for(collect(client, GenerateRequest("hi", params=long)), 60)
+            assert time.monotonic() - started < 30
+        finally:
+            client.close()
+        assert process.proc.wait(30) == HUNG_EXIT_CODE
+        assert "--step-timeout" in process.log()
