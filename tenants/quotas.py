@@ -186,16 +186,6 @@ def _scopes(tenant: Tenant, api_key: ApiKey | None) -> list[_Scope]:
     return scopes
 
 
-def _add(key: str, amount: int, timeout: int) -> int:
-    """Atomically add ``amount`` to a counter, creating it when missing; the new value."""
-    return counter_add(key, amount, timeout)
-
-
-def _subtract(key: str, amount: int) -> None:
-    # A missing key means its window expired: nothing is left to give back or correct.
-    counter_adjust(key, -amount)
-
-
 def _undo(step: Callable[..., None], *args: object) -> None:
     try:
         step(*args)
@@ -229,7 +219,7 @@ class _Admission:
         for reservation in reversed(self.reservations):
             _undo(_cancel_reservation, reservation)
         for key, amount in reversed(self.added):
-            _undo(_subtract, key, amount)
+            _undo(counter_adjust, key, -amount)
 
     def per_minute(
         self, scope: _Scope, kind: str, limit: int | None, amount: int, likely: int | None = None
@@ -257,7 +247,7 @@ class _Admission:
             amount = min(amount, max(math.floor(limit - used_before), needed))
         else:
             previous = cache.get(previous_key, 0)
-        current = _add(key, amount, timeout=2 * WINDOW_SECONDS + 5)
+        current = counter_add(key, amount, ttl=2 * WINDOW_SECONDS + 5)
         self.added.append((key, amount))
         used = previous * self.previous_weight + current
         until_next_window = WINDOW_SECONDS - self.elapsed
@@ -488,7 +478,7 @@ def admission_free(*, ticket: AdmissionTicket, actual_tokens: int) -> None:
     _all_tried(
         *(lambda slot=slot: slot_release(slot) for slot in ticket.slots),
         *(
-            lambda key=key, correction=correction: _subtract(key, -correction)
+            lambda key=key, correction=correction: counter_adjust(key, correction)
             for key, correction in corrections
             if correction
         ),

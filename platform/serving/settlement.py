@@ -157,12 +157,7 @@ def _spool(group: list[Settlement], failure: Exception) -> list[BaseException | 
     used, as if the records were written. Where the disk refuses them too, the requests hear
     ``failure``, and their reservations are settled to nothing."""
     outcomes: list[BaseException | None] = [None] * len(group)
-    built = []
-    for index, settlement in enumerate(group):
-        try:
-            built.append(services.usage_record_build(**settlement.record))
-        except Exception as exc:
-            outcomes[index] = exc
+    built = [record for _, record in _build_records(group, outcomes)]
     if not built:  # not one valid record: nothing to keep
         _release(group, [0] * len(group), quotas.admission_settle_month)
         return outcomes
@@ -193,14 +188,23 @@ def _counted_tokens(group: list[Settlement], recorded: set[str]) -> list[int]:
     return tokens
 
 
-def _write_records(group: list[Settlement], outcomes: list[BaseException | None]) -> None:
-    """Write each settlement's record (a request id's second is skipped: the first stands)."""
+def _build_records(
+    group: list[Settlement], outcomes: list[BaseException | None]
+) -> list[tuple[int, UsageRecord]]:
+    """Each settlement's record, built, with its index in the group; one that is invalid has
+    its error in ``outcomes`` instead."""
     built: list[tuple[int, UsageRecord]] = []
     for index, settlement in enumerate(group):
         try:
             built.append((index, services.usage_record_build(**settlement.record)))
         except Exception as exc:
             outcomes[index] = exc
+    return built
+
+
+def _write_records(group: list[Settlement], outcomes: list[BaseException | None]) -> None:
+    """Write each settlement's record (a request id's second is skipped: the first stands)."""
+    built = _build_records(group, outcomes)
     try:
         with transaction.atomic():
             services.usage_records_save([record for _, record in built])

@@ -262,14 +262,14 @@ def _fail_seeding_the_keys_month(monkeypatch):
 
 
 def _fail_the_keys_token_counter(monkeypatch):
-    add = quotas._add
+    add = quotas.counter_add
 
-    def failing(key, amount, timeout):
+    def failing(key, amount, ttl):
         if key.startswith("quota:key:") and ":tokens:" in key:
             raise Injected("the cache went away")
-        return add(key, amount, timeout)
+        return add(key, amount, ttl)
 
-    monkeypatch.setattr(quotas, "_add", failing)
+    monkeypatch.setattr(quotas, "counter_add", failing)
 
 
 def _fail_after_taking_the_keys_slot(monkeypatch):
