@@ -347,8 +347,12 @@ class EngineCore:
         """Wait for a launched step's tokens; the deltas of its requests."""
         try:
             sampled, logprobs = launched.result()
+            prompt_logprobs = launched.prompt_logprobs()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
             return self._fail_step(scheduler_output, exc)
+        for request, start, entries in prompt_logprobs:
+            if request.prompt_logprobs is not None:  # not sent yet
+                request.prompt_logprobs[start : start + len(entries)] = entries
         stuck = {
             req_id: token for req_id, token in sampled.items() if token in (NO_TOKEN, UNDRAWABLE)
         }
@@ -360,6 +364,8 @@ class EngineCore:
             output.new_token_ids = [request.output_token_ids[-1]]
             if request.req_id in logprobs:
                 output.new_logprobs = [logprobs[request.req_id]]
+            if request.prompt_logprobs is not None:  # its first token: they are all in
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             outputs.append(output)
             if request.is_finished:
                 finished.append(request.req_id)

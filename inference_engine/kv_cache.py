@@ -76,6 +76,7 @@ class CacheableRequest(Protocol):
     num_computed_tokens: int
     cache_salt: str | None
     block_hashes: list[bytes]
+    reads_whole_prompt: bool
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int], cache_salt: str | None) -> bytes:
@@ -132,8 +133,9 @@ class KVCacheManager:
         """Longest cached prefix of full blocks for a request that holds no blocks yet, and its
         length in tokens, stopping at a block id in ``unwritten`` (blocks a step in flight is
         filling: cached as they were allocated, but not all written yet). Never covers the
-        last token, so there is always something to compute."""
-        if not self.enable_prefix_caching:
+        last token, so there is always something to compute. None for a request that
+        ``reads_whole_prompt`` (its prompt logprobs need every position's logits)."""
+        if not self.enable_prefix_caching or request.reads_whole_prompt:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (len(request.all_token_ids) - 1) // self.block_size

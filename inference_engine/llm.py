@@ -38,6 +38,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    # with ``prompt_logprobs``: one entry per prompt token, the first with its text alone
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -127,6 +129,8 @@ class LLM:
                 output.text += delta.text
                 if delta.logprobs and output.logprobs is not None:
                     output.logprobs.extend(delta.logprobs)
+                if delta.prompt_logprobs is not None:
+                    output.prompt_logprobs = delta.prompt_logprobs
                 if delta.usage is not None:
                     output.num_cached_tokens = delta.usage.cached_tokens
                 if delta.finish_reason is not None:

@@ -23,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from inference_engine import attention
+from inference_engine import attention, prompt_logprobs
 from inference_engine.attention import (
     CompiledAttention,
     DecodeBucket,
@@ -38,6 +38,7 @@ from inference_engine.cpu_kernels import paged_attention, use_compiled_attention
 from inference_engine.cpu_linear import should_widen, widen_linears
 from inference_engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from inference_engine.penalties import TokensInFlight
+from inference_engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, plan_prompt_rows
 from inference_engine.protocol import SamplingParams, TokenLogprobs
 from inference_engine.request import Request, RequestStatus
 from inference_engine.sampler import SampledTokens, Sampler, SamplingRow
@@ -68,6 +69,8 @@ class StepPlan:
     cu_lens: np.ndarray  # [R + 1] first row of each request
     block_table: np.ndarray  # [R, max_blocks] padded with 0
     logits_rows: np.ndarray  # [S] the last row of each sampling request
+    # the prompt rows whose logprobs are asked for, kept after the sampling rows
+    prompt: PromptRows | None = None
     # rows of ``token_ids`` whose id a step still in flight is sampling (async scheduling),
     # and their requests: 0 on the host, the sampled id copied in on the device
     device_token_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -75,7 +78,18 @@ class StepPlan:
 
     @property
     def is_decode_only(self) -> bool:
-        return bool((self.lens == 1).all()) and len(self.logits_rows) == len(self.lens)
+        return (
+            bool((self.lens == 1).all())
+            and len(self.logits_rows) == len(self.lens)
+            and self.prompt is None
+        )
+
+    @property
+    def kept_rows(self) -> np.ndarray:
+        """The rows the forward keeps logits for: the sampling rows, then the prompt rows."""
+        if self.prompt is None:
+            return self.logits_rows
+        return np.concatenate([self.logits_rows, self.prompt.rows])
 
     def decode_batch(self) -> DecodeBatch:
         return DecodeBatch(
@@ -118,6 +132,7 @@ def plan_step(
         cu_lens=cu_lens,
         block_table=table,
         logits_rows=cu_lens[1:][is_sampling] - 1,
+        prompt=plan_prompt_rows(scheduled, cu_lens),
         device_token_rows=np.array(device_token_rows, np.int64),
         device_token_req_ids=device_token_req_ids,
     )
@@ -135,6 +150,7 @@ class PendingStep:
     sampling: list[Request]  # its sampling requests, in the order of their tokens
     tokens: SampledTokens | None  # None when it samples nothing (or not yet)
     deferred: Callable[[], SampledTokens] | None = None
+    prompt: PendingPromptLogprobs | None = None  # its prompt logprobs, where asked for
 
     def launch_sampling(self) -> None:
         """Launch a deferred sampling (once); nothing otherwise."""
@@ -153,6 +169,11 @@ class PendingStep:
         sampled = {r.req_id: token for r, token in zip(sampling, token_ids, strict=True)}
         wanted = {r.req_id: lp for r, lp in zip(sampling, logprobs, strict=True) if lp is not None}
         return sampled, wanted
+
+    def prompt_logprobs(self) -> list[tuple[Request, int, list[TokenLogprobs]]]:
+        """The step's prompt logprobs: per request, it, its first entry's position, the
+        entries (``prompt_logprobs.PendingPromptLogprobs.result``)."""
+        return self.prompt.result() if self.prompt is not None else []
 
 
 # the row of a request that finished (or was aborted) before its deferred sampling: its
@@ -592,18 +613,26 @@ class ModelRunner:
             logits = graphs.run(plan.decode_batch(), fill)
         else:
             logits = self._forward(plan, fill)
+        prompt = None
+        if plan.prompt is not None:
+            num_sampling = len(plan.logits_rows)
+            prompt = prompt_logprobs.launch(logits[num_sampling:], plan.prompt)
+            logits = logits[:num_sampling]
         sampling = [item.request for item in scheduled if item.is_sampling]
         if not sampling:
             self._last_step = None
-            return PendingStep(sampling, None)
+            return PendingStep(sampling, None, prompt=prompt)
         if any(r.needs_host_tokens and r.num_output_placeholders > 1 for r in sampling):
             self._last_step = PendingStep(
-                sampling, None, deferred=partial(self._sample_deferred, logits, sampling)
+                sampling,
+                None,
+                deferred=partial(self._sample_deferred, logits, sampling),
+                prompt=prompt,
             )
         else:
             rows = _sampling_rows(sampling)
             tokens = self.sampler.launch(logits, rows, self._penalised_tokens_in_flight(rows))
-            self._last_step = PendingStep(sampling, tokens)
+            self._last_step = PendingStep(sampling, tokens, prompt=prompt)
         return self._last_step
 
     @torch.inference_mode()
@@ -651,7 +680,8 @@ class ModelRunner:
     def _forward(
         self, plan: StepPlan, fill: Callable[[torch.Tensor], None] | None = None
     ) -> torch.Tensor:
-        """The model run eagerly over a packed step: logits ``[S, V]`` of its sampling rows.
+        """The model run eagerly over a packed step: logits ``[S + P, V]`` of its sampling
+        rows, then of its prompt rows (``StepPlan.kept_rows``).
         ``fill`` completes the input ids on the device (``_device_token_fill``)."""
         input_ids, positions, logits_rows, meta = self._prepare(plan)
         if fill is not None:
@@ -675,7 +705,7 @@ class ModelRunner:
                 plan.block_table,
                 plan.context_lens,
                 plan.cu_lens,
-                plan.logits_rows,
+                plan.kept_rows,
             )
             unified = UnifiedMetadata(table, seq_lens, starts, int(plan.lens.max()))
             meta = PagedMetadata(self.key_caches, self.value_caches, slots, unified=unified)
@@ -718,7 +748,7 @@ class ModelRunner:
         return (
             input_tensor,
             to_device(plan.positions).unsqueeze(0),
-            to_device(plan.logits_rows),
+            to_device(plan.kept_rows),
             meta,
         )
 

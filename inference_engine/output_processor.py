@@ -25,6 +25,7 @@ from inference_engine.protocol import (
     GenerateDelta,
     ResponseType,
     SamplingParams,
+    TokenLogprobs,
     Usage,
 )
 from inference_engine.tokenization import (
@@ -59,6 +60,9 @@ class RequestState:
     # a stop string was hit; waiting for the core's final output
     is_stopped: bool = False
     tenant_id: str = ""
+    # kept where the first delta echoes the prompt: its text, its tokens' logprobs' text
+    prompt_token_ids: list[int] | None = None
+    return_prompt_text: bool = False
 
 
 class OutputProcessor:
@@ -97,8 +101,13 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tenant_id: str = "",
+        *,
+        return_prompt_text: bool = False,
     ) -> None:
+        """Track a request; ``return_prompt_text``: its first delta carries the prompt decoded
+        (``GenerateRequest.return_prompt_text``)."""
         stop = params.stop or None
+        echoes = return_prompt_text or params.prompt_logprobs is not None
         self.states[req_id] = RequestState(
             identity=identity,
             request_id=request_id,
@@ -113,6 +122,8 @@ class OutputProcessor:
             include_stop=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
             tenant_id=tenant_id,
+            prompt_token_ids=list(prompt_token_ids) if echoes else None,
+            return_prompt_text=return_prompt_text,
         )
 
     def process(self, outputs: list[EngineOutput], step_time: float) -> list[list[bytes]]:
@@ -206,6 +217,7 @@ class OutputProcessor:
                 completion_tokens=state.num_tokens,
                 cached_tokens=output.num_cached_tokens,
             )
+            self._echo_prompt(output, state, delta)
         state.num_sent_chars = send_upto
         if stop_at is not None and not output.is_finished:
             state.is_stopped = True
@@ -220,12 +232,29 @@ class OutputProcessor:
             return self._finish(output.req_id, state, delta)
         return delta
 
+    def _echo_prompt(self, output: EngineOutput, state: RequestState, delta: GenerateDelta) -> None:
+        """The prompt on the first delta, where asked for: its text, its tokens' logprobs
+        (the first token's entry carries its text alone: nothing comes before it)."""
+        prompt_ids = state.prompt_token_ids
+        if prompt_ids is None:
+            return
+        state.prompt_token_ids = None
+        if state.return_prompt_text and self.tokenizer is not None:
+            delta.prompt_text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        if output.prompt_logprobs is not None:
+            entries = [TokenLogprobs(0.0), *output.prompt_logprobs]
+            delta.prompt_logprobs = self._add_text(prompt_ids, entries)
+
     def _with_text(self, output: EngineOutput, token_ids: list[int]) -> list | None:
         """The logprobs of ``token_ids`` (the step's, or all but its stop token) with each
         token's text, as OpenAI's API reports them."""
         if output.new_logprobs is None:
             return None
-        entries = output.new_logprobs[: len(token_ids)]
+        return self._add_text(token_ids, output.new_logprobs[: len(token_ids)])
+
+    def _add_text(self, token_ids: list[int], entries: list[TokenLogprobs]) -> list[TokenLogprobs]:
+        """``entries``, the logprobs of ``token_ids``, with each token's and alternative's
+        text and bytes."""
         if self.token_bytes is None:
             return entries
         token_bytes = self.token_bytes

@@ -165,6 +165,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     ``top_k=0`` (or -1) means off. ``stop`` strings are matched on the detokenized text and are
     not included in it. ``logprobs=n`` returns the sampled token's logprob and the top ``n``.
+    ``prompt_logprobs=n`` returns each prompt token's logprob given the tokens before it and
+    the top ``n`` there, from the raw logits (vLLM's): such a request reads nothing from the
+    prefix cache, its whole prompt is computed (as vLLM's).
     Raises ``ValueError`` naming the field on invalid values, also when decoded from the wire.
     """
 
@@ -187,6 +190,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's)
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -258,12 +262,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParam(name, f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, integer=True)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidParam(
-                    "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_number(name, value, integer=True)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidParam(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.logit_bias is not None:
             self._validate_logit_bias()
         if self.structured_outputs is not None:
@@ -381,6 +385,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # the caller's context length for this request (a deployment's own), when lower than the
     # engine's: the prompt and max_tokens must fit it, and an unset max_tokens stops there
     max_model_len: int | None = None
+    # the first delta with tokens carries the prompt's text as decoded from its tokens
+    # (``GenerateDelta.prompt_text``, special tokens kept): an echo of a prompt of token ids
+    return_prompt_text: bool = False
 
     def __post_init__(self) -> None:
         if self.messages is not None and isinstance(self.messages, list):
@@ -428,6 +435,8 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         if not isinstance(self.params, SamplingParams):
             raise ValueError("params must be SamplingParams")
         self.params.validate()
+        if not isinstance(self.return_prompt_text, bool):
+            raise ValueError("return_prompt_text must be a bool")
         for name in ("request_id", "tenant_id", "cache_salt"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
@@ -485,6 +494,9 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     error_code: ErrorCode | None = None
     error_message: str | None = None
     error_param: str | None = None  # the request's field at fault, where one is
+    # on a request's first output, where ``params.prompt_logprobs`` is set: one entry per
+    # prompt token after the first, in order
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -518,6 +530,12 @@ class GenerateDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     logprobs: list[TokenLogprobs] | None = None
     # the request's field an INVALID_REQUEST error is about (``top_k``, ``prompt``, ...)
     error_param: str | None = None
+    # On the first delta with tokens, where ``params.prompt_logprobs`` is set: one entry per
+    # prompt token, with its text. The first token has nothing before it: its entry carries
+    # its text alone (its logprob is 0.0 and has no meaning; OpenAI's and vLLM's null).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    # on the first delta with tokens, where the request asked ``return_prompt_text``
+    prompt_text: str | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -554,6 +572,9 @@ class StatsResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     # how the model's chat template writes a tool call ("hermes": <tool_call>{json}</tool_call>;
     # "" where it shows none): the API parses the model's output with it
     tool_call_parser: str = ""
+    # how long the step under way has run (0.0 between steps): a replica whose step has run
+    # for long (a kernel that stalls) is routed nothing new while another is free to take it
+    step_seconds: float = 0.0
 
 
 class ControlRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from inference_engine.protocol import FinishReason, RequestTimings, SamplingParams
+from inference_engine.protocol import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 
 # the sampled "token" of a request whose grammar allows none: the request fails instead
 NO_TOKEN = -1
@@ -75,6 +75,19 @@ class Request:
         # JSON the tokens that close a value with their weights (see ``wants_closing``)
         self.grammar = None
         self.closing_tokens: tuple[list[int], list[float]] | None = None
+        # prompt logprobs asked for and not yet sent: one entry per prompt token after the
+        # first, by position, filled as its chunks run (``prompt_logprobs.py``)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * (self.num_prompt_tokens - 1)
+            if sampling_params.prompt_logprobs is not None
+            else None
+        )
+
+    @property
+    def reads_whole_prompt(self) -> bool:
+        """Whether its prompt must be computed, none of it read from the prefix cache: the
+        logits of every prompt position are wanted (prompt logprobs not yet sent)."""
+        return self.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -689,6 +689,7 @@ class EngineServer:
             token_ids,
             request.params,
             tenant_id=tenant,
+            return_prompt_text=request.return_prompt_text,
         )
         self.inputs.put_add(
             QueuedAdd(
@@ -875,7 +876,12 @@ class EngineServer:
             state_detail=self.controller.detail,
             model_path=self.controller.model_path or "",
             tool_call_parser=tool_call_parser(self.input_tokenizer),
+            step_seconds=self._step_seconds(),
         )
+
+    def _step_seconds(self) -> float:
+        started = self._step_started_at  # read once: the busy loop clears it
+        return 0.0 if started is None else max(time.monotonic() - started, 0.0)
 
 
 def _error_frame(

@@ -18,7 +18,7 @@ from gateway import schemas
 from gateway.errors import SERVER_ERROR, ApiError, from_run_error
 from gateway.tool_calls import CallDelta, ToolCallReader
 from gateway.validation import GenerationPlan
-from inference_engine.protocol import FinishReason, TokenLogprobs
+from inference_engine.protocol import FinishReason, GenerateDelta, TokenLogprobs
 from serving.pool import get_pool
 from serving.runs import Choice, Run, RunError
 
@@ -39,6 +39,10 @@ class _Output:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
     offset: int = 0
+    # an echo: the prompt went out before the first delta's own text
+    echoed: bool = False
+    # the next logprobs shown begin with an echoed prompt's first token, which has none
+    first_unscored: bool = False
     # a plain text event's bytes around its JSON-encoded text (see Responder._text_template)
     text_template: tuple[bytes, bytes] | None = None
 
@@ -73,10 +77,17 @@ def _completion_logprobs(
     for entry in entries:
         offsets.append(output.offset)
         output.offset += len(output.offsets.decode(entry.token_bytes or entry.token.encode()))
+    token_logprobs: list[float | None] = [entry.logprob for entry in entries]
+    top_logprobs: list[dict[str, float] | None] = [
+        _completion_top_logprobs(entry) for entry in entries
+    ]
+    if output.first_unscored and entries:
+        output.first_unscored = False
+        token_logprobs[0] = top_logprobs[0] = None
     return schemas.CompletionLogprobs(
         tokens=[entry.token for entry in entries],
-        token_logprobs=[entry.logprob for entry in entries],
-        top_logprobs=[_completion_top_logprobs(entry) for entry in entries],
+        token_logprobs=token_logprobs,
+        top_logprobs=top_logprobs,
         text_offset=offsets,
     )
 
@@ -137,10 +148,11 @@ class Responder:
             await self._start_reading_tool_calls()
             async for choice, delta in self.run.deltas():
                 output = self.outputs[choice.index]
-                if delta.text:
-                    output.text.append(delta.text)
-                if delta.logprobs:
-                    output.logprobs.extend(delta.logprobs)
+                text, logprobs = self._shown(choice, delta)
+                if text:
+                    output.text.append(text)
+                if logprobs:
+                    output.logprobs.extend(logprobs)
         except RunError as exc:
             raise from_run_error(exc) from exc
         wants_logprobs = self.plan.logprobs is not None
@@ -165,6 +177,28 @@ class Responder:
                 for c, o in zip(self.run.choices, self.outputs, strict=True)
             ]
         return self._envelope(choices, is_chunk=False, usage=self.usage())
+
+    def _shown(
+        self, choice: Choice, delta: GenerateDelta
+    ) -> tuple[str, list[TokenLogprobs] | None]:
+        """A delta's text and logprobs as its choice shows them: with ``echo`` the first
+        begins with the prompt (a text prompt as it was sent, token ids as the engine decoded
+        them) and, where logprobs are asked for, its tokens' logprobs; an echo alone
+        (``max_tokens`` 0) shows nothing of the one token drawn."""
+        text, logprobs = delta.text, delta.logprobs
+        plan = self.plan
+        if plan.echo_only:
+            text, logprobs = "", None
+        output = self.outputs[choice.index]
+        if not plan.echo or output.echoed:
+            return text, logprobs
+        output.echoed = True
+        prompt = plan.prompts[choice.index // plan.n]
+        prompt_text = prompt.prompt if prompt.prompt is not None else delta.prompt_text or ""
+        if delta.prompt_logprobs and plan.logprobs is not None:
+            output.first_unscored = True
+            logprobs = [*delta.prompt_logprobs, *(logprobs or [])]
+        return prompt_text + text, logprobs
 
     def _message(self, choice: Choice, output: _Output) -> schemas.AssistantMessage:
         text = "".join(output.text)
@@ -238,8 +272,10 @@ class Responder:
             async for choice, delta in self.run.deltas():
                 if self.readers is not None:
                     events += self._tool_reader_events(choice, delta.text, delta.logprobs)
-                elif delta.text or delta.logprobs:
-                    events.append(self._text_event(choice, delta.text, None, delta.logprobs))
+                else:
+                    text, logprobs = self._shown(choice, delta)
+                    if text or logprobs:
+                        events.append(self._text_event(choice, text, None, logprobs))
                 if choice.finish_reason is not None:
                     if self.readers is not None:
                         events += self._tool_reader_events(choice, None, None, is_last=True)

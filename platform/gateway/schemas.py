@@ -20,6 +20,8 @@ MAX_LOGPROBS = 20
 # chat goes on up to the context)
 COMPLETION_MAX_TOKENS = 16
 TokenCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+# a completion's max_tokens: 0 only with echo (the prompt's logprobs, nothing generated)
+CompletionTokenCount = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**31), le=INT32_MAX)]
@@ -210,8 +212,9 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     # each). One list type holds them all (msgspec decodes a union with one array type only);
     # gateway.validation refuses a mix.
     prompt: str | list[str | TokenId | list[TokenId]]
-    max_tokens: TokenCount | None = COMPLETION_MAX_TOKENS
+    max_tokens: CompletionTokenCount | None = COMPLETION_MAX_TOKENS
     logprobs: Logprobs | None = None
+    # the prompt before the completion, in its text and (with logprobs) its tokens' logprobs
     echo: bool | None = None
     # taken where they ask for nothing (no suffix; best_of the same as n), else a 400
     suffix: str | None = None
@@ -324,8 +327,9 @@ class ChatCompletionChunk(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    # null for an echoed prompt's first token (nothing comes before it), as OpenAI's
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -45,6 +45,10 @@ class GenerationPlan:
     include_usage: bool
     logprobs: int | None
     prompt_tokens: PromptTokens  # of all the prompts, before the engine counts them
+    # completions' echo: each choice's text (and logprobs) begins with its prompt's; with
+    # max_tokens 0 (``echo_only``) it is the prompt's alone, the one token drawn left out
+    echo: bool = False
+    echo_only: bool = False
     max_tokens_param: str = "max_tokens"  # what the request called it
     priority: int | None = None  # as asked; the plan's tier is the floor (see serving.runs)
     # the request's names of the engine's fields an engine refusal may name: the constraint
@@ -271,18 +275,25 @@ def _constraint_names(
 def plan_completion(body: bytes) -> GenerationPlan:
     request = decode(body, CompletionRequest)
     _check_common(request)
-    if request.echo:
-        raise _not_supported("echo", "echo")
     if request.suffix:
         raise _not_supported("suffix", "suffix")
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise _not_supported("best_of other than n", "best_of")
+    echo = bool(request.echo)
     # unset or null: the API's default, not up to the context as a chat's
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+    echo_only = max_tokens == 0
+    if echo_only and not echo:
+        raise invalid("max_tokens must be at least 1 (0 only with echo).", "max_tokens")
     params = _sampling_params(
-        request, max_tokens=max_tokens, max_tokens_param="max_tokens", logprobs=request.logprobs
+        request,
+        max_tokens=max(max_tokens, 1),  # an echo alone still draws one token: the engine's least
+        max_tokens_param="max_tokens",
+        logprobs=request.logprobs,
     )
-    prompts, prompt_tokens = _completion_prompts(request.prompt, params)
+    if echo and request.logprobs is not None:
+        params.prompt_logprobs = request.logprobs
+    prompts, prompt_tokens = _completion_prompts(request.prompt, params, echo=echo)
     return GenerationPlan(
         model=request.model,
         prompts=prompts,
@@ -291,6 +302,8 @@ def plan_completion(body: bytes) -> GenerationPlan:
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=request.logprobs,
         prompt_tokens=prompt_tokens,
+        echo=echo,
+        echo_only=echo_only,
         priority=request.priority,
         user=request.user,
         metadata=request.metadata,
@@ -299,16 +312,19 @@ def plan_completion(body: bytes) -> GenerationPlan:
 
 
 def _completion_prompts(
-    prompt: str | list[str | int | list[int]], params: SamplingParams
+    prompt: str | list[str | int | list[int]], params: SamplingParams, *, echo: bool = False
 ) -> tuple[list[GenerateRequest], PromptTokens]:
-    """The engine requests, one per prompt, and the token count of all the prompts."""
+    """The engine requests, one per prompt, and the token count of all the prompts. An echo
+    of token ids asks the engine for their text (a text prompt is echoed as it was sent)."""
     requests, counts = [], []
     for each in _split_prompts(prompt):
         if isinstance(each, str):
             requests.append(GenerateRequest(prompt=each, params=params))
             counts.append(text_tokens(each))
         else:
-            requests.append(GenerateRequest(prompt_token_ids=each, params=params))
+            requests.append(
+                GenerateRequest(prompt_token_ids=each, params=params, return_prompt_text=echo)
+            )
             counts.append(token_id_tokens(each))
     return requests, sum(counts, PromptTokens(0, 0))
 

@@ -18,6 +18,9 @@ from collections.abc import Iterator
 from inference_engine.client import AsyncEngineClient, EngineUnavailable
 
 STATS_TTL_SECONDS = 2.5  # two heartbeats and a half
+# a replica whose step has run this long is stalled: routed to only when every ready one is
+# (a normal step takes milliseconds on a GPU, a long prompt's chunk seconds on a CPU)
+STALLED_STEP_SECONDS = 15.0
 STATS_TIMEOUT_SECONDS = 1.0
 RETRY_SECONDS = 0.02
 
@@ -88,19 +91,25 @@ class EnginePool:
         return min(lengths, default=None)
 
     async def choose(self, endpoints: list[str]) -> str:
-        """The least-loaded ready replica; raises ``NoReadyReplica``."""
+        """The least-loaded ready replica, one whose step has not stalled first (see
+        ``STALLED_STEP_SECONDS``: its engine exits past ``--step-timeout``, and until then new
+        requests would wait behind the stalled step); raises ``NoReadyReplica``."""
         if len(endpoints) == 1:
             # One replica: nothing to choose, and the request itself reports a dead engine.
             return endpoints[0]
         all_stats = await asyncio.gather(*(self._recent_stats(ep) for ep in endpoints))
         ready = [
-            (stats.num_requests_running + stats.num_requests_waiting + self._in_flight[ep], ep)
+            (
+                stats.step_seconds >= STALLED_STEP_SECONDS,
+                stats.num_requests_running + stats.num_requests_waiting + self._in_flight[ep],
+                ep,
+            )
             for ep, stats in zip(endpoints, all_stats, strict=True)
             if stats is not None and stats.ready
         ]
         if not ready:
             raise NoReadyReplica(f"none of {len(endpoints)} replicas is ready")
-        return min(ready)[1]
+        return min(ready)[2]
 
     async def route(self, endpoints: list[str], max_context: int | None) -> tuple[str, int]:
         """The replica to send a request to and the context length it serves (the

@@ -143,6 +143,81 @@ def test_logprobs_chat_and_completions(platform):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_scores_a_prompt_as_lm_evaluation_harness_asks(platform):
+    """lm-evaluation-harness scores a continuation with ``echo``, ``logprobs`` and
+    ``max_tokens`` 0 or 1: the prompt's tokens and their logprobs come before the completion's,
+    the first with none. A token's logprob as a prompt token is its logprob when drawn."""
+    client = platform.client()
+    prompt = [17, 42, 99, 7, 250]
+    # the token drawn is 123 (the bias); its logprob is the raw logits', as a prompt token's
+    drawn = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        logit_bias={"123": 100},
+    )
+    choice = drawn.choices[0]
+    entries = choice.logprobs
+    assert len(entries.tokens) == len(prompt) + 1
+    assert entries.token_logprobs[0] is None and entries.top_logprobs[0] is None
+    assert all(logprob <= 0 for logprob in entries.token_logprobs[1:])
+    assert entries.text_offset == sorted(entries.text_offset) and entries.text_offset[0] == 0
+    assert drawn.usage.prompt_tokens == len(prompt) and drawn.usage.completion_tokens == 1
+    scored = client.completions.create(
+        model=MODEL_NAME, prompt=[*prompt, 123], max_tokens=0, echo=True, logprobs=1
+    )
+    scored_choice = scored.choices[0]
+    assert scored_choice.text == choice.text  # the prompt alone: nothing generated shown
+    assert scored_choice.finish_reason == "length"
+    assert scored_choice.logprobs.token_logprobs[1:] == pytest.approx(
+        entries.token_logprobs[1:], abs=1e-4
+    )
+
+    text = client.completions.create(
+        model=MODEL_NAME, prompt="hello world", max_tokens=3, temperature=0, echo=True
+    )
+    assert text.choices[0].text.startswith("hello world")
+    assert text.choices[0].logprobs is None
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="hello world",
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        n=2,
+        stream=True,
+    )
+    by_index: dict[int, str] = {}
+    for chunk in stream:
+        for each in chunk.choices:
+            by_index[each.index] = by_index.get(each.index, "") + each.text
+    assert by_index == {0: text.choices[0].text, 1: text.choices[0].text}
+    streamed_logprobs = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        logit_bias={"123": 100},
+        stream=True,
+    )
+    tokens, token_logprobs = [], []
+    for chunk in streamed_logprobs:
+        for each in chunk.choices:
+            if each.logprobs is not None:
+                tokens += each.logprobs.tokens
+                token_logprobs += each.logprobs.token_logprobs
+    assert tokens == entries.tokens
+    assert token_logprobs[0] is None
+    assert token_logprobs[1:] == pytest.approx(entries.token_logprobs[1:], abs=1e-5)
+    wait_until(lambda: len(platform.records()) == 5, 20, "every request's record")
+    assert [r.completion_tokens for r in platform.records()] == [1, 1, 3, 6, 1]
+
+
 @pytest.mark.parametrize(("logprobs", "temperature"), [(0, 0.0), (1, 2.0)])
 def test_completions_top_logprobs_hold_the_sampled_token(platform, logprobs, temperature):
     """OpenAI: "the API will always return the logprob of the sampled token, so there may be

@@ -211,12 +211,29 @@ def test_asking_for_what_this_server_does_not_do_says_so(fields, param):
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"suffix": "end"}, "suffix"), ({"best_of": 3, "n": 2}, "best_of"), ({"echo": True}, "echo")],
+    [({"suffix": "end"}, "suffix"), ({"best_of": 3, "n": 2}, "best_of")],
 )
 def test_a_completion_asking_for_what_this_server_does_not_do_says_so(fields, param):
     body = json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
     error = _error(plan_completion, body)
     assert error.param == param and "not supported" in error.message
+
+
+def test_an_echo_asks_the_engine_for_the_prompts_logprobs_and_a_token_prompts_text():
+    body = {"model": "m", "prompt": "hi", "echo": True, "logprobs": 2}
+    plan = plan_completion(json.dumps(body).encode())
+    assert plan.echo and not plan.echo_only
+    assert plan.prompts[0].params.prompt_logprobs == 2
+    assert not plan.prompts[0].return_prompt_text  # echoed as sent
+    tokens = plan_completion(json.dumps({**body, "prompt": [[5, 6], [7]]}).encode())
+    assert [request.return_prompt_text for request in tokens.prompts] == [True, True]
+    alone = plan_completion(json.dumps({**body, "max_tokens": 0}).encode())
+    assert alone.echo_only and alone.prompts[0].params.max_tokens == 1
+    plain = plan_completion(json.dumps({**body, "prompt": [5], "echo": False}).encode())
+    assert not plain.echo and plain.prompts[0].params.prompt_logprobs is None
+    assert not plain.prompts[0].return_prompt_text
+    no_logprobs = plan_completion(json.dumps({"model": "m", "prompt": "hi", "echo": True}).encode())
+    assert no_logprobs.prompts[0].params.prompt_logprobs is None
 
 
 def test_a_top_p_of_zero_is_greedy_as_openai_takes_it():
@@ -325,7 +342,9 @@ def test_each_token_array_is_one_prompt_counted_by_its_ids():
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [-1]}, "prompt[0]"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "logprobs": 99}, "logprobs"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": [10**23]}, "prompt[0]"),

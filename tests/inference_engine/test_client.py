@@ -36,6 +36,7 @@ class FakeEngine:
         self.is_answering = True
         self.engine_id = "first"
         self.model = "fake"
+        self.step_seconds = 0.0
         self.task = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -47,7 +48,11 @@ class FakeEngine:
                 self.generates.put_nowait((identity, request))
             elif kind == RequestType.STATS.value and self.is_answering:
                 stats = StatsResponse(
-                    model=self.model, max_model_len=256, ready=True, engine_id=self.engine_id
+                    model=self.model,
+                    max_model_len=256,
+                    ready=True,
+                    engine_id=self.engine_id,
+                    step_seconds=self.step_seconds,
                 )
                 await self.send(identity, ResponseType.STATS, stats)
 

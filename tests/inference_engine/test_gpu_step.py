@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from inference_engine import LLM
+from inference_engine import LLM, SamplingParams
 from inference_engine.attention import select_backend
 from inference_engine.config import EngineConfig
 from inference_engine.cuda_graphs import DecodeBatch, StaticInputs, capture_sizes
@@ -36,6 +36,17 @@ def test_triton_backend_greedy_parity_with_chunked_prefill_and_cache_hits(model_
     prompts = [shared + [rng.randrange(5, 384) for _ in range(n)] for n in (0, 3, 17)]
     outputs = assert_parity(llm, hf_models("llama"), prompts, [5, 7, 6])
     assert [output.num_cached_tokens for output in outputs][1:] == [40, 40]
+
+
+@needs_triton
+def test_triton_backend_prompt_logprobs_match_the_model(model_dirs, hf_models):
+    from tests.inference_engine.test_prompt_logprobs import assert_matches, random_prompt
+
+    llm = triton_llm(model_dirs["llama"], block_size=8, max_num_batched_tokens=24)
+    prompts = [random_prompt(40, 37), random_prompt(41, 9)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    for output, prompt in zip(llm.generate(prompts, params), prompts, strict=True):
+        assert_matches(output, hf_models("llama"), prompt, 2)
 
 
 @needs_triton

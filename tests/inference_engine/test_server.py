@@ -204,6 +204,20 @@ async def test_chat_messages_and_logprobs_match_llm(client, llm_cache):
     assert [lp.top_token_ids for lp in logprobs] == [lp.top_token_ids for lp in want.logprobs]
 
 
+async def test_the_first_delta_carries_the_prompt_its_text_and_logprobs(client, llm_cache):
+    ids = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    [want] = llm_cache("llama").generate([ids], params)
+    request = GenerateRequest(prompt_token_ids=ids, params=params, return_prompt_text=True)
+    first, *rest = await collect(client, request)
+    assert first.prompt_text == llm_cache("llama").tokenizer.decode(ids)
+    assert [e.logprob for e in first.prompt_logprobs] == [e.logprob for e in want.prompt_logprobs]
+    assert [e.token for e in first.prompt_logprobs] == [e.token for e in want.prompt_logprobs]
+    assert all(d.prompt_logprobs is None and d.prompt_text is None for d in rest)
+    plain = await collect(client, GenerateRequest(prompt_token_ids=ids, params=GREEDY))
+    assert all(d.prompt_logprobs is None and d.prompt_text is None for d in plain)
+
+
 async def test_stop_strings_are_cut_and_never_streamed(client, llm_cache):
     llm = llm_cache("llama")
     [full] = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24))
@@ -713,16 +727,21 @@ async def test_a_hung_step_makes_the_engine_exit_and_its_streams_fail(llama_dir,
     the heartbeats, so the clients waited, and the replica kept saying ready."""
     from inference_engine.server import HUNG_EXIT_CODE
 
-    process = EngineProcess(llama_dir, tmp_path, "--step-timeout", "2")
+    process = EngineProcess(llama_dir, tmp_path, "--step-timeout", "3")
     process.command = [PYTHON, "-c", HANGING_STEP, *process.command[3:]]
     with running(process):
         client = AsyncEngineClient(process.endpoint, heartbeat_timeout=60)
         try:
             await client.wait_ready(timeout=90)
+            assert (await client.stats()).step_seconds == 0.0  # between steps
             long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
             started = time.monotonic()
+            stream = asyncio.ensure_future(collect(client, GenerateRequest("hi", params=long)))
+            # until it exits, the stall shows in STATS: the pools route around it
+            stalled = await wait_for_stats(client, lambda stats: stats.step_seconds > 1.0, 10)
+            assert 1.0 < stalled.step_seconds < 3.0 and stalled.ready
             with pytest.raises(EngineUnavailable):
-                await asyncio.wait_for(collect(client, GenerateRequest("hi", params=long)), 60)
+                await asyncio.wait_for(stream, 60)
             assert time.monotonic() - started < 30
         finally:
             client.close()

@@ -4,7 +4,7 @@ waits for STATS only when a replica has gone quiet."""
 import pytest
 
 from inference_engine.protocol import RequestType
-from serving.pool import EnginePool, NoReadyReplica
+from serving.pool import STALLED_STEP_SECONDS, EnginePool, NoReadyReplica
 from tests.inference_engine.test_client import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,6 +40,26 @@ async def test_the_least_loaded_replica_wins(engines, tmp_path):
     await pool.route(endpoints, None)
     with pool.track(endpoints[0]), pool.track(endpoints[0]):
         assert (await pool.route(endpoints, None))[0] == endpoints[1]
+    pool.close()
+
+
+async def test_a_replica_whose_step_stalls_gets_nothing_new_while_another_is_ready(
+    engines, tmp_path
+):
+    """A stalled step (a kernel that does not return) ends its engine only at
+    ``--step-timeout``; meanwhile its I/O thread still says ready, and new requests sent there
+    waited behind it for minutes."""
+    pool = EnginePool()
+    endpoints = [f"ipc://{tmp_path}/e{i}.sock" for i in range(2)]
+    engines[0].step_seconds = STALLED_STEP_SECONDS + 1
+    await pool.route(endpoints, None)
+    with pool.track(endpoints[1]), pool.track(endpoints[1]):  # the other is busier
+        assert (await pool.route(endpoints, None))[0] == endpoints[1]
+        engines[1].step_seconds = STALLED_STEP_SECONDS + 5
+        for endpoint in endpoints:
+            await pool.stats(endpoint)  # the next heartbeat's
+        # every replica stalled: the least loaded, as before
+        assert (await pool.route(endpoints, None))[0] == endpoints[0]
     pool.close()
 
 
