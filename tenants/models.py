@@ -116,6 +116,47 @@ class Membership(models.Model):
         return f"{self.user} in {self.tenant} ({self.role})"
 
 
+class Invitation(models.Model):
+    """An invitation to join a tenant in ``role``: a link, shown once to whoever made it
+    (only its SHA-256 is kept), that a signed-in user opens to accept. It is used once, and
+    gives the role only while its maker still may give it (``tenants.invitations``)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="invitations")
+    role = models.CharField(max_length=16, choices=Membership.Role.choices)
+    code_hash = models.CharField(max_length=64, unique=True, editable=False)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        related_name="invitations_made",
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    accepted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="invitations_accepted",
+    )
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "created_at"])]
+
+    def __str__(self) -> str:
+        return f"invitation to {self.tenant} as {self.role}"
+
+    def is_open(self, now=None) -> bool:
+        """Neither used, revoked nor expired."""
+        return (
+            self.accepted_at is None
+            and self.revoked_at is None
+            and self.expires_at > (now or timezone.now())
+        )
+
+
 class ApiKey(models.Model):
     """A tenant's API key. The plaintext is shown once; only its SHA-256 is kept."""
 
@@ -303,6 +344,8 @@ class AuditEvent(models.Model):
         MEMBER_ADDED = "member.added", "Member added"
         MEMBER_ROLE_CHANGED = "member.role_changed", "Member's role changed"
         MEMBER_REMOVED = "member.removed", "Member removed"
+        INVITATION_CREATED = "invitation.created", "Invitation made"
+        INVITATION_REVOKED = "invitation.revoked", "Invitation revoked"
         API_KEY_CREATED = "api_key.created", "API key created"
         API_KEY_UPDATED = "api_key.updated", "API key changed"
         API_KEY_REVOKED = "api_key.revoked", "API key revoked"

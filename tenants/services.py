@@ -377,7 +377,9 @@ def memberships_check(
     )
     real = [c for c in changes if current.get(c.user.pk) != c.role]
     if actor is not None:
-        _check_actor(tenant=tenant, actor=actor, current=current, changes=real)
+        _check_actor(
+            tenant=tenant, actor=actor, roles=[(current.get(c.user.pk), c.role) for c in real]
+        )
     # An inactive owner cannot sign in to act as one, so only active ones count.
     owners = set(
         Membership.objects.filter(
@@ -394,18 +396,23 @@ def memberships_check(
         raise LastOwnerError("A tenant must keep at least one owner.")
 
 
+def role_give_check(*, tenant: Tenant, actor: AbstractBaseUser, role: str) -> None:
+    """Raise unless ``actor`` may give ``role`` in ``tenant`` to someone not in it."""
+    if role not in Membership.Role.values:
+        raise ValidationError({"role": f"Unknown role {role!r}."})
+    _check_actor(tenant=tenant, actor=actor, roles=[(None, role)])
+
+
 def _check_actor(
-    *,
-    tenant: Tenant,
-    actor: AbstractBaseUser,
-    current: dict[int, str],
-    changes: list[MembershipChange],
+    *, tenant: Tenant, actor: AbstractBaseUser, roles: list[tuple[str | None, str | None]]
 ) -> None:
+    """Raise unless ``actor`` may make each change of a role ``(before, after)`` (None: not a
+    member)."""
     if actor.is_staff and (
         actor.has_perm("tenants.change_membership")
         or (
             actor.has_perm("tenants.add_membership")
-            and all(change.role and change.user.pk not in current for change in changes)
+            and all(before is None and after for before, after in roles)
         )
     ):
         return  # staff who may change memberships in the admin, or add these ones
@@ -416,8 +423,8 @@ def _check_actor(
         return
     if role != Membership.Role.ADMIN:
         raise MembershipNotAllowed("Only a tenant's owners and admins manage its members.")
-    for change in changes:
-        if Membership.Role.OWNER in (current.get(change.user.pk), change.role):
+    for before_and_after in roles:
+        if Membership.Role.OWNER in before_and_after:
             raise OwnerRequiredError("Only an owner can change an owner or make owners.")
 
 
@@ -496,22 +503,6 @@ def membership_remove(*, membership: Membership, actor: AbstractBaseUser | None)
     memberships_apply(
         tenant=membership.tenant, changes=[MembershipChange(membership.user, None)], actor=actor
     )
-
-
-def membership_add(
-    *, tenant: Tenant, username: str, role: str, actor: AbstractBaseUser | None
-) -> Membership:
-    """``membership_set`` for the user called ``username``; ``ValidationError`` when nobody
-    is."""
-    user_model = get_user_model()
-    user = (  # nobody's name holds a NUL, and the database refuses to look one up
-        None
-        if "\x00" in username
-        else user_model.objects.filter(**{user_model.USERNAME_FIELD: username}).first()
-    )
-    if user is None:
-        raise ValidationError(f"No user named {username!r}.")
-    return membership_set(tenant=tenant, user=user, role=role, actor=actor)
 
 
 def _tenant_membership(*, tenant: Tenant, membership_id: int | None) -> Membership:

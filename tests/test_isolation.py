@@ -26,8 +26,8 @@ from chat import services as chat_services
 from chat.models import Conversation, Message
 from serving.models import ModelDeployment
 from serving.services import deployment_register
-from tenants import rollups, services
-from tenants.models import ApiKey, Membership, Plan, Tenant, UsageRecord
+from tenants import invitations, rollups, services
+from tenants.models import ApiKey, Invitation, Membership, Plan, Tenant, UsageRecord
 from tests.asgi_client import asgi_request
 from tests.chat.conftest import open_chat, session_cookie
 from tests.usage_records import usage_record_add
@@ -58,6 +58,7 @@ class World:
     bravo_conversation: Conversation
     bravo_message: Message
     own_conversations: dict[str, Conversation]  # alpha's member's and admin's own
+    bravo_invitation: Invitation
 
 
 def _usage(tenant: Tenant, api_key: ApiKey, model: str) -> None:
@@ -137,6 +138,9 @@ def _build_world(django_user_model) -> World:
         role: chat_services.conversation_create(user=users[role], tenant=alpha)
         for role in ("member", "admin")
     }
+    bravo_invitation, _ = invitations.invitation_create(
+        tenant=bravo, role="member", actor=users["bravo_owner"]
+    )
     return World(
         alpha=alpha,
         bravo=bravo,
@@ -147,6 +151,7 @@ def _build_world(django_user_model) -> World:
         bravo_conversation=bravo_conversation,
         bravo_message=bravo_message,
         own_conversations=own,
+        bravo_invitation=bravo_invitation,
     )
 
 
@@ -193,6 +198,12 @@ def _bravo_members_unchanged(w: World) -> bool:
     }
 
 
+def _bravo_invitations_unchanged(w: World) -> bool:
+    return [i.pk for i in invitations.tenant_invitations_open(tenant=w.bravo)] == [
+        w.bravo_invitation.pk
+    ]
+
+
 def _bravo_conversation_unchanged(w: World) -> bool:
     conversation = Conversation.objects.filter(pk=w.bravo_conversation.pk).first()
     return conversation is not None and conversation.title == "Bravo conversation secret"
@@ -212,9 +223,13 @@ PAGES = [
           data=lambda w: {"action": "revoke", "key_id": w.bravo_key.pk},
           unchanged=_bravo_key_live),
     Probe("members", "GET", _console("members"), REFUSED),
-    Probe("add a member", "POST", _console("members"), REFUSED,
-          data=lambda w: {"action": "add", "username": "alpha-admin", "role": "owner"},
-          unchanged=_bravo_members_unchanged),
+    Probe("invite to bravo", "POST", _console("members"), REFUSED,
+          data=lambda w: {"action": "invite", "role": "owner", "expires_in_days": 7,
+                          "form_token": "t"},
+          unchanged=_bravo_invitations_unchanged),
+    Probe("revoke bravo's invitation", "POST", _console("members"), REFUSED,
+          data=lambda w: {"action": "revoke_invitation", "invitation_id": w.bravo_invitation.pk},
+          unchanged=_bravo_invitations_unchanged),
     Probe("change a role", "POST", _console("members"), REFUSED,
           data=lambda w: {"action": "role", "membership_id": w.bravo_membership.pk,
                           "role": "owner"},
@@ -233,6 +248,10 @@ PAGES = [
     Probe("remove bravo's member from alpha", "POST", _console("members", "alpha"), REFUSED,
           data=lambda w: {"action": "remove", "membership_id": w.bravo_membership.pk},
           unchanged=_bravo_members_unchanged),
+    Probe("revoke bravo's invitation from alpha", "POST", _console("members", "alpha"),
+          REFUSED,
+          data=lambda w: {"action": "revoke_invitation", "invitation_id": w.bravo_invitation.pk},
+          unchanged=_bravo_invitations_unchanged),
     # alpha's own pages show alpha's data only
     Probe("alpha's dashboard", "GET", _console("dashboard", "alpha"), ADMIN_ONLY),
     Probe("alpha's dashboard by key", "GET",

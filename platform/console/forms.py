@@ -8,6 +8,8 @@ from django import forms
 
 from config.numerals import parse_count
 from console.selectors import DateRange
+from tenants.invitations import DEFAULT_EXPIRY_DAYS, EXPIRY_DAYS
+from tenants.models import Membership
 from tenants.services import MAX_KEY_LIFETIME_DAYS
 
 # Usage older than this cannot exist; the bound keeps every date the range derives (its
@@ -102,6 +104,19 @@ class ApiKeyCreateForm(forms.Form):
     name = forms.CharField(max_length=200, required=False)
     expires_in_days = forms.IntegerField(
         required=False, min_value=1, max_value=MAX_KEY_LIFETIME_DAYS, label="Expires in days"
+    )
+
+    def error_messages(self) -> list[str]:
+        return _labelled_errors(self)
+
+
+class InvitationCreateForm(forms.Form):
+    role = forms.ChoiceField(choices=Membership.Role.choices, initial=Membership.Role.MEMBER)
+    expires_in_days = forms.TypedChoiceField(
+        choices=[(days, f"{days} day{'s' if days > 1 else ''}") for days in EXPIRY_DAYS],
+        coerce=int,
+        initial=DEFAULT_EXPIRY_DAYS,
+        label="Expires in",
     )
 
     def error_messages(self) -> list[str]:

@@ -1,6 +1,6 @@
 from django.urls import include, path
 
-from console import audit, batches, views
+from console import audit, batches, joining, views
 
 app_name = "console"
 
@@ -8,6 +8,8 @@ urlpatterns = [
     path("", views.home, name="home"),
     path("platform/", views.platform, name="platform"),
     path("platform/deployments/", views.deployment_action, name="deployment-action"),
+    path("join/", joining.join, name="join"),
+    path("join/<str:code>/", joining.join_link, name="join-link"),
     path("t/<slug:slug>/", views.dashboard, name="dashboard"),
     path("t/<slug:slug>/usage.csv", views.usage_csv, name="usage-csv"),
     path("t/<slug:slug>/keys/", views.keys, name="keys"),

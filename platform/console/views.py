@@ -17,6 +17,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_POST
@@ -24,8 +25,8 @@ from django.views.decorators.http import require_POST
 from console import batches_selectors, charts, forms, permissions, selectors, usage
 from serving import services as serving_services
 from serving.models import ModelDeployment
-from tenants import services
-from tenants.models import ApiKey, Membership, Tenant
+from tenants import invitations, services
+from tenants.models import ApiKey, Invitation, Membership, Tenant
 from tenants.selectors import tenant_api_keys, tenant_memberships
 
 REFRESH_SECONDS = 3  # while a model loads or a process restarts, the platform page follows it
@@ -259,37 +260,73 @@ def _spend_form_token(request: HttpRequest, token: str) -> bool:
 
 @tenant_page
 def members(request: HttpRequest, tenant: Tenant) -> HttpResponse:
+    """The tenant's members and open invitations. A new invitation's link is shown on the
+    answer to its making only, which no cache keeps (as a new key's secret); its form
+    carries a one-time token, so that a reload makes no second invitation."""
+    new_link, form, status = None, forms.InvitationCreateForm(), 200
     if request.method == "POST":
         permissions.require(user=request.user, tenant=tenant, change="manage_members")
+        action = request.POST.get("action")
         try:
-            _change_members(request, tenant)
+            if action == "invite":
+                form = forms.InvitationCreateForm(request.POST)
+                if not _spend_form_token(request, request.POST.get("form_token", "")):
+                    messages.error(
+                        request, "That invitation was made already (its link is shown once)."
+                    )
+                    return redirect("console:members", slug=tenant.slug)
+                if form.is_valid():
+                    new_link = _invite(request, tenant, form)
+                    form = forms.InvitationCreateForm()
+                else:
+                    status = 400
+            else:
+                _change_members(request, tenant, action)
+                return redirect("console:members", slug=tenant.slug)
         except ValidationError as exc:
             messages.error(request, " ".join(exc.messages))
-        except Membership.DoesNotExist:
-            raise Http404("No such member") from None
-        return redirect("console:members", slug=tenant.slug)
-    return render(
+            return redirect("console:members", slug=tenant.slug)
+        except (Membership.DoesNotExist, Invitation.DoesNotExist):
+            raise Http404("No such member or invitation") from None
+    response = render(
         request,
         "console/members.html",
         _context(
             request,
             tenant,
             memberships=tenant_memberships(tenant=tenant),
+            invitations=invitations.tenant_invitations_open(tenant=tenant),
             roles=Membership.Role.choices,
+            form=form,
+            form_token=secrets.token_urlsafe(16),
+            new_link=new_link,
         ),
+        status=status,
     )
+    add_never_cache_headers(response)
+    return response
 
 
-def _change_members(request: HttpRequest, tenant: Tenant) -> None:
+def _invite(request: HttpRequest, tenant: Tenant, form: forms.InvitationCreateForm) -> str:
+    invitation, code = invitations.invitation_create(
+        tenant=tenant,
+        role=form.cleaned_data["role"],
+        actor=request.user,
+        expires_in_days=form.cleaned_data["expires_in_days"],
+    )
+    messages.success(
+        request,
+        f"Made an invitation to join as {invitation.get_role_display().lower()}: copy its link "
+        "below and send it to the person you invite.",
+    )
+    return request.build_absolute_uri(reverse("console:join-link", args=[code]))
+
+
+def _change_members(request: HttpRequest, tenant: Tenant, action: str | None) -> None:
     """Who may change whom is decided by the tenants services (also for the admin)."""
-    action = request.POST.get("action")
     role = request.POST.get("role", Membership.Role.MEMBER)
     membership_id = forms.object_id(request.POST.get("membership_id"))
-    if action == "add":
-        username = request.POST.get("username", "").strip()
-        services.membership_add(tenant=tenant, username=username, role=role, actor=request.user)
-        messages.success(request, f"{username} is now {role}.")
-    elif action == "role":
+    if action == "role":
         membership = services.membership_change_role_by_id(
             tenant=tenant, membership_id=membership_id, role=role, actor=request.user
         )
@@ -299,6 +336,14 @@ def _change_members(request: HttpRequest, tenant: Tenant) -> None:
             tenant=tenant, membership_id=membership_id, actor=request.user
         )
         messages.success(request, f"The member was removed from {tenant.name}.")
+    elif action == "revoke_invitation":
+        invitation_id = forms.object_id(request.POST.get("invitation_id"))
+        invitations.invitation_revoke_by_id(
+            tenant=tenant, invitation_id=invitation_id, actor=request.user
+        )
+        messages.success(request, "The invitation was revoked: its link no longer works.")
+    else:
+        raise ValidationError("Unknown action.")
 
 
 @platform_page

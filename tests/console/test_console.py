@@ -10,7 +10,7 @@ from django.urls import reverse
 from serving import services as serving_services
 from serving.models import ModelDeployment
 from tenants import rollups, services
-from tenants.models import ApiKey, Membership, UsageRecord
+from tenants.models import ApiKey, Invitation, Membership, UsageRecord
 from tests.usage_records import usage_record_add
 
 pytestmark = pytest.mark.django_db
@@ -203,46 +203,102 @@ def test_keys_of_another_tenant_cannot_be_revoked(client, people, tenant, other_
     assert services.api_key_authenticate(raw_key=raw) == theirs
 
 
-def test_members_and_roles(client, people, tenant):
-    client.force_login(people["admin_a"])
+def _invite(client, tenant, role="member", **extra) -> tuple[object, str]:
+    """Make an invitation on the members page; the answer and the link it shows."""
     url = reverse("console:members", args=[tenant.slug])
-    client.post(url, {"action": "add", "username": "nobody", "role": "member"})
-    assert Membership.objects.get(user=people["nobody"], tenant=tenant).role == "member"
+    page = client.get(url).content.decode()
+    token = re.search(r'name="form_token" value="([^"]+)"', page).group(1)
+    data = {"action": "invite", "role": role, "expires_in_days": 7, "form_token": token, **extra}
+    response = client.post(url, data)
+    link = re.search(r'id="new-link">([^<]+)<', response.content.decode())
+    return response, link.group(1) if link else ""
 
-    client.post(url, {"action": "add", "username": "staffer", "role": "owner"})
+
+def _join(client, link: str, user, *, accept: bool = True):
+    client.force_login(user)
+    client.get(link)
+    return client.post(reverse("console:join")) if accept else client.get(reverse("console:join"))
+
+
+def test_members_are_invited_by_a_link_they_accept(client, people, tenant):
+    client.force_login(people["admin_a"])
+    response, link = _invite(client, tenant)
+    assert response.status_code == 200 and "no-store" in response["Cache-Control"]
+    assert link.startswith("http://testserver/console/join/inv_")
+    assert not Membership.objects.filter(user=people["nobody"], tenant=tenant).exists()
+    page = client.get(reverse("console:members", args=[tenant.slug])).content.decode()
+    assert "Open invitations" in page and link not in page  # shown once
+
+    client.logout()
+    to_sign_in = client.get(link, follow=True)  # the code stays in the session
+    assert to_sign_in.redirect_chain[-1][0] == "/accounts/login/?next=/console/join/"
+    shown = _join(client, link, people["nobody"], accept=False).content.decode()
+    assert "admin_a invites you to join <strong>Acme</strong> as <strong>member</strong>" in shown
+    joined = client.post(reverse("console:join"))
+    assert joined.status_code == 302 and joined["Location"] == reverse("chat:home")
+    assert Membership.objects.get(user=people["nobody"], tenant=tenant).role == "member"
+    again = _join(client, link, people["staff"])
+    assert again.status_code == 400 and "used already" in again.content.decode()
     assert not Membership.objects.filter(user=people["staff"], tenant=tenant).exists()
 
+
+def test_an_admin_invites_no_owner_and_touches_no_owner(client, people, tenant):
+    client.force_login(people["admin_a"])
+    response, link = _invite(client, tenant, role="owner")
+    assert link == "" and not Invitation.objects.exists()
     owner = Membership.objects.get(user=people["owner_a"], tenant=tenant)
-    client.post(url, {"action": "remove", "membership_id": owner.pk})
+    client.post(
+        reverse("console:members", args=[tenant.slug]),
+        {"action": "remove", "membership_id": owner.pk},
+    )
     assert Membership.objects.filter(pk=owner.pk).exists()  # admins cannot touch owners
 
     client.force_login(people["owner_a"])
+    url = reverse("console:members", args=[tenant.slug])
     client.post(url, {"action": "role", "membership_id": owner.pk, "role": "admin"})
     assert Membership.objects.get(pk=owner.pk).role == "owner"  # the last owner stays
-    page = client.get(url).content.decode()
-    assert "nobody" in page and "owner_a" in page
-
-
-def test_an_admin_cannot_demote_the_owner_by_adding_them_again(client, people, tenant):
+    # an owner who opens a member's invitation stays owner: a link changes no one's role
     client.force_login(people["admin_a"])
-    url = reverse("console:members", args=[tenant.slug])
-    response = client.post(
-        url, {"action": "add", "username": "owner_a", "role": "member"}, follow=True
-    )
-    assert response.status_code == 200
-    assert Membership.objects.get(user=people["owner_a"], tenant=tenant).role == "owner"
-    assert "Only an owner" in response.content.decode()
+    _, link = _invite(client, tenant)
+    refused = _join(client, link, people["owner_a"])
+    assert "member of Acme already" in refused.content.decode()
+    assert Membership.objects.get(pk=owner.pk).role == "owner"
 
 
-def test_the_last_owner_cannot_demote_themselves_by_adding_themselves(client, people, tenant):
+def test_a_reload_makes_no_second_invitation_and_revoking_kills_the_link(client, people, tenant):
     client.force_login(people["owner_a"])
     url = reverse("console:members", args=[tenant.slug])
-    response = client.post(
-        url, {"action": "add", "username": "owner_a", "role": "admin"}, follow=True
-    )
-    assert response.status_code == 200
-    assert Membership.objects.get(user=people["owner_a"], tenant=tenant).role == "owner"
-    assert "at least one owner" in response.content.decode()
+    page = client.get(url).content.decode()
+    token = re.search(r'name="form_token" value="([^"]+)"', page).group(1)
+    data = {"action": "invite", "role": "admin", "expires_in_days": 30, "form_token": token}
+    first = client.post(url, data)
+    link = re.search(r'id="new-link">([^<]+)<', first.content.decode()).group(1)
+    again = client.post(url, data, follow=True)
+    assert "made already" in again.content.decode()
+    [invitation] = Invitation.objects.all()
+    assert invitation.role == "admin"
+    assert invitation.expires_at - invitation.created_at == timedelta(days=30)
+    bad = client.post(url, {**data, "form_token": "fresh", "expires_in_days": 3650})
+    assert bad.status_code == 400 and Invitation.objects.count() == 1
+
+    client.post(url, {"action": "revoke_invitation", "invitation_id": invitation.pk})
+    assert "Open invitations" not in client.get(url).content.decode()
+    refused = _join(client, link, people["nobody"])
+    assert refused.status_code == 400 and "revoked" in refused.content.decode()
+    missing = client.post(url, {"action": "revoke_invitation", "invitation_id": 10**6})
+    assert missing.status_code == 404
+
+
+def test_the_join_page_without_a_link_or_with_a_wrong_one(client, people):
+    client.force_login(people["nobody"])
+    assert "open the invitation link" in client.get(reverse("console:join")).content.decode()
+    for wrong in ("inv_nothing", "x" * 200, "%00"):
+        page = client.get(f"/console/join/{wrong}/", follow=True)
+        assert page.status_code == 200
+        text = page.content.decode()
+        assert "not an invitation" in text or "open the invitation link" in text
+    assert client.post(reverse("console:join")).status_code == 400
+    assert not Membership.objects.filter(user=people["nobody"]).exists()
 
 
 BAD_RANGES = [
@@ -424,8 +480,9 @@ def test_nul_characters_in_console_forms_are_refused_with_a_message(client, peop
     deployment = ModelDeployment.objects.create(name="demo-chat", endpoints=["tcp://h:1"])
     action = reverse("console:deployment-action")
     members = reverse("console:members", args=[tenant.slug])
+    member = Membership.objects.get(user=people["member"], tenant=tenant)
     posts = [
-        ("owner_a", members, {"action": "add", "username": "owner_a\x00", "role": "member"}),
+        ("owner_a", members, {"action": "role", "membership_id": member.pk, "role": "admin\x00"}),
         ("staff", action, {"action": "register", "name": "m\x00", "endpoints": "tcp://x:1"}),
         ("staff", action, {"action": "register", "name": "m", "endpoints": "tcp://x:1\x00"}),
         (

@@ -129,6 +129,12 @@ def test_a_staff_user_clicks_to_a_tenants_pages_and_nothing_is_destroyed_unasked
     page.click("tr:has-text('bob') button:has-text('Remove')")
     assert "Remove bob" in questions[-1]
     assert _in_thread(Membership.objects.filter(user=world["member"], tenant=tenant).exists)
+    page.click("button:has-text('Make an invitation link')")
+    page.wait_for_selector("#new-link")
+    page.click("#copy-link")
+    page.wait_for_function("() => document.getElementById('copy-link').textContent === 'Copied'")
+    link = page.evaluate("navigator.clipboard.readText()")
+    assert link == page.inner_text("#new-link") and "/console/join/inv_" in link
 
     page.click("header nav >> text=Platform")
     page.wait_for_url("**/console/platform/")

@@ -8,7 +8,7 @@ from django.urls import reverse
 from serving import services as serving_services
 from serving.models import ModelDeployment
 from tenants import services
-from tenants.models import ApiKey, Membership
+from tenants.models import ApiKey, Invitation, Membership
 from tests.conftest import staff_user
 
 pytestmark = pytest.mark.django_db
@@ -46,7 +46,7 @@ def test_staff_who_may_view_change_nothing(client, tenant, world):
     keys_page = client.get(_url("keys", tenant)).content.decode()
     assert "Create a key" not in keys_page and "Revoke" not in keys_page
     members_page = client.get(_url("members", tenant)).content.decode()
-    assert "Add a member" not in members_page and "Remove" not in members_page
+    assert "Invite someone" not in members_page and "Remove" not in members_page
     platform_page = client.get(_url("platform")).content.decode()
     assert "Register a deployment" not in platform_page and "Disable" not in platform_page
 
@@ -57,6 +57,9 @@ def test_staff_who_may_view_change_nothing(client, tenant, world):
     members = _url("members", tenant)
     form = {"action": "remove", "membership_id": membership.pk}
     assert client.post(members, form).status_code == 403
+    invite = {"action": "invite", "role": "member", "expires_in_days": 7, "form_token": "t"}
+    assert client.post(members, invite).status_code == 403
+    assert not Invitation.objects.exists()
     actions = _url("deployment-action")
     assert (
         client.post(actions, {"action": "disable", "deployment_id": deployment.pk}).status_code

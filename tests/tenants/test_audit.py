@@ -80,8 +80,8 @@ def test_a_command_key_for_an_owner_is_the_platforms_doing(tenant, owner):
 
 def test_membership_changes_are_events_and_no_ops_are_not(django_user_model, tenant, owner):
     bob = django_user_model.objects.create_user("bob", password="pw-bob-123")
-    services.membership_add(tenant=tenant, username="bob", role="member", actor=owner)
-    services.membership_add(tenant=tenant, username="bob", role="member", actor=owner)  # no-op
+    services.membership_set(tenant=tenant, user=bob, role="member", actor=owner)
+    services.membership_set(tenant=tenant, user=bob, role="member", actor=owner)  # no-op
     membership = services.membership_set(tenant=tenant, user=bob, role="admin", actor=owner)
     services.membership_remove(membership=membership, actor=owner)
 

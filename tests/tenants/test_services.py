@@ -275,26 +275,19 @@ def test_a_key_is_revoked_by_id_only_within_its_tenant(tenant, other_tenant):
         services.api_key_authenticate(raw_key=my_raw_key)
 
 
-def test_a_member_is_added_by_username(crew, tenant, django_user_model):
-    django_user_model.objects.create_user("newcomer")
-    membership = services.membership_add(
-        tenant=tenant, username="newcomer", role="admin", actor=crew["admin"]
-    )
-    assert membership.user.username == "newcomer" and membership.role == "admin"
-    with pytest.raises(ValidationError, match="No user named 'ghost'"):
-        services.membership_add(tenant=tenant, username="ghost", role="member", actor=None)
-    assert not Membership.objects.filter(tenant=tenant, user__username="ghost").exists()
-
-
-def test_adding_by_username_keeps_the_membership_rules(crew, tenant):
+def test_setting_a_role_keeps_the_membership_rules(crew, tenant):
     with pytest.raises(services.OwnerRequiredError):
-        services.membership_add(tenant=tenant, username="owner", role="member", actor=crew["admin"])
+        services.membership_set(
+            tenant=tenant, user=crew["owner"], role="member", actor=crew["admin"]
+        )
     with pytest.raises(services.MembershipNotAllowed):
-        services.membership_add(
-            tenant=tenant, username="admin", role="member", actor=crew["member"]
+        services.membership_set(
+            tenant=tenant, user=crew["admin"], role="member", actor=crew["member"]
         )
     with pytest.raises(services.LastOwnerError):
-        services.membership_add(tenant=tenant, username="owner", role="admin", actor=crew["owner"])
+        services.membership_set(
+            tenant=tenant, user=crew["owner"], role="admin", actor=crew["owner"]
+        )
     assert _role(tenant, crew["owner"]) == "owner" and _role(tenant, crew["admin"]) == "admin"
 
 

@@ -1,0 +1,163 @@
+"""Invitations to join a tenant: how its owners and admins bring someone in.
+
+An owner or admin (or staff who may add members) makes an invitation for a role and gets a
+link, shown once: it carries a random code of which only the SHA-256 is kept. A signed-in user
+who opens the link sees the tenant and the role and accepts. Nobody becomes a member without
+accepting, and making one asks for no name, so no answer tells which users exist (adding a
+user by name did both).
+
+An invitation is used once, before it expires, unless revoked; and it gives its role only
+while its maker still may give it (a maker removed from the tenant, deactivated or made a plain
+member since invites nobody). The acceptance is the member's own change in the audit log.
+"""
+
+import hashlib
+import secrets
+from datetime import timedelta
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils import timezone
+
+from tenants.audit import audit_record
+from tenants.models import AuditEvent, Invitation, Membership, Tenant
+from tenants.services import MembershipChange, memberships_apply, role_give_check
+
+CODE_PREFIX = "inv_"
+EXPIRY_DAYS = (1, 7, 30)
+DEFAULT_EXPIRY_DAYS = 7
+
+
+class InvitationInvalid(Exception):
+    """The code names no invitation that may be accepted now; the message says why, in
+    words for the person who opened the link."""
+
+
+def _code_hash(code: str) -> str:
+    return hashlib.sha256(code.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@transaction.atomic
+def invitation_create(
+    *,
+    tenant: Tenant,
+    role: str,
+    actor: AbstractBaseUser,
+    expires_in_days: int = DEFAULT_EXPIRY_DAYS,
+) -> tuple[Invitation, str]:
+    """An invitation to ``tenant`` as ``role``, made by ``actor`` (who must be able to give
+    the role), and its code: the only time the code exists outside the link."""
+    if expires_in_days not in EXPIRY_DAYS:
+        raise ValidationError({"expires_in_days": f"Expires in one of {EXPIRY_DAYS} days."})
+    role_give_check(tenant=tenant, actor=actor, role=role)
+    code, now = CODE_PREFIX + secrets.token_urlsafe(24), timezone.now()
+    invitation = Invitation.objects.create(
+        tenant=tenant,
+        role=role,
+        code_hash=_code_hash(code),
+        created_by=actor,
+        created_at=now,
+        expires_at=now + timedelta(days=expires_in_days),
+    )
+    audit_record(
+        action=AuditEvent.Action.INVITATION_CREATED,
+        actor=actor,
+        target=invitation,
+        tenant=tenant,
+        changes={"role": [None, role], "expires_at": [None, invitation.expires_at.isoformat()]},
+    )
+    return invitation, code
+
+
+@transaction.atomic
+def invitation_revoke_by_id(
+    *, tenant: Tenant, invitation_id: int | None, actor: AbstractBaseUser
+) -> Invitation:
+    """Revoke ``tenant``'s invitation ``invitation_id`` (once; one used already stays used).
+    Whoever could make it may revoke it. Raises ``Invitation.DoesNotExist`` when the tenant
+    has none by that id."""
+    invitation = Invitation.objects.select_for_update().get(tenant=tenant, pk=invitation_id)
+    role_give_check(tenant=tenant, actor=actor, role=invitation.role)
+    if invitation.revoked_at is None and invitation.accepted_at is None:
+        invitation.revoked_at = timezone.now()
+        invitation.save(update_fields=["revoked_at"])
+        audit_record(
+            action=AuditEvent.Action.INVITATION_REVOKED,
+            actor=actor,
+            target=invitation,
+            tenant=tenant,
+        )
+    return invitation
+
+
+def invitation_by_code(code: str) -> Invitation:
+    """The invitation the code opens, if it may be accepted now; ``InvitationInvalid``
+    otherwise."""
+    invitation = (
+        Invitation.objects.select_related("tenant", "created_by")
+        .filter(code_hash=_code_hash(code))
+        .first()
+        if code.startswith(CODE_PREFIX)
+        else None
+    )
+    if invitation is None:
+        raise InvitationInvalid("This link is not an invitation: check that it was copied whole.")
+    if invitation.accepted_at is not None:
+        raise InvitationInvalid("This invitation was used already: ask for a new one.")
+    if invitation.revoked_at is not None:
+        raise InvitationInvalid("This invitation was revoked: ask for a new one.")
+    if not invitation.is_open():
+        raise InvitationInvalid("This invitation has expired: ask for a new one.")
+    if not invitation.tenant.is_active:
+        raise InvitationInvalid("This tenant is deactivated.")
+    return invitation
+
+
+@transaction.atomic
+def invitation_accept(*, code: str, user: AbstractBaseUser) -> Membership:
+    """Make ``user`` a member of the invitation's tenant in its role, and use it up.
+    ``InvitationInvalid`` when it may not be accepted (used, revoked, expired, its maker no
+    longer able to give the role, or ``user`` a member already: then it stays open)."""
+    found = invitation_by_code(code)
+    # the tenant's membership lock first (as every membership change takes it), then the
+    # invitation: two acceptances of one link at once, one of them wins
+    Tenant.objects.select_for_update().filter(pk=found.tenant_id).first()
+    invitation = Invitation.objects.select_for_update().get(pk=found.pk)
+    if not invitation.is_open():
+        raise InvitationInvalid("This invitation was used or revoked just now.")
+    tenant = found.tenant
+    if Membership.objects.filter(tenant=tenant, user=user).exists():
+        raise InvitationInvalid(f"You are a member of {tenant.name} already.")
+    maker = found.created_by
+    try:
+        if maker is None or not maker.is_active:
+            raise ValidationError("its maker's account is gone")
+        role_give_check(tenant=tenant, actor=maker, role=invitation.role)
+    except ValidationError:
+        raise InvitationInvalid(
+            "Whoever made this invitation can no longer give its role: ask for a new one."
+        ) from None
+    memberships_apply(
+        tenant=tenant,
+        changes=[MembershipChange(user, invitation.role)],
+        actor=None,
+        audit_actor=user,
+    )
+    invitation.accepted_by, invitation.accepted_at = user, timezone.now()
+    invitation.save(update_fields=["accepted_by", "accepted_at"])
+    return Membership.objects.get(tenant=tenant, user=user)
+
+
+def tenant_invitations_open(*, tenant: Tenant) -> list[Invitation]:
+    """The tenant's invitations that may still be accepted, newest first."""
+    return list(
+        Invitation.objects.filter(
+            tenant=tenant,
+            accepted_at__isnull=True,
+            revoked_at__isnull=True,
+            expires_at__gt=timezone.now(),
+        )
+        .select_related("created_by")
+        .order_by("-created_at")
+    )
