@@ -18,6 +18,7 @@ from datetime import timedelta
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from tenants.audit import audit_record
@@ -25,6 +26,8 @@ from tenants.models import AuditEvent, Invitation, Membership, Tenant
 from tenants.services import MembershipChange, memberships_apply, role_give_check
 
 CODE_PREFIX = "inv_"
+# a closed invitation (used, revoked, expired) stays listed this long, then is purged
+CLOSED_KEPT_DAYS = 30
 EXPIRY_DAYS = (1, 7, 30)
 DEFAULT_EXPIRY_DAYS = 7
 
@@ -161,3 +164,12 @@ def tenant_invitations_open(*, tenant: Tenant) -> list[Invitation]:
         .select_related("created_by")
         .order_by("-created_at")
     )
+
+
+def invitations_purge_closed(now=None) -> int:
+    """Delete the invitations closed more than ``CLOSED_KEPT_DAYS`` ago; the number deleted."""
+    cutoff = (now or timezone.now()) - timedelta(days=CLOSED_KEPT_DAYS)
+    deleted, _ = Invitation.objects.filter(
+        Q(accepted_at__lt=cutoff) | Q(revoked_at__lt=cutoff) | Q(expires_at__lt=cutoff)
+    ).delete()
+    return deleted

@@ -7,6 +7,7 @@ from celery import shared_task
 from django.conf import settings
 from django.utils import timezone
 
+from tenants.invitations import invitations_purge_closed
 from tenants.models import AuditEvent, RefusalCount, UsageRecord, UsageRollup
 from tenants.rollups import rollup_pending
 
@@ -48,3 +49,10 @@ def purge_old_audit_events() -> int:
         created_at__lt=timezone.now() - timedelta(days=days)
     ).delete()
     return deleted
+
+
+@shared_task(name="tenants.purge_closed_invitations")
+def purge_closed_invitations() -> int:
+    """Delete invitations used, revoked or expired a while ago (the audit log keeps their
+    story); the number deleted."""
+    return invitations_purge_closed()

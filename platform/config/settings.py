@@ -237,6 +237,10 @@ CELERY_BEAT_SCHEDULE = {
     "rollup-usage": {"task": "tenants.rollup_usage", "schedule": 300.0},
     "purge-old-usage": {"task": "tenants.purge_old_usage", "schedule": 24 * 3600.0},
     "purge-old-audit-events": {"task": "tenants.purge_old_audit_events", "schedule": 24 * 3600.0},
+    "purge-closed-invitations": {
+        "task": "tenants.purge_closed_invitations",
+        "schedule": 24 * 3600.0,
+    },
     "poll-engine-health": {"task": "serving.poll_engine_health", "schedule": 15.0},
     "purge-old-conversations": {"task": "chat.purge_old_conversations", "schedule": 24 * 3600.0},
     "purge-empty-conversations": {"task": "chat.purge_empty_conversations", "schedule": 3600.0},

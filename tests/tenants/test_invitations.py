@@ -13,6 +13,7 @@ from django.utils import timezone
 from tenants import invitations, services
 from tenants.invitations import InvitationInvalid
 from tenants.models import AuditEvent, Invitation, Membership
+from tenants.tasks import purge_closed_invitations
 from tests.conftest import staff_user
 
 pytestmark = pytest.mark.django_db
@@ -200,3 +201,21 @@ def test_two_acceptances_of_one_link_at_once_make_one_member(django_user_model, 
         thread.join()
     assert sorted(outcomes) == ["joined", "refused"]
     assert Membership.objects.filter(tenant=tenant, user__in=guests).count() == 1
+
+
+def test_closed_invitations_are_purged_a_month_on(crew, tenant):
+    used, code = invitations.invitation_create(tenant=tenant, role="member", actor=crew["owner"])
+    invitations.invitation_accept(code=code, user=crew["guest"])
+    revoked, _ = invitations.invitation_create(tenant=tenant, role="member", actor=crew["owner"])
+    invitations.invitation_revoke_by_id(
+        tenant=tenant, invitation_id=revoked.pk, actor=crew["owner"]
+    )
+    expired, _ = invitations.invitation_create(tenant=tenant, role="member", actor=crew["owner"])
+    Invitation.objects.filter(pk=expired.pk).update(expires_at=timezone.now() - timedelta(1))
+    open_one, _ = invitations.invitation_create(
+        tenant=tenant, role="member", actor=crew["owner"], expires_in_days=30
+    )
+    assert purge_closed_invitations() == 0
+    soon = timezone.now() + timedelta(days=invitations.CLOSED_KEPT_DAYS + 1)
+    assert invitations.invitations_purge_closed(now=soon) == 3  # the used, revoked, expired
+    assert list(Invitation.objects.all()) == [open_one]
