@@ -301,10 +301,15 @@ class AsyncEngineClient:
     def close(self) -> None:
         """Fail open streams with ``EngineUnavailable`` and close the socket."""
         self._closed = True
+        self._close_link(EngineUnavailable("the client was closed"))
+
+    def _close_link(self, exc: EngineUnavailable) -> None:
+        """Stop the link's tasks, fail its open streams with ``exc`` and close its sockets;
+        the next send (``_start``) opens a new link, unless the client is closed."""
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
-        self._fail_all(EngineUnavailable("the client was closed"))
+        self._fail_all(exc)
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
@@ -342,6 +347,7 @@ class AsyncEngineClient:
         socket.connect(self.endpoint)
         self._socket = socket
         self._last_heard = self._started_at = time.monotonic()
+        self._has_heard = self._is_connected = False  # a new link: connecting
         self._disconnected = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="engine-client-reader"),
@@ -385,14 +391,22 @@ class AsyncEngineClient:
         return True
 
     async def _read_loop(self) -> None:
+        """Read the engine's frames for as long as the link lives. A frame that cannot be
+        handled is dropped alone; a socket that fails (it never should) ends the link: its
+        streams fail at once and the next request opens a new one, where a reader that just
+        stopped left every later request of this process waiting on replies nobody read."""
         socket = self._socket
         while True:
             try:
                 frames = await socket.recv_multipart()
             except asyncio.CancelledError:
                 raise
-            except zmq.ZMQError:
-                logger.exception("engine client socket failed")
+            except zmq.ZMQError as exc:
+                logger.exception("engine client socket failed: opening a new link")
+                asyncio.get_running_loop().call_soon(
+                    self._close_link,
+                    EngineUnavailable(f"the link to the engine at {self.endpoint} failed: {exc}"),
+                )
                 return
             self._last_heard = time.monotonic()
             self._has_heard = True
@@ -400,6 +414,8 @@ class AsyncEngineClient:
                 self._dispatch(frames)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
                 logger.warning("dropped a bad frame from the engine: %s", exc)
+            except Exception:  # noqa: BLE001 - one frame's failure must not end the reader
+                logger.exception("handling a frame from the engine failed; it was dropped")
 
     def _dispatch(self, frames: list[bytes]) -> None:
         kind, payload = frames[0], frames[-1]

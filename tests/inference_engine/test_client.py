@@ -378,3 +378,51 @@ async def test_an_abort_no_engine_took_is_sent_once_it_is_back(tmp_path):
     finally:
         client.close()
         fake.close()
+
+
+async def test_a_failed_socket_fails_its_streams_and_the_next_request_opens_a_new_link(
+    fake, client
+):
+    """The reader returned on an unexpected socket error and nothing read again: every later
+    request of the process waited on replies nobody read."""
+    stream = asyncio.create_task(_collect(client.generate(GenerateRequest("hi", request_id="a"))))
+    await fake.generates.get()
+    broken = client._socket
+
+    async def fail(*args, **kwargs):
+        raise zmq.ZMQError(zmq.EFSM)
+
+    broken.recv_multipart = fail
+    broken.send_multipart(  # wakes the reader: its next read fails
+        [RequestType.STATS.value, b""]
+    )
+    with pytest.raises(EngineUnavailable, match="link to the engine .* failed"):
+        await asyncio.wait_for(stream, 5)
+    await _eventually(lambda: client._socket is not broken)
+    again = asyncio.create_task(_collect(client.generate(GenerateRequest("hi", request_id="b"))))
+    identity, request = await asyncio.wait_for(fake.generates.get(), 5)
+    assert request.request_id == "b"
+    await fake.send(
+        identity,
+        ResponseType.OUTPUTS,
+        [GenerateDelta("b", text="ok", finish_reason=FinishReason.LENGTH)],
+    )
+    assert [d.text for d in await asyncio.wait_for(again, 5)] == ["ok"]
+
+
+async def test_a_frame_that_fails_to_be_handled_is_dropped_alone(fake, client, monkeypatch):
+    dispatch, failed = client._dispatch, []
+
+    def failing_once(frames):
+        if not failed:
+            failed.append(frames)
+            raise RuntimeError("a bug in handling one frame")
+        dispatch(frames)
+
+    monkeypatch.setattr(client, "_dispatch", failing_once)
+    stream = asyncio.create_task(_collect(client.generate(GenerateRequest("hi", request_id="c"))))
+    identity, _ = await fake.generates.get()
+    await _eventually(lambda: bool(failed))  # a heartbeat's STATS, say
+    done = [GenerateDelta("c", text="!", finish_reason=FinishReason.LENGTH)]
+    await fake.send(identity, ResponseType.OUTPUTS, done)
+    assert [d.text for d in await asyncio.wait_for(stream, 5)] == ["!"]
