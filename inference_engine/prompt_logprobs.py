@@ -3,10 +3,11 @@ before it, and the top ``n`` there, from the raw logits of the prompt's own posi
 
 The logits of position ``p`` predict token ``p + 1``, so a step keeps, after its sampling
 rows, the rows of every prompt position whose next token is still a prompt token
-(``plan_prompt_rows``). ``launch`` queues their log-softmax on the device a slice at a time
-(one slice's float32 copy, never the whole step's), and ``PendingPromptLogprobs.result``
-reads them back. The core keeps each request's entries by position (a recomputed chunk, after
-a preemption, writes the same ones again) and sends them with its first token.
+(``plan_prompt_rows``; the scheduler bounds them per step). ``launch`` queues their
+log-softmax on the device a slice at a time (one slice's float32 copy, never the whole
+step's) and their copy to the host behind an event, and ``PendingPromptLogprobs.result``
+waits for that copy alone. The core keeps each request's entries by position (a recomputed
+chunk, after a preemption, writes the same ones again) and sends them with its first token.
 """
 
 from __future__ import annotations
@@ -64,15 +65,20 @@ class PendingPromptLogprobs:
     """A step's prompt logprobs, queued on the device."""
 
     owners: list[tuple[Request, int, int]]
+    # on the host, or on their way there behind ``copied``
     chosen: torch.Tensor  # [P] the prompt token's logprob
     top_values: torch.Tensor | None  # [P, N] the top N logprobs, descending
     top_ids: torch.Tensor | None  # [P, N] their token ids
+    copied: torch.cuda.Event | None = None
 
     def result(self) -> list[tuple[Request, int, list[TokenLogprobs]]]:
-        """Per request: it, the position of its first entry, its entries in order."""
-        chosen = self.chosen.cpu().tolist()
-        top_values = self.top_values.cpu().tolist() if self.top_values is not None else None
-        top_ids = self.top_ids.cpu().tolist() if self.top_ids is not None else None
+        """Per request: it, the position of its first entry, its entries in order. Waits for
+        their copy alone, not for the steps queued after this one (async scheduling)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        chosen = self.chosen.tolist()
+        top_values = self.top_values.tolist() if self.top_values is not None else None
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         results, row = [], 0
         for request, start, count in self.owners:
             num_top = request.sampling_params.prompt_logprobs
@@ -101,9 +107,22 @@ def launch(logits: torch.Tensor, prompt: PromptRows) -> PendingPromptLogprobs:
             values, ids = logprobs.topk(prompt.num_top, dim=-1)
             top_values.append(values)
             top_ids.append(ids)
+    results = [torch.cat(chosen)]
+    if top_values:
+        results += [torch.cat(top_values), torch.cat(top_ids)]
+    copied = None
+    if logits.device.type != "cpu":  # to the host without a wait: a copy behind an event
+        results = [tensor.to("cpu", non_blocking=True) for tensor in results]
+        if logits.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(logits.device))
+        else:
+            torch.accelerator.synchronize(logits.device)
+    chosen_host, *tops = results
     return PendingPromptLogprobs(
         prompt.owners,
-        torch.cat(chosen),
-        torch.cat(top_values) if top_values else None,
-        torch.cat(top_ids) if top_ids else None,
+        chosen_host,
+        tops[0] if tops else None,
+        tops[1] if tops else None,
+        copied,
     )

@@ -85,6 +85,10 @@ class Scheduler:
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # a step's prompt positions whose logits are kept for prompt logprobs: the memory
+        # profile sized a step's logits for max_num_seqs rows and the sampler's float32 and
+        # sorted copies of them, three times what a kept prompt row costs
+        self.max_prompt_logprob_rows = 2 * max_num_seqs
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = make_waiting_queue(policy)
@@ -138,6 +142,7 @@ class Scheduler:
         output = SchedulerOutput()
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.max_num_batched_tokens
+        prompt_rows = [self.max_prompt_logprob_rows]
         busy_tenants = self._newcomer_step_excludes()
         self._was_newcomer_step = busy_tenants is not None
 
@@ -151,8 +156,10 @@ class Scheduler:
                 and request.num_tokens_with_placeholders >= request.max_num_tokens
             ):
                 continue  # the token a step in flight samples is its last
-            num_new_tokens = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
+            num_new_tokens = self._cap_prompt_rows(
+                request,
+                min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget),
+                prompt_rows,
             )
             while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
                 victim = self._memory_victim()
@@ -179,7 +186,9 @@ class Scheduler:
             if busy_tenants is not None and request.tenant_id in busy_tenants:
                 break
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_cached, budget)
+            num_new_tokens = self._cap_prompt_rows(
+                request, min(request.num_tokens - num_cached, budget), prompt_rows
+            )
             new_block_ids = None
             if not output.preempted_req_ids:
                 new_block_ids = self.kv_cache.allocate_slots(
@@ -234,6 +243,7 @@ class Scheduler:
             return output
         being_written: set[int] | None = None
         budget = self.max_num_batched_tokens
+        prompt_rows = [self.max_prompt_logprob_rows]
         while (
             budget > 0
             and len(self.running) < self.max_num_seqs
@@ -243,7 +253,9 @@ class Scheduler:
             if being_written is None:
                 being_written = self._blocks_being_written(in_flight)
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request, being_written)
-            num_new_tokens = min(request.num_tokens - num_cached, budget)
+            num_new_tokens = self._cap_prompt_rows(
+                request, min(request.num_tokens - num_cached, budget), prompt_rows
+            )
             reserve = (
                 0
                 if self._is_below_fair_share(request.tenant_id)
@@ -312,6 +324,17 @@ class Scheduler:
                     other.request.num_computed_tokens = 0  # nor were they computed: unmetered
                 num_refunded += self._preempt_in_step(other.request, scheduled, output)
         return num_refunded
+
+    @staticmethod
+    def _cap_prompt_rows(request: Request, num_new_tokens: int, rows_left: list[int]) -> int:
+        """``num_new_tokens``, cut so that a chunk whose prompt logprobs are wanted keeps no
+        more logits rows than the step has left (``rows_left[0]``, taken from), and never
+        none: a long prompt's logprobs take more steps, not more memory."""
+        if not request.reads_whole_prompt:
+            return num_new_tokens
+        num_new_tokens = min(num_new_tokens, max(rows_left[0], 1))
+        rows_left[0] = max(rows_left[0] - num_new_tokens, 0)
+        return num_new_tokens
 
     def _admit(self, request: Request, num_cached: int, num_new_tokens: int) -> ScheduledRequest:
         """Move ``request`` (the head of the waiting queue, its blocks allocated) to running."""

@@ -254,7 +254,8 @@ class BatchRun:
             await run.aclose()
         except ApiError as exc:
             return _response(exc, request_id)
-        return {"status_code": 200, "request_id": request_id, "body": msgspec.to_builtins(body)}
+        # the body as the API's answer: encoded as it is (a choice's logprobs come encoded)
+        return {"status_code": 200, "request_id": request_id, "body": body}
 
     async def _caller(self, model: str) -> Caller:
         """The line's caller, as the API would authorize its key now; ``ApiError`` where the

@@ -6,6 +6,7 @@ first delta of every choice is awaited before a response starts); errors after i
 stream with a ``data: {"error": …}`` event.
 """
 
+import asyncio
 import codecs
 import logging
 import time
@@ -25,6 +26,15 @@ from serving.runs import Choice, Run, RunError
 logger = logging.getLogger(__name__)
 
 STREAM_FAILED = ApiError(500, SERVER_ERROR, code="internal_error")
+# an engine that sent no prompt logprobs (or text) for an echo: one older than this web tier
+ECHO_UNSUPPORTED = ApiError(
+    501,
+    "This model's engine does not return the prompt's logprobs and text that echo needs.",
+    code="echo_unsupported",
+    param="echo",
+)
+# choices' logprobs built (and encoded) between two looks at the event loop
+CHOICES_PER_YIELD = 1
 
 
 @dataclass
@@ -118,6 +128,9 @@ class Responder:
         self.model = model
         self.created = int(time.time())
         self.outputs = [_Output() for _ in run.choices]
+        # an echo's prompt, per prompt: its text and its tokens' logprobs (None unless asked),
+        # from the first choice of the prompt (the engine computes them for that one only)
+        self.echoes: dict[int, tuple[str, list[TokenLogprobs] | None]] = {}
         # a chat that may call tools reads each choice's text back through one of these
         self.readers: list[ToolCallReader] | None = None
         # streamed choices of an auto-mode chat whose role chunk waits for the reader: it
@@ -167,15 +180,24 @@ class Responder:
                 for c, o in zip(self.run.choices, self.outputs, strict=True)
             ]
         else:
-            choices = [
-                schemas.CompletionChoice(
-                    index=c.index,
-                    text="".join(o.text),
-                    logprobs=_completion_logprobs(o.logprobs, o) if wants_logprobs else None,
-                    finish_reason=_finish_reason(c.finish_reason),
+            choices = []
+            for c, o in zip(self.run.choices, self.outputs, strict=True):
+                logprobs = None
+                if wants_logprobs:
+                    # an echo's logprobs can be millions of entries: each choice's are built
+                    # and encoded on their own, the event loop looked at in between (its
+                    # other streams' heartbeats go on)
+                    logprobs = msgspec.Raw(msgspec.json.encode(_completion_logprobs(o.logprobs, o)))
+                    o.logprobs.clear()
+                    await asyncio.sleep(0)
+                choices.append(
+                    schemas.CompletionChoice(
+                        index=c.index,
+                        text="".join(o.text),
+                        logprobs=logprobs,
+                        finish_reason=_finish_reason(c.finish_reason),
+                    )
                 )
-                for c, o in zip(self.run.choices, self.outputs, strict=True)
-            ]
         return self._envelope(choices, is_chunk=False, usage=self.usage())
 
     def _shown(
@@ -193,12 +215,28 @@ class Responder:
         if not plan.echo or output.echoed:
             return text, logprobs
         output.echoed = True
-        prompt = plan.prompts[choice.index // plan.n]
-        prompt_text = prompt.prompt if prompt.prompt is not None else delta.prompt_text or ""
-        if delta.prompt_logprobs and plan.logprobs is not None:
+        prompt_index = choice.index // plan.n
+        if choice.is_first_of_prompt:
+            self.echoes[prompt_index] = self._echo(prompt_index, delta)
+        prompt_text, prompt_logprobs = self.echoes[prompt_index]
+        if prompt_logprobs:
             output.first_unscored = True
-            logprobs = [*delta.prompt_logprobs, *(logprobs or [])]
+            logprobs = [*prompt_logprobs, *(logprobs or [])]
         return prompt_text + text, logprobs
+
+    def _echo(
+        self, prompt_index: int, delta: GenerateDelta
+    ) -> tuple[str, list[TokenLogprobs] | None]:
+        """A prompt's echo, from the first delta of its first choice: its text (as sent, or
+        as the engine decoded its token ids) and its tokens' logprobs where asked for.
+        ``ECHO_UNSUPPORTED`` where the engine sent what was asked for not (an older engine
+        ignores the fields it does not know: the answer would be wrong, not refused)."""
+        prompt = self.plan.prompts[prompt_index]
+        prompt_text = prompt.prompt if prompt.prompt is not None else delta.prompt_text
+        wants_logprobs = self.plan.logprobs is not None
+        if prompt_text is None or (wants_logprobs and delta.prompt_logprobs is None):
+            raise ECHO_UNSUPPORTED
+        return prompt_text, delta.prompt_logprobs if wants_logprobs else None
 
     def _message(self, choice: Choice, output: _Output) -> schemas.AssistantMessage:
         text = "".join(output.text)
@@ -292,6 +330,9 @@ class Responder:
             yield b"".join(events)
         except RunError as exc:
             yield b"".join([*events, _event(from_run_error(exc).body())])
+        except ApiError as exc:
+            self.run.meter.fail(exc.code or "invalid_request")
+            yield b"".join([*events, _event(exc.body())])
         except Exception:
             # the response has started: a 500 can no longer be sent, and raised from here
             # the response would never end, so the stream ends with the error as its event

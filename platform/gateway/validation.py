@@ -80,7 +80,9 @@ class GenerationPlan:
 
     def engine_requests(self, response_id: str) -> list[GenerateRequest]:
         """One engine request per choice, ``n`` of each prompt in a row; a choice's seed is
-        offset so that the ``n`` samples differ."""
+        offset so that the ``n`` samples differ. Only the first of a prompt's choices asks for
+        its logprobs and text (an echo's): they are the same for all, and computing them
+        skips the prefix cache."""
         requests = []
         for prompt_index, prompt in enumerate(self.prompts):
             for sample in range(self.n):
@@ -88,9 +90,10 @@ class GenerationPlan:
                 if params.seed is not None and sample:
                     params.seed += sample
                 request_id = f"{response_id}-{prompt_index * self.n + sample}"
-                requests.append(
-                    msgspec.structs.replace(prompt, params=params, request_id=request_id)
-                )
+                request = msgspec.structs.replace(prompt, params=params, request_id=request_id)
+                if sample:  # an echo's prompt comes from the prompt's first choice alone
+                    params.prompt_logprobs, request.return_prompt_text = None, False
+                requests.append(request)
         return requests
 
 

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from gateway import schemas
+from gateway.errors import ApiError
 from gateway.responses import Responder
 from gateway.validation import plan_chat, plan_completion
 from inference_engine.protocol import (
@@ -246,7 +247,7 @@ async def _answer(kind: str, body: dict, world, delta: GenerateDelta, *, stream:
     await starting
     try:
         if not stream:
-            return msgspec.to_builtins(await responder.complete())["choices"]
+            return json.loads(msgspec.json.encode(await responder.complete()))["choices"]
         events = _events(b"".join([write async for write in responder.sse()]))
         return [choice for event in events[:-1] for choice in event["choices"]]
     finally:
@@ -420,3 +421,94 @@ async def test_a_whole_answer_whose_settlement_fails_is_still_given(run_world, m
 
     assert status == 200, content
     assert json.loads(content)["choices"][0]["message"]["content"] == "a"
+
+
+def _prompt_entries(tokens: list[str]) -> list[TokenLogprobs]:
+    """An engine's prompt logprobs: the first token's entry its text alone."""
+    return [TokenLogprobs(0.0, token=tokens[0], token_bytes=tokens[0].encode())] + [
+        TokenLogprobs(-1.0 - i, [7], [-0.5], token=t, top_tokens=["x"], token_bytes=t.encode())
+        for i, t in enumerate(tokens[1:])
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_echos_choices_share_the_prompt_the_first_choice_asked_for(
+    run_world,  # noqa: F811
+    stream,
+):
+    """Every choice of a prompt asked the engine for its logprobs, and each computed the
+    whole prompt again (no prefix cache for them): n times the work for one answer."""
+    body = {"model": "m", "prompt": [5, 6, 7], "echo": True, "logprobs": 1, "n": 2}
+    plan = plan_completion(json.dumps({**body, "stream": stream}).encode())
+    responder = _responder("completion", plan, run_world, f"cmpl-echo-{stream}")
+    starting = asyncio.create_task(responder.run.start())
+    received = [await run_world.fake.generates.get() for _ in range(2)]
+    asked = sorted(received, key=lambda item: item[1].request_id)
+    assert [r.params.prompt_logprobs for _, r in asked] == [1, None]
+    assert [r.return_prompt_text for _, r in asked] == [True, False]
+    for index, (identity, request) in enumerate(asked):
+        extra = (
+            {"prompt_text": "a b c", "prompt_logprobs": _prompt_entries(["a", " b", " c"])}
+            if index == 0
+            else {}
+        )
+        entry = TokenLogprobs(-0.25, [9], [-0.25], token="!", top_tokens=["!"], token_bytes=b"!")
+        delta = GenerateDelta(
+            request.request_id,
+            "!",
+            [9],
+            finish_reason=FinishReason.LENGTH,
+            usage=Usage(prompt_tokens=3, completion_tokens=1),
+            logprobs=[entry],
+            **extra,
+        )
+        await run_world.fake.send(identity, ResponseType.OUTPUTS, [delta])
+    await starting
+    try:
+        if stream:
+            events = _events(b"".join([write async for write in responder.sse()]))
+            choices = [c for event in events[:-1] for c in event["choices"]]
+        else:
+            choices = json.loads(msgspec.json.encode(await responder.complete()))["choices"]
+    finally:
+        await responder.run.aclose()
+    for index in (0, 1):
+        mine = [c for c in choices if c["index"] == index]
+        assert "".join(c["text"] for c in mine) == "a b c!"
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        logprobs = [x for c in mine if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        offsets = [x for c in mine if c["logprobs"] for x in c["logprobs"]["text_offset"]]
+        assert tokens == ["a", " b", " c", "!"]
+        assert logprobs == [None, -1.0, -2.0, -0.25]
+        assert offsets == [0, 1, 3, 5]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_engine_that_ignores_an_echos_prompt_logprobs_is_an_error_not_a_wrong_answer(
+    run_world,  # noqa: F811
+    stream,
+):
+    """An engine older than the web tier drops the fields it does not know: the echo came
+    back without the prompt's logprobs, and evaluation harnesses scored the wrong tokens."""
+    delta = GenerateDelta(
+        "", "!", [9], finish_reason=FinishReason.LENGTH, usage=Usage(prompt_tokens=3)
+    )
+    body = {"prompt": "a b c", "echo": True, "logprobs": 1}
+    if not stream:
+        with pytest.raises(ApiError) as raised:
+            await _answer("completion", body, run_world, delta, stream=False)
+        assert raised.value.status == 501 and raised.value.param == "echo"
+        return
+    plan = plan_completion(json.dumps({"model": "m", **body, "stream": True}).encode())
+    responder = _responder("completion", plan, run_world, "cmpl-old-engine")
+    starting = asyncio.create_task(responder.run.start())
+    identity, request = await run_world.fake.generates.get()
+    delta.request_id = request.request_id
+    await run_world.fake.send(identity, ResponseType.OUTPUTS, [delta])
+    await starting
+    try:
+        events = _events(b"".join([write async for write in responder.sse()]))
+    finally:
+        await responder.run.aclose()
+    assert [event["error"]["code"] for event in events] == ["echo_unsupported"]
+    assert responder.run.meter.error_code == "echo_unsupported"

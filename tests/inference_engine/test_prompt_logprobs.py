@@ -142,3 +142,31 @@ def test_prompt_logprobs_out_of_range_are_refused(value):
     with pytest.raises(InvalidParam) as raised:
         SamplingParams(prompt_logprobs=value)
     assert raised.value.field == "prompt_logprobs"
+
+
+def test_a_step_keeps_no_more_prompt_rows_than_the_memory_profile_sized(model_dirs, hf_models):
+    """A step kept a logits row for every prompt position of its chunks, up to
+    max_num_batched_tokens of them, while the memory profile sized a step's logits for
+    max_num_seqs rows: on a GPU, an out-of-memory step failed every request in it."""
+    llm = LLM(model_dirs["llama"], dtype="float32", max_num_seqs=3, max_num_batched_tokens=64)
+    scheduler = llm.core.scheduler
+    assert scheduler.max_prompt_logprob_rows == 6
+    schedule, rows_per_step = scheduler.schedule, []
+
+    def spy():
+        output = schedule()
+        rows_per_step.append(
+            sum(item.num_new_tokens for item in output.scheduled if item.request.reads_whole_prompt)
+        )
+        return output
+
+    scheduler.schedule = spy
+    prompts = [random_prompt(50, 30), random_prompt(51, 20)]
+    asking = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([*prompts, random_prompt(52, 40)], [asking, asking, plain])
+    # a chunk is never cut to nothing: the other asking request gets its one row
+    assert max(rows_per_step) <= 6 + 1 and len(rows_per_step) > 50 // 7
+    for output, prompt in zip(outputs[:2], prompts, strict=True):
+        assert_matches(output, hf_models("llama"), prompt, 1)
+    assert outputs[2].num_cached_tokens == 0 and len(outputs[2].token_ids) == 3
