@@ -20,13 +20,9 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def crew(django_user_model, tenant):
-    make = django_user_model.objects.create_user
-    crew = {name: make(name, password=f"pw-{name}-123") for name in ("owner", "admin", "member")}
-    for name, user in crew.items():
-        services.membership_set(tenant=tenant, user=user, role=name, actor=None)
-    crew["guest"] = make("guest", password="pw-guest-123")
-    return crew
+def crew(crew, django_user_model):
+    """Acme's owner, admin and member, and a guest of no tenant."""
+    return {**crew, "guest": django_user_model.objects.create_user("guest")}
 
 
 def _role(tenant, user) -> str | None:

@@ -118,16 +118,6 @@ def test_usage_with_invalid_status_is_refused(tenant):
 # --- memberships: who may touch an owner, and a tenant never loses its last owner ----------
 
 
-@pytest.fixture
-def crew(django_user_model, tenant):
-    """Acme with an owner, an admin and a member."""
-    make = django_user_model.objects.create_user
-    crew = {name: make(name, password=f"pw-{name}-123") for name in ("owner", "admin", "member")}
-    for name, user in crew.items():
-        services.membership_set(tenant=tenant, user=user, role=name, actor=None)
-    return crew
-
-
 def _role(tenant, user) -> str | None:
     membership = Membership.objects.filter(tenant=tenant, user=user).first()
     return membership.role if membership else None
