@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from inference_engine.kv_cache import KVCacheBlock, KVCacheManager
@@ -111,8 +112,12 @@ class Scheduler:
 
     def check_fits(self, request: Request) -> None:
         """Raise RequestRejected when the request could not run even with the cache to itself.
-        The last token never needs KV, so ``max_num_tokens - 1`` slots suffice."""
-        num_needed = self.kv_cache.num_blocks_for(request.max_num_tokens - 1)
+        The last token never needs KV, so ``max_num_tokens - 1`` slots suffice, unless that
+        last token is the prompt's own (a prompt at the context limit): every prompt token is
+        computed, so it needs them all (it was admitted, and never scheduled)."""
+        num_needed = self.kv_cache.num_blocks_for(
+            max(request.max_num_tokens - 1, request.num_prompt_tokens)
+        )
         if num_needed > self.kv_cache.num_blocks:
             raise RequestRejected(
                 f"request {request.req_id} needs up to {request.max_num_tokens} tokens "
@@ -226,6 +231,11 @@ class Scheduler:
             budget -= num_new_tokens
 
         output.scheduled = list(scheduled.values())
+        if busy_tenants is not None and not output.scheduled and not output.preempted_req_ids:
+            # a newcomer's step that found no room for one: a step of the running requests
+            # instead (an empty step would leave the device idle, every other step, as long
+            # as the newcomer waits)
+            return self.schedule()
         self._commit(output)
         return output
 
@@ -528,12 +538,27 @@ class Scheduler:
             unwritten.update(self._blocks_written_by(item, block_ids))
         self.kv_cache.uncache(unwritten)
         in_step = {item.request.req_id for item in step.scheduled}
-        return [
+        readers = [
             request.req_id
             for request in self.running
             if request.req_id not in in_step
             and not unwritten.isdisjoint(self.kv_cache.get_block_ids(request.req_id))
         ]
+        self._uncache_held_only_by([*in_step, *readers])
+        return readers
+
+    def _uncache_held_only_by(self, req_ids: list[str]) -> None:
+        """Forget the prefix-cache entries of the blocks these failing requests alone hold:
+        a step launched after the failed one (async scheduling) wrote some of them from
+        context the failed step never wrote, and a later request with the same prompt, once
+        it wrote that context again, would hit them."""
+        holders: Counter[int] = Counter()
+        for req_id in req_ids:
+            holders.update(self.kv_cache.get_block_ids(req_id))
+        blocks = self.kv_cache.blocks
+        self.kv_cache.uncache(
+            block_id for block_id, count in holders.items() if blocks[block_id].ref_cnt == count
+        )
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

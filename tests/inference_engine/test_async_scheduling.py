@@ -403,6 +403,38 @@ def test_a_failed_step_leaves_nothing_in_the_prefix_cache_it_did_not_write(
     assert llm.core.scheduler.kv_cache.usage == 0
 
 
+def test_a_chunk_computed_on_top_of_a_failed_step_is_no_prefix_cache_hit(llama_dir):
+    """A prompt's first chunk is in a step that fails (having written none of its KV), its
+    second was launched on top of it before the failure was seen: the second's blocks stayed
+    registered, KV computed over context nobody wrote. Once the same prompt wrote its first
+    chunk again, a third request hit them and answered other tokens."""
+    options = dict(block_size=4, max_num_batched_tokens=16, scheduling_policy="fcfs")
+    llm = LLM(llama_dir, dtype="float32", async_scheduling="on", **options)
+    runner = llm.core.runner
+    launch, launches = runner.launch, []
+
+    class Failed(PendingStep):
+        def result(self):
+            raise RuntimeError("device lost")
+
+    def failing_first(scheduled, block_tables):
+        launches.append(len(scheduled))
+        if len(launches) == 1:  # its forward never ran: none of its KV is written
+            return Failed([], None)
+        return launch(scheduled, block_tables)
+
+    runner.launch = failing_first
+    prompt = [(i * 13) % 370 + 7 for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].finish_reason == "error"
+    assert len(launches) >= 2  # the second chunk went out before the failure was read
+    runner.launch = launch
+    expected = sync_llm(llama_dir, **options).generate([prompt], params)[0].token_ids
+    assert llm.generate([prompt], params)[0].token_ids == expected
+    third = llm.generate([prompt], params)[0]
+    assert third.token_ids == expected and third.num_cached_tokens == 36
+
+
 def test_async_scheduling_is_on_by_default_only_on_an_accelerator(llama_dir):
     assert not LLM(llama_dir, dtype="float32", device="cpu").core.async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):

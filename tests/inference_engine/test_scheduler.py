@@ -334,3 +334,41 @@ def test_a_preempted_request_keeps_the_count_of_the_prompt_it_had_computed():
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0  # the case
     assert 0 < computed < 40
     assert new.num_prefilled_prompt_tokens == computed
+
+
+def test_a_prompt_at_the_context_limit_one_token_past_the_cache_is_refused():
+    """Its last token is a prompt token, which needs KV like the others: counted as the one
+    token that never does, the request was taken and never scheduled (an engine spinning,
+    and under fcfs everything behind it waiting)."""
+    scheduler = Scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    at_limit = Request(
+        "a", list(range(17)), SamplingParams(max_tokens=None, ignore_eos=True), max_model_len=17
+    )
+    with pytest.raises(RequestRejected):
+        scheduler.add_request(at_limit)
+    fits = Request(
+        "b", list(range(16)), SamplingParams(max_tokens=None, ignore_eos=True), max_model_len=17
+    )
+    scheduler.add_request(fits)  # 16 prompt tokens and the one that needs no KV
+    assert [item.request.req_id for item in scheduler.schedule().scheduled] == ["b"]
+
+
+def test_a_newcomer_with_no_room_leaves_no_step_empty():
+    """Under fair, a tenant with nothing running gets a step of its own; where its request
+    found no place (max_num_seqs full) that step was empty, every other step, as long as it
+    waited: with async scheduling the device idled for the host's turn each time."""
+    scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=32)
+    for i in range(2):
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        scheduler.add_request(Request(f"a{i}", list(range(8)), params, tenant_id="A"))
+    step = scheduler.schedule()
+    scheduler.update_from_output(step, {item.request.req_id: 1 for item in step.scheduled})
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    scheduler.add_request(Request("b0", list(range(8)), params, tenant_id="B"))
+    sizes = []
+    for _ in range(10):
+        step = scheduler.schedule()
+        sizes.append(len(step.scheduled))
+        sampled = {item.request.req_id: 1 for item in step.scheduled if item.is_sampling}
+        scheduler.update_from_output(step, sampled)
+    assert sizes == [2] * 10
