@@ -48,9 +48,11 @@ def invitation_create(
     role: str,
     actor: AbstractBaseUser,
     expires_in_days: int = DEFAULT_EXPIRY_DAYS,
+    note: str = "",
 ) -> tuple[Invitation, str]:
     """An invitation to ``tenant`` as ``role``, made by ``actor`` (who must be able to give
-    the role), and its code: the only time the code exists outside the link."""
+    the role), and its code: the only time the code exists outside the link. ``note`` says
+    whom it is for."""
     if expires_in_days not in EXPIRY_DAYS:
         raise ValidationError({"expires_in_days": f"Expires in one of {EXPIRY_DAYS} days."})
     role_give_check(tenant=tenant, actor=actor, role=role)
@@ -59,6 +61,7 @@ def invitation_create(
         tenant=tenant,
         role=role,
         code_hash=_code_hash(code),
+        note=note.strip()[:200],
         created_by=actor,
         created_at=now,
         expires_at=now + timedelta(days=expires_in_days),
@@ -68,7 +71,11 @@ def invitation_create(
         actor=actor,
         target=invitation,
         tenant=tenant,
-        changes={"role": [None, role], "expires_at": [None, invitation.expires_at.isoformat()]},
+        changes={
+            "role": [None, role],
+            "note": [None, invitation.note],
+            "expires_at": [None, invitation.expires_at.isoformat()],
+        },
     )
     return invitation, code
 
@@ -94,14 +101,24 @@ def invitation_revoke_by_id(
     return invitation
 
 
+def code_hash(code: str) -> str:
+    """What is kept of a code, and all that a session keeps of the link it opened: the
+    invitation is found by it. "" for what is not a code."""
+    return _code_hash(code) if code.startswith(CODE_PREFIX) else ""
+
+
 def invitation_by_code(code: str) -> Invitation:
     """The invitation the code opens, if it may be accepted now; ``InvitationInvalid``
     otherwise."""
+    return invitation_by_hash(code_hash(code))
+
+
+def invitation_by_hash(hashed: str) -> Invitation:
+    """The invitation of the code whose ``code_hash`` this is, if it may be accepted now;
+    ``InvitationInvalid`` otherwise."""
     invitation = (
-        Invitation.objects.select_related("tenant", "created_by")
-        .filter(code_hash=_code_hash(code))
-        .first()
-        if code.startswith(CODE_PREFIX)
+        Invitation.objects.select_related("tenant", "created_by").filter(code_hash=hashed).first()
+        if hashed
         else None
     )
     if invitation is None:
@@ -117,12 +134,27 @@ def invitation_by_code(code: str) -> Invitation:
     return invitation
 
 
-@transaction.atomic
 def invitation_accept(*, code: str, user: AbstractBaseUser) -> Membership:
+    """``invitation_accept_by_hash`` of the code."""
+    return invitation_accept_by_hash(code_hash=code_hash(code), user=user)
+
+
+@transaction.atomic
+def invitation_accept_by_hash(
+    *, code_hash: str, user: AbstractBaseUser, invitation_id: int | None = None
+) -> Membership:
     """Make ``user`` a member of the invitation's tenant in its role, and use it up.
     ``InvitationInvalid`` when it may not be accepted (used, revoked, expired, its maker no
-    longer able to give the role, or ``user`` a member already: then it stays open)."""
-    found = invitation_by_code(code)
+    longer able to give the role, ``user`` a member already: then it stays open), or when it
+    is not ``invitation_id`` (the one the accepting page showed, where another link was
+    opened since). The member's addition in the audit log names the invitation and its
+    maker."""
+    found = invitation_by_hash(code_hash)
+    if invitation_id is not None and found.pk != invitation_id:
+        raise InvitationInvalid(
+            "Another invitation link was opened since this page was shown: open the link of "
+            "the one you mean to accept again."
+        )
     # the tenant's membership lock first (as every membership change takes it), then the
     # invitation: two acceptances of one link at once, one of them wins
     Tenant.objects.select_for_update().filter(pk=found.tenant_id).first()
@@ -133,37 +165,52 @@ def invitation_accept(*, code: str, user: AbstractBaseUser) -> Membership:
     if Membership.objects.filter(tenant=tenant, user=user).exists():
         raise InvitationInvalid(f"You are a member of {tenant.name} already.")
     maker = found.created_by
-    try:
-        if maker is None or not maker.is_active:
-            raise ValidationError("its maker's account is gone")
-        role_give_check(tenant=tenant, actor=maker, role=invitation.role)
-    except ValidationError:
+    if not maker_may_give(invitation, maker):
         raise InvitationInvalid(
             "Whoever made this invitation can no longer give its role: ask for a new one."
-        ) from None
+        )
     memberships_apply(
         tenant=tenant,
         changes=[MembershipChange(user, invitation.role)],
         actor=None,
         audit_actor=user,
+        audit_changes={
+            "invitation": [None, invitation.pk],
+            "invited_by": [None, maker.get_username()],
+        },
     )
     invitation.accepted_by, invitation.accepted_at = user, timezone.now()
     invitation.save(update_fields=["accepted_by", "accepted_at"])
     return Membership.objects.get(tenant=tenant, user=user)
 
 
+def maker_may_give(invitation: Invitation, maker: AbstractBaseUser | None) -> bool:
+    """Whether the invitation's maker (its ``created_by``) may still give its role."""
+    if maker is None or not maker.is_active:
+        return False
+    try:
+        role_give_check(tenant=invitation.tenant, actor=maker, role=invitation.role)
+    except ValidationError:
+        return False
+    return True
+
+
 def tenant_invitations_open(*, tenant: Tenant) -> list[Invitation]:
-    """The tenant's invitations that may still be accepted, newest first."""
-    return list(
+    """The tenant's invitations not used, revoked or expired, newest first; each says
+    whether it still works (``is_usable``: its maker may still give its role)."""
+    invitations = list(
         Invitation.objects.filter(
             tenant=tenant,
             accepted_at__isnull=True,
             revoked_at__isnull=True,
             expires_at__gt=timezone.now(),
         )
-        .select_related("created_by")
+        .select_related("tenant", "created_by")
         .order_by("-created_at")
     )
+    for invitation in invitations:
+        invitation.is_usable = maker_may_give(invitation, invitation.created_by)
+    return invitations
 
 
 def invitations_purge_closed(now=None) -> int:

@@ -123,6 +123,8 @@ class Invitation(models.Model):
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="invitations")
     role = models.CharField(max_length=16, choices=Membership.Role.choices)
+    # whom it is for, in its maker's words (a link is anyone's who holds it)
+    note = models.CharField(max_length=200, blank=True)
     code_hash = models.CharField(max_length=64, unique=True, editable=False)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
@@ -146,7 +148,8 @@ class Invitation(models.Model):
         indexes = [models.Index(fields=["tenant", "created_at"])]
 
     def __str__(self) -> str:
-        return f"invitation to {self.tenant} as {self.role}"
+        for_whom = f" ({self.note})" if self.note else ""
+        return f"invitation to {self.tenant} as {self.role}{for_whom}"
 
     def is_open(self, now=None) -> bool:
         """Neither used, revoked nor expired."""

@@ -435,10 +435,12 @@ def memberships_apply(
     changes: list[MembershipChange],
     actor: AbstractBaseUser | None,
     audit_actor: AbstractBaseUser | None = None,
+    audit_changes: dict[str, list] | None = None,
 ) -> None:
     """Make ``changes`` together (the admin's tenant page saves several rows at once), after
     ``memberships_check`` of ``actor``'s rights (None: none asked for), each in the audit log
-    as ``actor``'s (or ``audit_actor``'s, where the rights were not asked for)."""
+    as ``actor``'s (or ``audit_actor``'s, where the rights were not asked for), with
+    ``audit_changes`` beside the role's (how it came about: an invitation)."""
     # One membership change per tenant at a time: two admins each removing one of two owners
     # would otherwise both see an owner left.
     Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
@@ -463,7 +465,7 @@ def memberships_apply(
             actor=actor or audit_actor,
             target=change.user,
             tenant=tenant,
-            changes={"role": [previous, change.role]},
+            changes={"role": [previous, change.role], **(audit_changes or {})},
         )
 
 

@@ -3,7 +3,8 @@
 Daphne writes an NCSA-style line per request to stdout. A page of the chat or the console
 pulls in its stylesheets, scripts and icon, each a line that says nothing: requests for
 static files go to the ``daphne.access`` logger at DEBUG instead (``LOG_LEVEL=DEBUG`` shows
-them), every other request is written as before."""
+them), every other request is written as before, but for the secret in an invitation link's
+path."""
 
 import logging
 
@@ -12,6 +13,8 @@ from daphne.access import AccessLogGenerator
 
 logger = logging.getLogger("daphne.access")
 STATIC_PATHS = ("/static/", "/favicon.ico")
+# paths whose rest is a secret (an invitation link's code): logged without it
+SECRET_PATHS = ("/console/join/",)
 
 
 def is_static(path: str) -> bool:
@@ -29,7 +32,16 @@ class QuietAccessLog(AccessLogGenerator):
                 details.get("size"),
             )
             return
-        super().__call__(protocol, action, details)
+        super().__call__(protocol, action, _redacted(details))
+
+
+def _redacted(details: dict) -> dict:
+    """``details`` with the secret part of its path left out."""
+    path = details.get("path") or ""
+    for prefix in SECRET_PATHS:
+        if path.startswith(prefix) and len(path) > len(prefix):
+            return {**details, "path": prefix + "…"}
+    return details
 
 
 def install() -> None:

@@ -112,6 +112,7 @@ class ApiKeyCreateForm(forms.Form):
 
 class InvitationCreateForm(forms.Form):
     role = forms.ChoiceField(choices=Membership.Role.choices, initial=Membership.Role.MEMBER)
+    note = forms.CharField(max_length=200, required=False, label="For")
     expires_in_days = forms.TypedChoiceField(
         choices=[(days, f"{days} day{'s' if days > 1 else ''}") for days in EXPIRY_DAYS],
         coerce=int,

@@ -288,6 +288,7 @@ def members(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             return redirect("console:members", slug=tenant.slug)
         except (Membership.DoesNotExist, Invitation.DoesNotExist):
             raise Http404("No such member or invitation") from None
+    giveable = _giveable_roles(request, tenant)
     response = render(
         request,
         "console/members.html",
@@ -297,6 +298,8 @@ def members(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             memberships=tenant_memberships(tenant=tenant),
             invitations=invitations.tenant_invitations_open(tenant=tenant),
             roles=Membership.Role.choices,
+            giveable_roles=giveable,
+            giveable_values=[value for value, _ in giveable],
             form=form,
             form_token=secrets.token_urlsafe(16),
             new_link=new_link,
@@ -307,12 +310,26 @@ def members(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     return response
 
 
+def _giveable_roles(request: HttpRequest, tenant: Tenant) -> list[tuple[str, str]]:
+    """The roles this user may invite to (and revoke invitations to): an admin's are not
+    an owner's."""
+    giveable = []
+    for value, label in Membership.Role.choices:
+        try:
+            services.role_give_check(tenant=tenant, actor=request.user, role=value)
+        except ValidationError:
+            continue
+        giveable.append((value, label))
+    return giveable
+
+
 def _invite(request: HttpRequest, tenant: Tenant, form: forms.InvitationCreateForm) -> str:
     invitation, code = invitations.invitation_create(
         tenant=tenant,
         role=form.cleaned_data["role"],
         actor=request.user,
         expires_in_days=form.cleaned_data["expires_in_days"],
+        note=form.cleaned_data["note"],
     )
     messages.success(
         request,

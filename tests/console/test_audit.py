@@ -175,10 +175,13 @@ def test_a_tenants_admin_cannot_reveal_staffs_addresses_by_making_staff_a_member
     client.post(keys, {"action": "create", "name": "by-staff"}, REMOTE_ADDR="198.51.100.99")
 
     client.force_login(people["admin_a"])
-    _, code = invitations.invitation_create(tenant=tenant, role="member", actor=people["admin_a"])
+    invitation, code = invitations.invitation_create(
+        tenant=tenant, role="member", actor=people["admin_a"]
+    )
     client.force_login(people["staff"])
     client.get(reverse("console:join-link", args=[code]))
-    assert client.post(reverse("console:join")).status_code == 302
+    joined = client.post(reverse("console:join"), {"invitation_id": invitation.pk})
+    assert joined.status_code == 302
     client.force_login(people["admin_a"])
     assert tenant.memberships.filter(user=people["staff"]).exists()
     page = client.get(_audit(tenant.slug)).content.decode()

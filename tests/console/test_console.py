@@ -1,3 +1,4 @@
+import io
 import re
 from datetime import UTC, datetime, timedelta
 
@@ -7,9 +8,11 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
+from config.access_log import QuietAccessLog
+from console import joining
 from serving import services as serving_services
 from serving.models import ModelDeployment
-from tenants import rollups, services
+from tenants import invitations, rollups, services
 from tenants.models import ApiKey, Invitation, Membership, UsageRecord
 from tests.usage_records import usage_record_add
 
@@ -215,9 +218,17 @@ def _invite(client, tenant, role="member", **extra) -> tuple[object, str]:
 
 
 def _join(client, link: str, user, *, accept: bool = True):
+    """``user`` opens ``link`` and, with ``accept``, joins from the page it shows."""
     client.force_login(user)
     client.get(link)
-    return client.post(reverse("console:join")) if accept else client.get(reverse("console:join"))
+    page = client.get(reverse("console:join"))
+    return _accept(client, page) if accept else page
+
+
+def _accept(client, page):
+    """The join page's button pressed."""
+    shown = re.search(r'name="invitation_id" value="(\d+)"', page.content.decode())
+    return client.post(reverse("console:join"), {"invitation_id": shown.group(1) if shown else ""})
 
 
 def test_members_are_invited_by_a_link_they_accept(client, people, tenant):
@@ -232,13 +243,18 @@ def test_members_are_invited_by_a_link_they_accept(client, people, tenant):
     client.logout()
     to_sign_in = client.get(link, follow=True)  # the code stays in the session
     assert to_sign_in.redirect_chain[-1][0] == "/accounts/login/?next=/console/join/"
-    shown = _join(client, link, people["nobody"], accept=False).content.decode()
-    assert "admin_a invites you to join <strong>Acme</strong> as <strong>member</strong>" in shown
-    joined = client.post(reverse("console:join"))
+    shown = _join(client, link, people["nobody"], accept=False)
+    assert "admin_a invites you to join <strong>Acme</strong> as <strong>member</strong>" in (
+        shown.content.decode()
+    )
+    joined = _accept(client, shown)
     assert joined.status_code == 302 and joined["Location"] == reverse("chat:home")
     assert Membership.objects.get(user=people["nobody"], tenant=tenant).role == "member"
-    again = _join(client, link, people["staff"])
-    assert again.status_code == 400 and "used already" in again.content.decode()
+    again = _join(client, link, people["staff"], accept=False)
+    assert (
+        "used already" in again.content.decode() and "invitation_id" not in again.content.decode()
+    )
+    assert _accept(client, again).status_code == 400
     assert not Membership.objects.filter(user=people["staff"], tenant=tenant).exists()
 
 
@@ -283,8 +299,8 @@ def test_a_reload_makes_no_second_invitation_and_revoking_kills_the_link(client,
 
     client.post(url, {"action": "revoke_invitation", "invitation_id": invitation.pk})
     assert "Open invitations" not in client.get(url).content.decode()
-    refused = _join(client, link, people["nobody"])
-    assert refused.status_code == 400 and "revoked" in refused.content.decode()
+    refused = _join(client, link, people["nobody"], accept=False)
+    assert "revoked" in refused.content.decode()
     missing = client.post(url, {"action": "revoke_invitation", "invitation_id": 10**6})
     assert missing.status_code == 404
 
@@ -517,3 +533,74 @@ def test_a_deactivated_tenant_is_staffs_alone_in_the_console(client, people, ten
         assert client.get(url).status_code == 404
         client.force_login(people["staff"])
         assert client.get(url).status_code == 200
+
+
+def test_join_takes_the_invitation_its_page_showed_not_a_link_opened_since(
+    client, people, tenant, other_tenant
+):
+    """The session kept one link, the last opened: "Join Acme" as member on one tab joined
+    the tenant of a link opened on another (or slipped in by a hostile page's redirect), in
+    its role."""
+    services.membership_set(tenant=other_tenant, user=people["owner_a"], role="owner", actor=None)
+    client.force_login(people["owner_a"])
+    _, acme_link = _invite(client, tenant)
+    other, other_code = invitations.invitation_create(
+        tenant=other_tenant, role="admin", actor=people["owner_a"]
+    )
+    client.force_login(people["nobody"])
+    client.get(acme_link)
+    acme_page = client.get(reverse("console:join"))
+    assert "Join Acme" in acme_page.content.decode()
+    client.get(reverse("console:join-link", args=[other_code]))  # another tab, or a trap
+    refused = _accept(client, acme_page)
+    assert refused.status_code == 400 and "Another invitation link" in refused.content.decode()
+    assert not Membership.objects.filter(user=people["nobody"]).exists()
+    client.get("/console/join/" + "inv_" + "x" * 300 + "/")  # no code, and no older one shown
+    assert "not an invitation" in client.get(reverse("console:join")).content.decode()
+
+
+def test_the_session_keeps_the_links_hash_for_an_hour_not_its_code(client, people, tenant):
+    client.force_login(people["owner_a"])
+    _, link = _invite(client, tenant)
+    code = link.rstrip("/").rsplit("/", 1)[1]
+    client.force_login(people["nobody"])
+    client.get(link)
+    stored = client.session[joining.SESSION_KEY]
+    assert stored["hash"] == invitations.code_hash(code) and code not in str(dict(client.session))
+    session = client.session
+    session[joining.SESSION_KEY] = {**stored, "at": stored["at"] - joining.KEPT_SECONDS - 1}
+    session.save()
+    assert "open the invitation link" in client.get(reverse("console:join")).content.decode()
+
+
+def test_the_access_log_leaves_an_invitations_code_out():
+    stream = io.StringIO()
+    details = {"client": ["203.0.113.9", 5555], "method": "GET", "status": 302, "size": 0}
+    QuietAccessLog(stream)("http", "complete", {**details, "path": "/console/join/inv_SECRET/"})
+    QuietAccessLog(stream)("http", "complete", {**details, "path": "/console/join/"})
+    logged = stream.getvalue()
+    assert "inv_SECRET" not in logged and '"GET /console/join/…"' in logged
+    assert '"GET /console/join/"' in logged
+
+
+def test_an_admin_is_offered_only_what_an_admin_may_do(client, people, tenant):
+    client.force_login(people["owner_a"])
+    _invite(client, tenant, role="owner", note="the new co-founder")
+    client.force_login(people["admin_a"])
+    _invite(client, tenant, note="Alice <script>")
+    page = client.get(reverse("console:members", args=[tenant.slug])).content.decode()
+    form = page[page.index("Invite someone") : page.index("Open invitations")]
+    assert 'value="owner"' not in form and 'value="admin"' in form
+    rows = page[page.index("Open invitations") :]
+    owner_row = rows[rows.index("the new co-founder") : rows.index("Alice &lt;script&gt;")]
+    assert "Revoke" not in owner_row  # an owner's invitation is an owner's to revoke
+    assert "Revoke" in rows[rows.index("Alice &lt;script&gt;") :]
+
+
+def test_an_invitation_whose_maker_lost_the_right_says_it_no_longer_works(client, people, tenant):
+    client.force_login(people["admin_a"])
+    _invite(client, tenant, note="for bob")
+    services.membership_set(tenant=tenant, user=people["admin_a"], role="member", actor=None)
+    client.force_login(people["owner_a"])
+    page = client.get(reverse("console:members", args=[tenant.slug])).content.decode()
+    assert "for bob" in page and "no longer works" in page

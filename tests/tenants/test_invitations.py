@@ -76,6 +76,9 @@ def test_the_audit_log_names_the_maker_the_revoker_and_the_member_who_accepted(c
         (AuditEvent.Action.INVITATION_CREATED, "owner", [None, "admin"]),
         (AuditEvent.Action.INVITATION_REVOKED, "admin", None),  # once
     ]
+    added = AuditEvent.objects.get(action=AuditEvent.Action.MEMBER_ADDED, actor_name="guest")
+    assert added.changes["invited_by"] == [None, "owner"]
+    assert added.changes["invitation"] == [None, invitation.pk]
 
 
 def test_only_who_may_give_a_role_invites_to_it(crew, tenant):
