@@ -33,8 +33,6 @@ ECHO_UNSUPPORTED = ApiError(
     code="echo_unsupported",
     param="echo",
 )
-# choices' logprobs built (and encoded) between two looks at the event loop
-CHOICES_PER_YIELD = 1
 
 
 @dataclass
