@@ -40,6 +40,15 @@ CACHE_LIMIT_BYTES = 256 << 20
 _SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 _CLOSING_CHARS = set('"]}')
+# a regex's groups nested deeper than this are refused: xgrammar's converter recurses per
+# group, and 30,000 of them (60 KB) overflowed its stack and killed the engine
+MAX_PATTERN_NESTING = 64
+# an object's optional properties: each adds to every other's grammar (10 s for 1,500 on
+# the intake thread, which every new request waits behind); 256 compile in a few ms
+MAX_OPTIONAL_PROPERTIES = 256
+# keywords xgrammar does not enforce: refused rather than ignored (a schema that says "not"
+# would be served as if it did not)
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
 
 
 class InvalidGrammar(ValueError):
@@ -116,20 +125,35 @@ class GrammarCompiler:
         kind = spec.kind()
         try:
             if kind == "json":
+                check_json_schema(spec.json)
                 # compact JSON: a model cannot loop on whitespace between the tokens
-                return compiler.compile_json_schema(
+                compiled = compiler.compile_json_schema(
                     bounded_strings_as_patterns(spec.json), any_whitespace=False
                 )
-            if kind == "json_object":
-                return compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, any_whitespace=False)
-            if kind == "regex":
-                return compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(spec.choice))
-            return compiler.compile_grammar(spec.grammar)
+            elif kind == "json_object":
+                compiled = compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, any_whitespace=False)
+            elif kind == "regex":
+                check_pattern(spec.regex, "structured_outputs.regex")
+                compiled = compiler.compile_regex(spec.regex)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(spec.choice))
+            else:
+                compiled = compiler.compile_grammar(spec.grammar)
         except RuntimeError as exc:
             reason = _SOURCE_PREFIX.sub("", str(exc).strip())
             raise InvalidGrammar(f"structured_outputs.{kind} cannot be compiled: {reason}") from exc
+        if not self._allows_a_start(compiled):
+            # a schema that refers only to itself ({"$ref": "#"}): refused here, not after
+            # the request's prefill as a step that found no token to draw
+            raise InvalidGrammar(f"structured_outputs.{kind} allows no output at all")
+        return compiled
+
+    def _allows_a_start(self, compiled: xgrammar.CompiledGrammar) -> bool:
+        """Whether any token may begin the grammar's output."""
+        import xgrammar
+
+        bitmask = fill_bitmask([xgrammar.GrammarMatcher(compiled)], self.vocab_size)
+        return bool(bitmask.ne(0).any())
 
     def closing_tokens(self) -> tuple[list[int], list[float]]:
         """The tokens that close JSON values and how strongly a request near its token limit
@@ -193,6 +217,87 @@ def _rewrite_bounded_strings(node: object) -> object:
 
 # string keywords that already shape the value: a length bound beside them is left alone
 _STRING_SHAPES = {"pattern", "format", "enum", "const"}
+
+
+def check_pattern(pattern: str, where: str) -> None:
+    """``InvalidGrammar`` where a regex nests its groups deeper than ``MAX_PATTERN_NESTING``."""
+    depth = deepest = 0
+    escaped = in_class = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(depth - 1, 0)
+    if deepest > MAX_PATTERN_NESTING:
+        raise InvalidGrammar(
+            f"{where} nests groups {deepest} deep; at most {MAX_PATTERN_NESTING} are supported"
+        )
+
+
+# keywords whose value is one subschema, a list of them, or a name -> subschema map
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames",
+              "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def check_json_schema(schema_text: str) -> None:
+    """``InvalidGrammar`` for what a JSON schema asks that would not be served as asked: a
+    keyword xgrammar ignores (``UNENFORCED_KEYWORDS``, an ``allOf`` of several schemas), a
+    pattern nested too deep for its converter, an object with more than
+    ``MAX_OPTIONAL_PROPERTIES`` optional properties. Text that is not JSON is left to the
+    compiler to report."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return
+    where = "structured_outputs.json"
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for keyword in UNENFORCED_KEYWORDS:
+            if keyword in node:
+                raise InvalidGrammar(f"{where}: {keyword!r} is not supported (it is not enforced)")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            raise InvalidGrammar(
+                f"{where}: 'allOf' of several schemas is not supported (it is not enforced); "
+                "merge them into one"
+            )
+        if isinstance(node.get("pattern"), str):
+            check_pattern(node["pattern"], f"{where} pattern")
+        properties = node.get("properties")
+        if isinstance(properties, dict):
+            required = node.get("required")
+            required = set(required) if isinstance(required, list) else set()
+            optional = len(properties.keys() - required)
+            if optional > MAX_OPTIONAL_PROPERTIES:
+                raise InvalidGrammar(
+                    f"{where}: an object has {optional} optional properties; at most "
+                    f"{MAX_OPTIONAL_PROPERTIES} are supported (list more in 'required')"
+                )
+        for keyword in _SUBSCHEMA:
+            stack.append(node.get(keyword))
+        for keyword in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(keyword), list):
+                stack.extend(node[keyword])
+        for keyword in _SUBSCHEMA_MAPS:
+            subschemas = node.get(keyword)
+            if isinstance(subschemas, dict):
+                if keyword == "patternProperties":
+                    for key in subschemas:
+                        check_pattern(str(key), f"{where} patternProperties key")
+                stack.extend(subschemas.values())
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -143,12 +143,13 @@ class Request:
         """Whether a JSON-guided request is near its token limit: from then on the sampler
         favours the tokens that close the value (quotes, brackets, EOS), so that the output
         parses instead of being cut off mid-value. The last quarter of its budget (at least
-        ``MIN_CLOSING_TOKENS``) is kept for closing."""
+        ``MIN_CLOSING_TOKENS``, but never more than half of it: a short budget closed every
+        string from its first token, and answered ``{"answer": ""}``) is kept for closing."""
         if self.closing_tokens is None:
             return False
         budget = self.max_num_tokens - self.num_prompt_tokens
         tokens_left = self.max_num_tokens - self.num_tokens
-        return tokens_left <= max(MIN_CLOSING_TOKENS, budget // 4)
+        return tokens_left <= min(max(MIN_CLOSING_TOKENS, budget // 4), budget // 2)
 
     def check_stop(self) -> FinishReason | None:
         """Stop reason after the last appended token, if any (stop strings are checked outside)."""

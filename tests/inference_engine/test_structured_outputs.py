@@ -6,6 +6,10 @@ sampler."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import jsonschema
@@ -13,7 +17,13 @@ import pytest
 import torch
 
 from inference_engine import SamplingParams
-from inference_engine.guided import GrammarCompiler, InvalidGrammar, apply_bitmask, fill_bitmask
+from inference_engine.guided import (
+    MAX_OPTIONAL_PROPERTIES,
+    GrammarCompiler,
+    InvalidGrammar,
+    apply_bitmask,
+    fill_bitmask,
+)
 from inference_engine.protocol import InvalidParam, StructuredOutputsParams
 from inference_engine.request import NO_TOKEN
 from inference_engine.sampler import Sampler, SamplingRow
@@ -428,3 +438,126 @@ def test_tools_and_tool_turns_are_rendered_by_the_template():
     assert "<|tool|>sunny" in text
     assert tool_call_parser(tool_tokenizer) == "hermes"
     assert tool_call_parser(build_tokenizer()) == ""
+
+
+def _compile_in_a_child(schema_expr: str) -> subprocess.CompletedProcess:
+    """Compile a schema as the server's intake thread does, in a child process: a crash of
+    the grammar library there cannot take the test run down."""
+    code = textwrap.dedent(
+        f"""
+        import json, sys, threading
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from tests.inference_engine.conftest import build_tokenizer
+        from inference_engine.guided import GrammarCompiler, InvalidGrammar
+        from inference_engine.protocol import StructuredOutputsParams
+        compiler = GrammarCompiler(build_tokenizer(), 384, frozenset([0]))
+        spec = StructuredOutputsParams(json=json.dumps({schema_expr}))
+        spec.validate()
+        def intake():
+            try:
+                compiler.compile(spec)
+                print("compiled")
+            except InvalidGrammar as exc:
+                print("refused:", exc)
+        thread = threading.Thread(target=intake)
+        thread.start()
+        thread.join()
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    "schema_expr",
+    [
+        '{"type": "string", "pattern": "(" * 40000 + "a" + ")" * 40000}',
+        '{"type": "object", "propertyNames": {"pattern": "(" * 40000 + "a" + ")" * 40000}}',
+        '{"type": "object", "patternProperties": {"(" * 40000 + "a" + ")" * 40000: {}}}',
+    ],
+    ids=["pattern", "propertyNames", "patternProperties"],
+)
+def test_a_pattern_nested_too_deep_is_refused_not_the_engines_death(schema_expr):
+    """An 80 KB schema (within the size limit) killed the engine process: xgrammar's regex
+    converter recurses per group, and 40,000 nested groups overflowed its stack."""
+    result = _compile_in_a_child(schema_expr)
+    assert result.returncode == 0, f"the compiling process died: rc={result.returncode}"
+    assert "refused:" in result.stdout and "nests groups 40000 deep" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"allOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]},
+        {"not": {"type": "integer"}},
+        {"if": {"type": "integer"}, "then": {"minimum": 5}},
+        {"type": "object", "properties": {"a": {"dependentRequired": {"x": ["y"]}}}},
+        {"type": "array", "items": {"anyOf": [{"not": {"type": "string"}}]}},
+    ],
+)
+def test_a_keyword_the_grammar_would_not_enforce_is_refused(llm, schema):
+    """xgrammar ignores them: the schema was served as if it were enforced."""
+    spec = StructuredOutputsParams(json=json.dumps(schema))
+    output = llm.generate("hello", SamplingParams(max_tokens=5, structured_outputs=spec))[0]
+    assert output.finish_reason == "error" and "is not supported" in output.error
+
+
+def test_schemas_that_name_a_property_like_a_keyword_or_allof_one_schema_compile(llm):
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "integer"}, "if": {"allOf": [{"type": "string"}]}},
+        "required": ["not", "if"],
+    }
+    spec = StructuredOutputsParams(json=json.dumps(schema))
+    output = llm.generate("hello", SamplingParams(max_tokens=60, structured_outputs=spec))[0]
+    assert output.finish_reason != "error", output.error
+
+
+def test_an_object_of_too_many_optional_properties_is_refused_at_once(tokenizer):
+    """Each optional property adds to every other's grammar: 1,500 took 10 s to compile on
+    the intake thread that every new request of the engine waits behind."""
+    compiler = GrammarCompiler(tokenizer, 384, frozenset([0]))
+    properties = {f"p{i}": {"type": "integer"} for i in range(1500)}
+    started = time.monotonic()
+    with pytest.raises(InvalidGrammar, match="1500 optional properties"):
+        compiler.compile(
+            StructuredOutputsParams(json=json.dumps({"type": "object", "properties": properties}))
+        )
+    assert time.monotonic() - started < 1.0
+    required = {"type": "object", "properties": properties, "required": list(properties)}
+    compiler.compile(StructuredOutputsParams(json=json.dumps(required)))  # no optional ones
+    allowed = {f"p{i}": {"type": "integer"} for i in range(MAX_OPTIONAL_PROPERTIES)}
+    compiler.compile(
+        StructuredOutputsParams(json=json.dumps({"type": "object", "properties": allowed}))
+    )
+
+
+def test_a_schema_that_allows_nothing_is_refused_before_its_prefill(llm):
+    """``{"$ref": "#"}`` compiled, was admitted, ran its prefill, and only then failed as a
+    step with no token to draw."""
+    spec = StructuredOutputsParams(json=json.dumps({"$ref": "#"}))
+    with pytest.raises(InvalidGrammar, match="allows no output"):
+        llm.core.grammars.compile(spec)
+
+
+def test_a_short_budget_still_writes_its_strings(llm):
+    """With a budget of 32 tokens or fewer the closing steer was on from the first token:
+    every string closed at once, {"answer": ""}, finish_reason stop."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}},
+        "required": ["answer"],
+    }
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
+        )
+        for seed in range(4)
+    ]
+    outputs = llm.generate(["the quick brown"] * 4, params)
+    answers = [json.loads(o.text)["answer"] for o in outputs if o.finish_reason == "stop"]
+    assert any(answers), [o.text for o in outputs]
