@@ -73,6 +73,11 @@ class ToolCallReader:
         self.calls: list[FullCall] = []
         self._buffer = ""  # text not yet given out (auto: a possible tag; required: all)
         self._content: list[str] = []
+        # The text between two calls (or before the first, after the last) is content unless
+        # it is all whitespace. Streamed, whitespace that opens such a stretch is held until
+        # text (content) or a call (none) decides, so the stream reads as the whole answer.
+        self._space = ""
+        self._stretch_has_text = False
 
     @property
     def content(self) -> str | None:
@@ -94,11 +99,16 @@ class ToolCallReader:
 
     def finish(self) -> list[str | CallDelta]:
         """Whatever is left, once the output is complete."""
+        pieces: list[str | CallDelta] = []
         if self.plan.mode == "required":
-            return _given(self._read_required())
-        if self.plan.mode == "auto" and self.parser:
-            return _given(self._read_hermes(final=True))
-        return []
+            pieces = self._read_required()
+        elif self.plan.mode == "auto" and self.parser:
+            pieces = self._read_hermes(final=True)
+        if self._space and not self.calls:  # an answer of whitespace is its content
+            self._content.append(self._space)
+            pieces.append(self._space)
+        self._space = ""
+        return _given(pieces)
 
     def _feed_named(self, text: str) -> list[str | CallDelta]:
         pieces: list[str | CallDelta] = []
@@ -154,12 +164,15 @@ class ToolCallReader:
         return pieces
 
     def _say(self, text: str) -> str:
-        if self.calls and not text.strip():
-            return ""  # whitespace between calls
+        if not self._stretch_has_text and not text.strip():
+            self._space += text
+            return ""
+        text, self._space, self._stretch_has_text = self._space + text, "", True
         self._content.append(text)
         return text
 
     def _add_call(self, name: str, arguments: object) -> CallDelta:
+        self._space, self._stretch_has_text = "", False  # whitespace alone is no content
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
         call = FullCall(new_call_id(), name, arguments)

@@ -137,3 +137,24 @@ def test_without_parallel_calls_the_second_call_is_dropped():
     assert [(i, name, json.loads(args)) for i, name, args in calls] == [
         (0, "get_weather", {"city": "Paris"})
     ]
+
+
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        [CALL, "Done", ".", "\n\n", "It", " is", " sunny", "."],
+        ["\n", CALL, "\n", "Done."],
+        ["Hello", " ", "there", " "],
+        [" ", "\n"],
+    ],
+)
+def test_streamed_content_reads_as_the_whole_answer(deltas):
+    """A delta of whitespace after a call was dropped: "Done.It is sunny." streamed where
+    the whole answer read "Done.\\n\\nIt is sunny."; whitespace before the first call was
+    streamed as content the whole answer does not have."""
+    whole = ToolCallReader(AUTO, "hermes")
+    whole_content, whole_calls = summary(read_all(whole, ["".join(deltas)]))
+    streamed = ToolCallReader(AUTO, "hermes")
+    content, calls = summary(read_all(streamed, deltas))
+    assert (content, calls) == (whole_content, whole_calls)
+    assert streamed.content == whole.content
