@@ -150,7 +150,7 @@ def test_echo_scores_a_prompt_as_lm_evaluation_harness_asks(platform):
     client = platform.client()
     prompt = [17, 42, 99, 7, 250]
     # the token drawn is 123 (the bias); its logprob is the raw logits', as a prompt token's
-    drawn = client.completions.create(
+    scoring = dict(
         model=MODEL_NAME,
         prompt=prompt,
         max_tokens=1,
@@ -159,6 +159,7 @@ def test_echo_scores_a_prompt_as_lm_evaluation_harness_asks(platform):
         echo=True,
         logit_bias={"123": 100},
     )
+    drawn = client.completions.create(**scoring)
     choice = drawn.choices[0]
     entries = choice.logprobs
     assert len(entries.tokens) == len(prompt) + 1
@@ -195,16 +196,7 @@ def test_echo_scores_a_prompt_as_lm_evaluation_harness_asks(platform):
         for each in chunk.choices:
             by_index[each.index] = by_index.get(each.index, "") + each.text
     assert by_index == {0: text.choices[0].text, 1: text.choices[0].text}
-    streamed_logprobs = client.completions.create(
-        model=MODEL_NAME,
-        prompt=prompt,
-        max_tokens=1,
-        temperature=0,
-        logprobs=1,
-        echo=True,
-        logit_bias={"123": 100},
-        stream=True,
-    )
+    streamed_logprobs = client.completions.create(**scoring, stream=True)
     tokens, token_logprobs = [], []
     for chunk in streamed_logprobs:
         for each in chunk.choices:
