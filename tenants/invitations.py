@@ -8,7 +8,8 @@ user by name did both).
 
 An invitation is used once, before it expires, unless revoked; and it gives its role only
 while its maker still may give it (a maker removed from the tenant, deactivated or made a plain
-member since invites nobody). The acceptance is the member's own change in the audit log.
+member since invites nobody). The acceptance is the member's own change in the audit log,
+naming the invitation and its maker.
 """
 
 import hashlib
@@ -26,7 +27,8 @@ from tenants.models import AuditEvent, Invitation, Membership, Tenant
 from tenants.services import MembershipChange, memberships_apply, role_give_check
 
 CODE_PREFIX = "inv_"
-# a closed invitation (used, revoked, expired) stays listed this long, then is purged
+# a closed invitation (used, revoked, expired) is kept this long, then purged (the audit log
+# keeps its story)
 CLOSED_KEPT_DAYS = 30
 EXPIRY_DAYS = (1, 7, 30)
 DEFAULT_EXPIRY_DAYS = 7
