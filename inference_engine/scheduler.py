@@ -90,6 +90,7 @@ class Scheduler:
         # profile sized a step's logits for max_num_seqs rows and the sampler's float32 and
         # sorted copies of them, three times what a kept prompt row costs
         self.max_prompt_logprob_rows = 2 * max_num_seqs
+        self._prompt_rows_left = 0  # of the step being scheduled
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = make_waiting_queue(policy)
@@ -147,7 +148,7 @@ class Scheduler:
         output = SchedulerOutput()
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.max_num_batched_tokens
-        prompt_rows = [self.max_prompt_logprob_rows]
+        self._prompt_rows_left = self.max_prompt_logprob_rows
         busy_tenants = self._newcomer_step_excludes()
         self._was_newcomer_step = busy_tenants is not None
 
@@ -164,7 +165,6 @@ class Scheduler:
             num_new_tokens = self._cap_prompt_rows(
                 request,
                 min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget),
-                prompt_rows,
             )
             while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
                 victim = self._memory_victim()
@@ -192,7 +192,7 @@ class Scheduler:
                 break
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = self._cap_prompt_rows(
-                request, min(request.num_tokens - num_cached, budget), prompt_rows
+                request, min(request.num_tokens - num_cached, budget)
             )
             new_block_ids = None
             if not output.preempted_req_ids:
@@ -253,7 +253,7 @@ class Scheduler:
             return output
         being_written: set[int] | None = None
         budget = self.max_num_batched_tokens
-        prompt_rows = [self.max_prompt_logprob_rows]
+        self._prompt_rows_left = self.max_prompt_logprob_rows
         while (
             budget > 0
             and len(self.running) < self.max_num_seqs
@@ -264,7 +264,7 @@ class Scheduler:
                 being_written = self._blocks_being_written(in_flight)
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request, being_written)
             num_new_tokens = self._cap_prompt_rows(
-                request, min(request.num_tokens - num_cached, budget), prompt_rows
+                request, min(request.num_tokens - num_cached, budget)
             )
             reserve = (
                 0
@@ -335,15 +335,14 @@ class Scheduler:
                 num_refunded += self._preempt_in_step(other.request, scheduled, output)
         return num_refunded
 
-    @staticmethod
-    def _cap_prompt_rows(request: Request, num_new_tokens: int, rows_left: list[int]) -> int:
+    def _cap_prompt_rows(self, request: Request, num_new_tokens: int) -> int:
         """``num_new_tokens``, cut so that a chunk whose prompt logprobs are wanted keeps no
-        more logits rows than the step has left (``rows_left[0]``, taken from), and never
-        none: a long prompt's logprobs take more steps, not more memory."""
+        more logits rows than the step has left (taken from them), and never none: a long
+        prompt's logprobs take more steps, not more memory."""
         if not request.reads_whole_prompt:
             return num_new_tokens
-        num_new_tokens = min(num_new_tokens, max(rows_left[0], 1))
-        rows_left[0] = max(rows_left[0] - num_new_tokens, 0)
+        num_new_tokens = min(num_new_tokens, max(self._prompt_rows_left, 1))
+        self._prompt_rows_left = max(self._prompt_rows_left - num_new_tokens, 0)
         return num_new_tokens
 
     def _admit(self, request: Request, num_cached: int, num_new_tokens: int) -> ScheduledRequest:

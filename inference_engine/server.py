@@ -504,7 +504,7 @@ class EngineServer:
                             break
                         self._handle_frames(router, frames)
                 self._abort_silent_clients(time.monotonic())
-                self._exit_if_hung(time.monotonic())
+                self._exit_if_hung()
             _forward(pull, router)
         finally:
             pull.close(linger=0)
@@ -767,18 +767,17 @@ class EngineServer:
         if len(held) < len(req_ids):
             self._queue_abort([req_id for req_id in req_ids if req_id not in held])
 
-    def _exit_if_hung(self, now: float) -> None:
+    def _exit_if_hung(self) -> None:
         """A step that has run for ``step_timeout`` is taken for hung (a kernel that never
         returns, a deadlock): the process exits at once, so that its supervisor starts it
         again and its clients, their link dropped, fail their streams (metered) instead of
         waiting on an engine whose I/O thread still answers their heartbeats."""
-        started = self._step_started_at
-        timeout = self.config.step_timeout
-        if not timeout or started is None or now - started < timeout:
+        seconds, timeout = self._step_seconds(), self.config.step_timeout
+        if not timeout or seconds < timeout:
             return
         logger.critical(
             "a step has run for %.0fs (--step-timeout %.0f): exiting to be restarted",
-            now - started,
+            seconds,
             timeout,
         )
         logging.shutdown()

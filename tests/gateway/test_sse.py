@@ -234,9 +234,11 @@ async def test_text_events_are_exactly_the_encoded_response_objects(
     await responder.run.aclose()
 
 
-async def _answer(kind: str, body: dict, world, delta: GenerateDelta, *, stream: bool) -> list:
-    """The choices of the response to ``body`` when the fake engine answers its one request
-    with ``delta`` (its last): the whole response's, or the choices of every streamed event."""
+async def _started(
+    kind: str, body: dict, world, delta: GenerateDelta, *, stream: bool
+) -> Responder:
+    """The responder to ``body``, its run started on the fake engine's answer to its one
+    request: ``delta`` (its last)."""
     parse = plan_chat if kind == "chat" else plan_completion
     plan = parse(json.dumps({"model": "m", **body, "stream": stream}).encode())
     responder = _responder(kind, plan, world, "resp-1")
@@ -245,6 +247,13 @@ async def _answer(kind: str, body: dict, world, delta: GenerateDelta, *, stream:
     delta.request_id = request.request_id
     await world.fake.send(identity, ResponseType.OUTPUTS, [delta])
     await starting
+    return responder
+
+
+async def _answer(kind: str, body: dict, world, delta: GenerateDelta, *, stream: bool) -> list:
+    """The choices of the response to ``body`` when the fake engine answers its one request
+    with ``delta`` (its last): the whole response's, or the choices of every streamed event."""
+    responder = await _started(kind, body, world, delta, stream=stream)
     try:
         if not stream:
             return json.loads(msgspec.json.encode(await responder.complete()))["choices"]
@@ -499,13 +508,7 @@ async def test_an_engine_that_ignores_an_echos_prompt_logprobs_is_an_error_not_a
             await _answer("completion", body, run_world, delta, stream=False)
         assert raised.value.status == 501 and raised.value.param == "echo"
         return
-    plan = plan_completion(json.dumps({"model": "m", **body, "stream": True}).encode())
-    responder = _responder("completion", plan, run_world, "cmpl-old-engine")
-    starting = asyncio.create_task(responder.run.start())
-    identity, request = await run_world.fake.generates.get()
-    delta.request_id = request.request_id
-    await run_world.fake.send(identity, ResponseType.OUTPUTS, [delta])
-    await starting
+    responder = await _started("completion", body, run_world, delta, stream=True)
     try:
         events = _events(b"".join([write async for write in responder.sse()]))
     finally:
