@@ -112,7 +112,11 @@ class OutputProcessor:
             identity=identity,
             request_id=request_id,
             detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                )
                 if self.tokenizer is not None
                 else None
             ),

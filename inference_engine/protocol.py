@@ -191,6 +191,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
+    # special tokens the model writes are left out of the text (vLLM's default); off, they
+    # are text (a tool call's tags are special tokens in some models); the stop token never is
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

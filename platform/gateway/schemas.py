@@ -169,6 +169,8 @@ class _GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None  # stop at any of these tokens too
     include_stop_str_in_output: bool | None = None  # keep the stop string that ended it
+    # special tokens the model writes are left out of the text (vLLM's default: true)
+    skip_special_tokens: bool | None = None
     # vLLM's: lower values are served first; a caller may only lower its plan's priority
     priority: Priority | None = None
     # token id (as a string, JSON's keys) -> a bias in [-100, 100] added to its logit

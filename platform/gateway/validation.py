@@ -186,6 +186,7 @@ def _sampling_params(
         "ignore_eos": request.ignore_eos,
         "stop_token_ids": request.stop_token_ids,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": _skips_special_tokens(request, tool_plan),
         "logprobs": logprobs,
         "logit_bias": structured.logit_bias(request.logit_bias),
         "structured_outputs": structured.constraint(request, tool_plan),
@@ -200,6 +201,17 @@ def _sampling_params(
         if param is not None:  # the API's name for it
             message = message.replace(exc.field, param, 1)
         raise invalid(message, param or exc.field) from exc
+
+
+def _skips_special_tokens(
+    request: ChatCompletionRequest | CompletionRequest, tool_plan: ToolPlan | None
+) -> bool | None:
+    """The request's ``skip_special_tokens``; unset where the model may call tools at will, it
+    is off: the calls' tags are special tokens in some models (Hermes 2 Pro's), and the reader
+    must see them in the text (vLLM's Hermes parser turns it off too)."""
+    if request.skip_special_tokens is None and tool_plan is not None and tool_plan.mode == "auto":
+        return False
+    return request.skip_special_tokens
 
 
 def _not_supported(message: str, param: str) -> ApiError:

@@ -247,6 +247,34 @@ def test_vllms_stop_token_ids_and_stop_string_keeping_reach_the_engine():
     assert params.prompts[0].params.include_stop_str_in_output
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "skip"),
+    [
+        ({}, True),  # vLLM's default
+        ({"skip_special_tokens": False}, False),
+        # the model may call at will: its calls' tags, special tokens in some models (Hermes 2
+        # Pro's), must reach the reader as text, as vLLM's Hermes parser asks
+        ({"tools": [TOOL]}, False),
+        ({"tools": [TOOL], "tool_choice": "auto"}, False),
+        ({"tools": [TOOL], "tool_choice": "auto", "skip_special_tokens": True}, True),
+        ({"tools": [TOOL], "tool_choice": "none"}, True),
+        ({"tools": [TOOL], "tool_choice": "required"}, True),  # guided: no tags to read
+    ],
+)
+def test_special_tokens_are_skipped_unless_asked_or_read_as_tool_calls(fields, skip):
+    assert plan_chat(_chat(**fields)).prompts[0].params.skip_special_tokens is skip
+
+
+def test_a_completion_may_keep_special_tokens():
+    plan = plan_completion(
+        json.dumps({"model": "m", "prompt": "x", "skip_special_tokens": False}).encode()
+    )
+    assert plan.prompts[0].params.skip_special_tokens is False
+
+
 def test_an_assistant_turn_that_refused_is_sent_back_as_openai_gave_it():
     """SDKs give back the refusal OpenAI answered with: a null content beside it, or a part
     of the content. Both were 400s; the model is shown what it refused with."""

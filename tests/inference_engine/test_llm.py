@@ -243,3 +243,17 @@ def test_close_gives_the_models_memory_back(model_dirs):
     gc.collect()
     assert model() is None and cache() is None
     assert runner.graphs is None and runner.key_caches == []
+
+
+def test_special_tokens_the_model_writes_are_text_when_not_skipped(llm_cache, tokenizer):
+    """``skip_special_tokens`` reaches the detokenizer: a model made to write a special
+    token shows it only where asked (as a tool call's tag must show to be read)."""
+    llm = llm_cache("llama")
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    forced = dict(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={user: 100.0})
+    kept, skipped = llm.generate(
+        ["hello", "hello"],
+        [SamplingParams(**forced, skip_special_tokens=False), SamplingParams(**forced)],
+    )
+    assert kept.token_ids == skipped.token_ids == [user, user]
+    assert (kept.text, skipped.text) == ("<|user|><|user|>", "")

@@ -106,3 +106,19 @@ def test_importing_the_package_and_protocol_does_not_import_torch():
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_skip_special_tokens_is_on_by_default_and_travels():
+    """vLLM's default; a request that turns it off says so on the wire, one that keeps it
+    sends nothing more (an older engine reads the same)."""
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(SamplingParams)
+    assert SamplingParams().skip_special_tokens is True
+    assert encoder.encode(SamplingParams()) == encoder.encode(
+        SamplingParams(skip_special_tokens=True)
+    )
+    assert (
+        decoder.decode(
+            encoder.encode(SamplingParams(skip_special_tokens=False))
+        ).skip_special_tokens
+        is False
+    )

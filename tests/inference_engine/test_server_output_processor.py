@@ -212,3 +212,19 @@ def test_stop_string_kept_when_asked(tokenizer):
     token_ids = tokenizer("the fox jumps", add_special_tokens=False)["input_ids"]
     deltas = [d for t in token_ids for d in harness.step(EngineOutput("r", [t])).get(b"c1", [])]
     assert "".join(d.text for d in deltas) == "the fox"
+
+
+@pytest.mark.parametrize(("skip", "text"), [(True, "hello"), (False, "<|user|>hello")])
+def test_special_tokens_are_text_only_when_not_skipped(tokenizer, skip, text):
+    """vLLM's ``skip_special_tokens``: off, a special token the model writes (a tool call's
+    tag, in some models) is part of the text; the EOS that ends it still is not."""
+    harness = Harness(tokenizer)
+    harness.add("r", skip_special_tokens=skip)
+    token_ids = [
+        tokenizer.convert_tokens_to_ids("<|user|>"),
+        *tokenizer("hello", add_special_tokens=False)["input_ids"],
+        tokenizer.eos_token_id,
+    ]
+    deltas = [harness.step(EngineOutput("r", [t]))[b"c1"][0] for t in token_ids[:-1]]
+    deltas += harness.step(finished("r", FinishReason.STOP, len(token_ids), token_ids[-1]))[b"c1"]
+    assert "".join(d.text for d in deltas) == text
