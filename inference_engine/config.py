@@ -180,8 +180,26 @@ class ServerConfig:
         "70), so that its supervisor restarts it and its streams fail instead of waiting "
         "for ever; 0: never",
     )
+    grammar_compile_workers: int = option(
+        2,
+        "threads compiling structured outputs' grammars, one at a time per tenant: a "
+        "tenant's slow grammars hold up its own structured requests alone",
+    )
+    grammar_compile_timeout: float = option(
+        30.0,
+        "seconds a request's grammar may take to compile (queued time included) before the "
+        "request is refused",
+    )
 
     def __post_init__(self) -> None:
+        if self.grammar_compile_workers < 1:
+            raise ValueError(
+                f"grammar_compile_workers must be >= 1, got {self.grammar_compile_workers}"
+            )
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}"
+            )
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not 0 < self.tenant_queue_share <= 1:

@@ -158,12 +158,23 @@ class EngineCore:
             )
         return None
 
+    def needs_grammar_compile(self, params: SamplingParams, cache_salt: str | None = None) -> bool:
+        """Whether ``params`` ask for a grammar not compiled yet for ``cache_salt``'s
+        requests: ``check_structured_outputs`` then compiles (tens of milliseconds, or far
+        more for a schema written to be slow)."""
+        spec = params.structured_outputs
+        return (
+            spec is not None
+            and self.grammars is not None
+            and not self.grammars.is_compiled(spec, cache_salt)
+        )
+
     def check_structured_outputs(
         self, params: SamplingParams, cache_salt: str | None = None
     ) -> Refusal | None:
         """Whether ``params``' constraint compiles (and compile it into the cache of the
         requests sharing ``cache_salt``, so the busy loop finds it there): the server calls
-        this on its I/O thread."""
+        this off the busy loop (on its compile queue)."""
         if params.structured_outputs is None:
             return None
         if self.grammars is None:

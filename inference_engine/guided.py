@@ -57,7 +57,7 @@ class InvalidGrammar(ValueError):
 
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` against one model's tokenizer. Thread-safe: the
-    server compiles on its I/O thread, ahead of the busy loop that matches."""
+    server compiles on its compile queue's threads, ahead of the busy loop that matches."""
 
     def __init__(
         self,
@@ -114,6 +114,11 @@ class GrammarCompiler:
                 _, oldest = self._compiled.popitem(last=False)
                 self._compiled_bytes -= oldest.memory_size_bytes
         return compiled
+
+    def is_compiled(self, spec: StructuredOutputsParams, salt: str | None = None) -> bool:
+        """Whether ``compile(spec, salt)`` would find it in the cache."""
+        with self._lock:
+            return (salt or "", msgspec.msgpack.encode(spec)) in self._compiled
 
     def cache_bytes(self) -> int:
         """What the compiled grammars kept take."""

@@ -6,11 +6,14 @@
   answers STATS and CONTROL itself, hands generates to the intake thread and puts aborts on the
   busy loop's ``InputQueue`` (``queues.py``). It also forwards the frames of the output and
   intake threads, which arrive on an inproc PULL socket, to the ROUTER.
-- The **intake thread** tokenizes prompts (applying the chat template) and compiles their
-  grammars, one request at a time in arrival order, refuses those that do not fit, and puts
-  the rest on the ``InputQueue``. An abort of a request it holds follows the request through
-  it. Off the I/O thread, a prompt of megabytes takes seconds of this thread alone (the
-  tokenizer lets go of the GIL): heartbeats are answered and streams forwarded meanwhile.
+- The **intake thread** tokenizes prompts (applying the chat template), one request at a
+  time in arrival order, refuses those that do not fit, and puts the rest on the
+  ``InputQueue``. An abort of a request it holds follows the request through it. Off the I/O
+  thread, a prompt of megabytes takes seconds of this thread alone (the tokenizer lets go of
+  the GIL): heartbeats are answered and streams forwarded meanwhile. A request whose grammar
+  is not compiled yet goes to the **compile queue** (``compile_queue.py``: a few threads, one
+  compile at a time per tenant, each given ``grammar_compile_timeout``) and comes back to
+  this thread when it is done; a model switch waits for the requests accepted before it.
 - The **busy loop** (the main thread) applies queued aborts, adds and model switches, then runs
   ``EngineCore.step()`` and hands the outputs on. It does nothing else, except that under
   ``fair`` on the CPU a step pauses between layers to take the adds that arrived meanwhile
@@ -47,8 +50,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from inference_engine.compile_queue import CompileQueue, Outcome
 from inference_engine.config import EngineConfig, ServerConfig
-from inference_engine.core import EngineCore
+from inference_engine.core import EngineCore, Refusal
 from inference_engine.metrics import EngineMetrics
 from inference_engine.model_control import LoadedModel, ModelController, load_model
 from inference_engine.output_processor import OutputProcessor
@@ -66,6 +70,7 @@ from inference_engine.protocol import (
     RequestType,
     ResponseType,
     StatsResponse,
+    Usage,
     handshake_failed_events,
     link_check,
     link_keys,
@@ -119,6 +124,15 @@ class _Intake:
     arrival: float
 
 
+@dataclass
+class _Compiled:
+    """A request whose grammar the compile queue is done with, back to the intake thread."""
+
+    item: _Intake
+    token_ids: list[int]
+    outcome: Outcome
+
+
 class EngineServer:
     def __init__(
         self, engine_config: EngineConfig, server_config: ServerConfig, token: str | None = None
@@ -167,9 +181,21 @@ class EngineServer:
         self._last_loop_at = 0.0
         # generates (and the aborts and model switches that follow them) for the intake
         # thread; None stops it
-        self._intake: queue.SimpleQueue[_Intake | _Switch | list[str] | None] = queue.SimpleQueue()
+        self._intake: queue.SimpleQueue[_Intake | _Compiled | _Switch | list[str] | None] = (
+            queue.SimpleQueue()
+        )
         # the requests the intake thread holds (added by the I/O thread, removed by intake)
         self._tokenizing: set[str] = set()
+        # grammars compile there, off the intake thread (``compile_queue``)
+        self._compiles = CompileQueue(
+            server_config.grammar_compile_workers, server_config.grammar_compile_timeout
+        )
+        # intake thread only: the requests whose grammar is compiling, those of them aborted
+        # meanwhile, and switches held until they are queued (a switch follows the requests
+        # accepted before it)
+        self._compiling: set[str] = set()
+        self._aborted_compiling: set[str] = set()
+        self._held_switches: list[_Switch] = []
         # written by the intake thread: adds counted as queued that it refused
         self._num_adds_refused = 0
         self._adds_refused_by_tenant: collections.Counter[str] = collections.Counter()
@@ -202,6 +228,7 @@ class EngineServer:
             target=self._intake_loop, name="engine-intake", daemon=True
         )
         intake_thread.start()
+        self._compiles.start()
         try:
             self._load()
             self._ready.set()
@@ -223,6 +250,7 @@ class EngineServer:
             self._draining.set()
             self._intake.put(None)
             intake_thread.join(timeout=10)
+            self._compiles.close()  # what it still holds comes back to the intake queue
             self._refuse_leftover_intake()
             if output_thread is not None:
                 self.output_queue.put(None)
@@ -644,43 +672,135 @@ class EngineServer:
         try:
             while (item := self._intake.get()) is not None:
                 if isinstance(item, list):  # aborts that followed their requests here
-                    self._queue_abort(item)
+                    self._abort_held(item)
                     continue
                 if isinstance(item, _Switch):
-                    self.inputs.put_switch(item.model)
+                    self._held_switches.append(item)
+                    self._release_held_switches()
                     continue
+                intake = item.item if isinstance(item, _Compiled) else item
+                is_compiling = False
                 try:
-                    self._take_in(item, push, encoder)
+                    if isinstance(item, _Compiled):
+                        self._take_compiled(item, push, encoder)
+                    else:
+                        is_compiling = self._take_in(item, push, encoder)
                 except Exception:  # noqa: BLE001 - one request must not stop the intake
-                    logger.exception("taking in %s failed", item.req_id)
+                    logger.exception("taking in %s failed", intake.req_id)
                     with contextlib.suppress(Exception):
-                        self._refuse(item, push, encoder, ErrorCode.ENGINE_ERROR, "intake failed")
+                        self._refuse(intake, push, encoder, ErrorCode.ENGINE_ERROR, "intake failed")
                 finally:
-                    self._tokenizing.discard(item.req_id)
+                    if not is_compiling:
+                        self._tokenizing.discard(intake.req_id)
+                        self._release_held_switches()
         finally:
             push.close(linger=-1)
 
-    def _take_in(self, item: _Intake, push: zmq.Socket, encoder: msgspec.msgpack.Encoder) -> None:
+    def _take_in(self, item: _Intake, push: zmq.Socket, encoder: msgspec.msgpack.Encoder) -> bool:
         """Tokenize ``item``'s prompt, check what needs its tokens, and queue it for the core
-        (or refuse it)."""
+        (or refuse it); True where its grammar went to compile (it comes back as a
+        ``_Compiled``)."""
         request = item.request
         try:
             token_ids = self._tokenize(request)
         except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects the roles
             self._refuse(item, push, encoder, ErrorCode.INVALID_REQUEST, f"cannot tokenize: {exc}")
-            return
+            return False
         core = self.core
         if core is not None and (
             refused := core.context_refusal(len(token_ids), request.params, request.max_model_len)
         ):
             self._refuse(item, push, encoder, *refused)
-            return
-        # a new grammar compiles here, not in the busy loop; one that cannot is refused
+            return False
+        # a new grammar compiles on the compile queue, not here nor in the busy loop
+        if core is not None and core.needs_grammar_compile(request.params, request.cache_salt):
+            self._compiling.add(item.req_id)
+            self._compiles.submit(
+                item.req_id,
+                request.tenant_id or "",
+                lambda: core.check_structured_outputs(request.params, request.cache_salt),
+                lambda outcome: self._intake.put(_Compiled(item, token_ids, outcome)),
+            )
+            return True
         if core is not None and (
             refused := core.check_structured_outputs(request.params, request.cache_salt)
         ):
             self._refuse(item, push, encoder, *refused)
+            return False
+        self._queue_add(item, token_ids)
+        return False
+
+    def _take_compiled(
+        self, compiled: _Compiled, push: zmq.Socket, encoder: msgspec.msgpack.Encoder
+    ) -> None:
+        """Queue (or refuse, or end as aborted) a request whose grammar compile ended."""
+        item, outcome = compiled.item, compiled.outcome
+        self._compiling.discard(item.req_id)
+        if outcome.cancelled or item.req_id in self._aborted_compiling:
+            self._aborted_compiling.discard(item.req_id)
+            self._num_adds_refused += 1
+            self._adds_refused_by_tenant[item.request.tenant_id or ""] += 1
+            aborted = GenerateDelta(
+                item.request.request_id, finish_reason=FinishReason.ABORT, usage=Usage()
+            )
+            push.send_multipart(
+                [item.identity, ResponseType.OUTPUTS.value, encoder.encode([aborted])]
+            )
             return
+        if refused := self._compile_refusal(outcome):
+            self._refuse(item, push, encoder, *refused)
+            return
+        self._queue_add(item, compiled.token_ids)
+
+    def _compile_refusal(self, outcome: Outcome) -> Refusal | None:
+        timeout = self.config.grammar_compile_timeout
+        if outcome.timed_out and outcome.started:
+            return Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"structured_outputs did not compile within {timeout:g}s: simplify it",
+                "structured_outputs",
+            )
+        if outcome.timed_out:
+            return Refusal(
+                ErrorCode.OVERLOADED,
+                f"the grammar was not compiled within {timeout:g}s: this tenant's earlier "
+                "grammars are still compiling",
+            )
+        if outcome.closed:
+            return Refusal(
+                ErrorCode.ENGINE_ERROR, "the engine shut down before the request started"
+            )
+        if outcome.error is not None:
+            return Refusal(
+                ErrorCode.ENGINE_ERROR,
+                f"compiling the grammar failed: {type(outcome.error).__name__}: {outcome.error}",
+            )
+        return outcome.result  # check_structured_outputs' answer
+
+    def _abort_held(self, req_ids: list[str]) -> None:
+        """Aborts of requests this thread held when they came: those whose grammar is
+        compiling end as soon as it is done (at once where it has not begun); the others were
+        queued already, and their aborts follow them."""
+        queued = []
+        for req_id in req_ids:
+            if req_id not in self._compiling:
+                queued.append(req_id)
+            elif not self._compiles.cancel(req_id):  # cancelled: it comes back as such
+                self._aborted_compiling.add(req_id)
+        if queued:
+            self._queue_abort(queued)
+
+    def _release_held_switches(self) -> None:
+        """Hand on the switches held while the requests accepted before them compiled."""
+        if self._compiling:
+            return
+        for switch in self._held_switches:
+            self.inputs.put_switch(switch.model)
+        self._held_switches.clear()
+
+    def _queue_add(self, item: _Intake, token_ids: list[int]) -> None:
+        """Register ``item`` with the output processor and queue it for the busy loop."""
+        request = item.request
         tenant = request.tenant_id or ""
         self.processor.add_request(
             item.req_id,
@@ -751,6 +871,8 @@ class EngineServer:
                     item = self._intake.get_nowait()
                 except queue.Empty:
                     return
+                if isinstance(item, _Compiled):
+                    item = item.item
                 if isinstance(item, _Intake):
                     message = "the engine shut down before the request started"
                     self._refuse(item, push, encoder, ErrorCode.ENGINE_ERROR, message)
