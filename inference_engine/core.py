@@ -18,6 +18,7 @@ from inference_engine.request import NO_TOKEN, UNDRAWABLE, Request
 from inference_engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
+    import xgrammar
     from transformers import PreTrainedTokenizerBase
 
     from inference_engine.model_runner import PendingStep
@@ -105,10 +106,12 @@ class EngineCore:
         tenant_id: str = "",
         tenant_weight: float = 1.0,
         max_model_len: int | None = None,
+        grammar: xgrammar.CompiledGrammar | None = None,
     ) -> None:
         """Queue a request (``max_model_len``: the caller's context length, where lower than
-        the engine's). A request that cannot be served gets an error output from the next
-        ``step()`` instead of an exception."""
+        the engine's; ``grammar``: its constraint as ``compile_structured_outputs`` gave it,
+        else compiled here). A request that cannot be served gets an error output from the
+        next ``step()`` instead of an exception."""
         request = Request(
             req_id,
             prompt_token_ids,
@@ -123,7 +126,7 @@ class EngineCore:
         )
         error = self.validate_prompt(prompt_token_ids) or self.validate_params(sampling_params)
         if error is None and sampling_params.structured_outputs is not None:
-            error = self._attach_grammar(request)
+            error = self._attach_grammar(request, grammar)
         if error is None:
             try:
                 self.scheduler.add_request(request)
@@ -160,7 +163,7 @@ class EngineCore:
 
     def needs_grammar_compile(self, params: SamplingParams, cache_salt: str | None = None) -> bool:
         """Whether ``params`` ask for a grammar not compiled yet for ``cache_salt``'s
-        requests: ``check_structured_outputs`` then compiles (tens of milliseconds, or far
+        requests: ``compile_structured_outputs`` then compiles (tens of milliseconds, or far
         more for a schema written to be slow)."""
         spec = params.structured_outputs
         return (
@@ -169,12 +172,13 @@ class EngineCore:
             and not self.grammars.is_compiled(spec, cache_salt)
         )
 
-    def check_structured_outputs(
+    def compile_structured_outputs(
         self, params: SamplingParams, cache_salt: str | None = None
-    ) -> Refusal | None:
-        """Whether ``params``' constraint compiles (and compile it into the cache of the
-        requests sharing ``cache_salt``, so the busy loop finds it there): the server calls
-        this off the busy loop (on its compile queue)."""
+    ) -> xgrammar.CompiledGrammar | Refusal | None:
+        """``params``' constraint compiled (from or into the cache of the requests sharing
+        ``cache_salt``), a ``Refusal`` where it cannot be, None where there is none. The
+        server calls this off the busy loop (on its compile queue) and hands the grammar on
+        with the request (``add_request(grammar=)``)."""
         if params.structured_outputs is None:
             return None
         if self.grammars is None:
@@ -182,24 +186,29 @@ class EngineCore:
                 ErrorCode.INVALID_REQUEST, "structured outputs need the model's tokenizer"
             )
         try:
-            self.grammars.compile(params.structured_outputs, cache_salt)
+            compiled = self.grammars.compile(params.structured_outputs, cache_salt)
         except InvalidGrammar as exc:
             return Refusal(ErrorCode.INVALID_REQUEST, str(exc), "structured_outputs")
         if params.structured_outputs.kind() in JSON_KINDS:
             # decoded with the tokenizer the I/O thread owns; the busy loop finds it cached
             self.grammars.closing_tokens()
-        return None
+        return compiled
 
-    def _attach_grammar(self, request: Request) -> Refusal | None:
-        error = self.check_structured_outputs(request.sampling_params, request.cache_salt)
-        if error is None:
-            spec = request.sampling_params.structured_outputs
-            request.grammar = self.grammars.matcher(spec, request.cache_salt)
-            if spec.kind() in JSON_KINDS:
-                request.closing_tokens = self.grammars.closing_tokens()
-            # the request ends where its language does
-            request.eos_token_ids = request.eos_token_ids | self.grammars.stop_token_ids
-        return error
+    def _attach_grammar(
+        self, request: Request, compiled: xgrammar.CompiledGrammar | None
+    ) -> Refusal | None:
+        if compiled is None:  # compiled here (the offline ``LLM``'s requests)
+            compiled = self.compile_structured_outputs(request.sampling_params, request.cache_salt)
+            if isinstance(compiled, Refusal):
+                return compiled
+        import xgrammar
+
+        request.grammar = xgrammar.GrammarMatcher(compiled)
+        if request.sampling_params.structured_outputs.kind() in JSON_KINDS:
+            request.closing_tokens = self.grammars.closing_tokens()
+        # the request ends where its language does
+        request.eos_token_ids = request.eos_token_ids | self.grammars.stop_token_ids
+        return None
 
     def context_refusal(
         self,

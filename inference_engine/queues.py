@@ -39,6 +39,7 @@ class QueuedAdd:
     tenant_id: str
     tenant_weight: float
     max_model_len: int | None = None  # the caller's, where lower than the engine's
+    grammar: object | None = None  # its constraint compiled (an xgrammar.CompiledGrammar)
 
 
 @dataclass(order=True, slots=True)

@@ -402,6 +402,7 @@ class EngineServer:
                 tenant_id=add.tenant_id,
                 tenant_weight=add.tenant_weight,
                 max_model_len=add.max_model_len,
+                grammar=add.grammar,
             )
         except Exception as exc:  # noqa: BLE001 - the core should refuse by output
             logger.exception("adding %s failed", add.req_id)
@@ -718,16 +719,18 @@ class EngineServer:
             self._compiles.submit(
                 item.req_id,
                 request.tenant_id or "",
-                lambda: core.check_structured_outputs(request.params, request.cache_salt),
+                lambda: core.compile_structured_outputs(request.params, request.cache_salt),
                 lambda outcome: self._intake.put(_Compiled(item, token_ids, outcome)),
             )
             return True
-        if core is not None and (
-            refused := core.check_structured_outputs(request.params, request.cache_salt)
-        ):
-            self._refuse(item, push, encoder, *refused)
+        # compiled already (or none): from the cache, handed on with the request
+        grammar = (
+            core.compile_structured_outputs(request.params, request.cache_salt) if core else None
+        )
+        if isinstance(grammar, Refusal):
+            self._refuse(item, push, encoder, *grammar)
             return False
-        self._queue_add(item, token_ids)
+        self._queue_add(item, token_ids, grammar)
         return False
 
     def _take_compiled(
@@ -747,12 +750,15 @@ class EngineServer:
                 [item.identity, ResponseType.OUTPUTS.value, encoder.encode([aborted])]
             )
             return
-        if refused := self._compile_refusal(outcome):
-            self._refuse(item, push, encoder, *refused)
+        grammar = self._compiled_grammar(outcome)
+        if isinstance(grammar, Refusal):
+            self._refuse(item, push, encoder, *grammar)
             return
-        self._queue_add(item, compiled.token_ids)
+        self._queue_add(item, compiled.token_ids, grammar)
 
-    def _compile_refusal(self, outcome: Outcome) -> Refusal | None:
+    def _compiled_grammar(self, outcome: Outcome) -> object:
+        """The grammar a compile gave (``compile_structured_outputs``' answer), or why the
+        request is refused."""
         timeout = self.config.grammar_compile_timeout
         if outcome.timed_out and outcome.started:
             return Refusal(
@@ -775,7 +781,7 @@ class EngineServer:
                 ErrorCode.ENGINE_ERROR,
                 f"compiling the grammar failed: {type(outcome.error).__name__}: {outcome.error}",
             )
-        return outcome.result  # check_structured_outputs' answer
+        return outcome.result
 
     def _abort_held(self, req_ids: list[str]) -> None:
         """Aborts of requests this thread held when they came: those whose grammar is
@@ -798,8 +804,9 @@ class EngineServer:
             self.inputs.put_switch(switch.model)
         self._held_switches.clear()
 
-    def _queue_add(self, item: _Intake, token_ids: list[int]) -> None:
-        """Register ``item`` with the output processor and queue it for the busy loop."""
+    def _queue_add(self, item: _Intake, token_ids: list[int], grammar: object = None) -> None:
+        """Register ``item`` with the output processor and queue it for the busy loop, with
+        its compiled grammar (the busy loop compiles nothing)."""
         request = item.request
         tenant = request.tenant_id or ""
         self.processor.add_request(
@@ -822,6 +829,7 @@ class EngineServer:
                 tenant_id=tenant,
                 tenant_weight=request.tenant_weight,
                 max_model_len=request.max_model_len,
+                grammar=grammar,
             )
         )
 

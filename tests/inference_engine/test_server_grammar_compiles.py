@@ -155,3 +155,23 @@ def test_an_unload_waits_for_the_requests_whose_grammar_compiles(compiling):
     compiling.gate.set()
     assert _served(compiling.finals("compiling")["compiling"])
     _wait_for(lambda: compiling.server.controller.state == UNLOADED)
+
+
+def test_the_busy_loop_never_compiles_a_grammar_the_intake_had_compiled(compiling):
+    """The compiled grammar travels with the add: where the bounded cache dropped it before
+    the add reached the busy loop, the busy loop compiled it again, every running request
+    waiting on it."""
+    server = compiling.server
+    queue_add = server._queue_add
+
+    def evicting(*args, **kwargs):
+        with server.core.grammars._lock:
+            server.core.grammars._compiled.clear()
+        queue_add(*args, **kwargs)
+
+    server._queue_add = evicting
+    compiling.generate("first", "a", regex="[xyz]{1,3}")  # compiled on the compile queue
+    assert _served(compiling.finals("first")["first"])
+    compiling.generate("again", "a", regex="[xyz]{1,3}")  # dropped: compiled again there
+    assert _served(compiling.finals("again")["again"])
+    assert compiling.compiled == ["[xyz]{1,3}", "[xyz]{1,3}"]
