@@ -116,18 +116,22 @@ def split_lines(stream: BinaryIO, max_line_bytes: int | None = None) -> Iterator
         start.append(rest)
         start_bytes += len(rest)
         if max_line_bytes is not None and start_bytes > max_line_bytes + len(b"\r"):
-            _check_length(b"".join(start), line_number + 1, max_line_bytes)
+            _refuse_long(line_number + 1, max_line_bytes)  # it only grows: refused at once
     if tail := b"".join(start):
         _check_length(tail, line_number + 1, max_line_bytes)
         yield tail
 
 
 def _check_length(line: bytes, line_number: int, max_line_bytes: int | None) -> None:
-    if max_line_bytes is not None and len(line.rstrip(b"\r")) > max_line_bytes:
-        raise InputLineError(
-            line_number,
-            f"longer than {max_line_bytes} bytes, the most one request may have.",
-        )
+    # one carriage return ends a CRLF file's line; more are the line's (and count)
+    if max_line_bytes is not None and len(line) - line.endswith(b"\r") > max_line_bytes:
+        _refuse_long(line_number, max_line_bytes)
+
+
+def _refuse_long(line_number: int, max_line_bytes: int) -> None:
+    raise InputLineError(
+        line_number, f"longer than {max_line_bytes} bytes, the most one request may have."
+    )
 
 
 def iter_lines(raw_lines: Iterable[bytes]) -> Iterator[InputLine]:

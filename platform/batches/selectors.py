@@ -5,6 +5,7 @@ platform's own, across tenants."""
 
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import BinaryIO
 
 from asgiref.sync import sync_to_async
 from django.db.models import Model, Q, QuerySet
@@ -75,11 +76,23 @@ def batches_list(*, tenant_id: int, after: str | None, limit: int) -> tuple[list
     return _page(Batch.objects.filter(tenant_id=tenant_id), after=after, limit=limit)
 
 
+def file_open(*, file: File) -> BinaryIO:
+    """The file's bytes, open for reading; ``File.DoesNotExist`` where they are gone (deleted
+    as it was asked for: its bytes go when the deletion commits; or lost from storage)."""
+    try:
+        return file_storage().open(file.storage_name, "rb")
+    except FileNotFoundError:
+        raise File.DoesNotExist(f"the bytes of {file.id} are gone") from None
+
+
 async def file_chunks(*, file: File) -> AsyncIterator[bytes]:
-    """The file's bytes, read a chunk at a time off the event loop."""
-    stream = await sync_to_async(file_storage().open, thread_sensitive=False)(
-        file.storage_name, "rb"
-    )
+    """The file's bytes, read a chunk at a time off the event loop; opened at once (before a
+    response commits to them), ``File.DoesNotExist`` where they are gone."""
+    stream = await sync_to_async(file_open, thread_sensitive=False)(file=file)
+    return _chunks(stream)
+
+
+async def _chunks(stream: BinaryIO) -> AsyncIterator[bytes]:
     read = sync_to_async(stream.read, thread_sensitive=False)
     try:
         while chunk := await read(READ_CHUNK_BYTES):

@@ -159,7 +159,7 @@ async def file_detail(request: HttpRequest, api_key: ApiKey, file_id: str) -> Ht
 async def file_content(request: HttpRequest, api_key: ApiKey, file_id: str) -> HttpResponse:
     file = await _file_get(api_key, file_id)
     response = StreamingHttpResponse(
-        selectors.file_chunks(file=file), content_type="application/jsonl"
+        await selectors.file_chunks(file=file), content_type="application/jsonl"
     )
     response["Content-Length"] = str(file.bytes)
     return response

@@ -11,7 +11,6 @@ from django.urls import path
 
 from batches import selectors, services
 from batches.models import Batch, File
-from batches.storage import file_storage
 from console import batches_selectors, permissions
 from console.views import _context, tenant_page
 from tenants.models import Tenant
@@ -70,10 +69,11 @@ def batch_file(request: HttpRequest, tenant: Tenant, file_id: str) -> FileRespon
     permissions.require(user=request.user, tenant=tenant, change="read_batch_files")
     try:
         file = selectors.file_get(tenant_id=tenant.pk, file_id=file_id)
+        stream = selectors.file_open(file=file)
     except File.DoesNotExist:
         raise Http404("No such file") from None
     return FileResponse(
-        file_storage().open(file.storage_name, "rb"),
+        stream,
         as_attachment=True,
         filename=file.filename,
         content_type="application/jsonl",

@@ -185,3 +185,20 @@ async def test_an_upload_with_a_line_that_cannot_be_stored_is_a_400_naming_it(ke
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert "Line 2" in message and reason in message
+
+
+async def test_a_file_whose_bytes_are_gone_is_a_404_not_a_broken_200(key):
+    """Content asked for as the file is deleted (its bytes go when the deletion commits), or
+    lost from storage: the response said 200 and its length, then the stream raised."""
+    from asgiref.sync import sync_to_async
+
+    from batches.models import File
+    from batches.storage import file_storage
+
+    async with _client(key) as client:
+        created = (await _upload(client, _line())).json()
+        file = await File.objects.aget(id=created["id"])
+        await sync_to_async(file_storage().delete)(file.storage_name)
+        response = await client.get(f"/v1/files/{created['id']}/content")
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "not_found"

@@ -86,12 +86,13 @@ class EndlessLine:
     """A stream of one line that never ends: what a reader that keeps a whole line would
     run out of memory on."""
 
-    def __init__(self) -> None:
+    def __init__(self, fill: bytes = b"x") -> None:
         self.num_read = 0
+        self.fill = fill
 
     def read(self, size: int) -> bytes:
         self.num_read += size
-        return b"x" * size
+        return self.fill * size
 
 
 def test_a_line_longer_than_a_request_may_be_is_refused_before_it_is_read_whole():
@@ -111,3 +112,24 @@ def test_the_longest_line_may_end_in_a_carriage_return():
     with pytest.raises(InputLineError) as caught:
         next(lines)
     assert caught.value.line_number == 2
+
+
+@pytest.mark.parametrize("in_one_read", [True, False])
+def test_only_one_carriage_return_ends_a_line_within_the_limit(monkeypatch, in_one_read):
+    """``rstrip`` took every carriage return off: a request padded with megabytes of them
+    passed the line limit, and checking it joined the line so far again at every read (30 MB
+    took 11 s of a web worker's thread)."""
+    if not in_one_read:
+        monkeypatch.setattr("batches.jsonl.READ_CHUNK_BYTES", 4)
+    padded = io.BytesIO(b'{"a": 1}' + b"\r" * 2 + b"\n")
+    with pytest.raises(InputLineError) as caught:
+        list(split_lines(padded, max_line_bytes=8))
+    assert caught.value.line_number == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_line_of_carriage_returns_is_refused_as_soon_as_it_passes_the_limit():
+    stream = EndlessLine(b"\r")  # was read for ever, the line so far joined at every read
+    with pytest.raises(InputLineError):
+        list(split_lines(stream, max_line_bytes=1 << 20))
+    assert stream.num_read < 2 << 20

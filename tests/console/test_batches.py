@@ -249,3 +249,12 @@ def test_batches_past_the_newest_page_are_on_the_next(
     assert newest.id in first and middle.id in first and oldest.id not in first
     assert "older →" in first and "page 1 of 2" in first
     assert oldest.id in second and newest.id not in second
+
+
+def test_a_result_file_whose_bytes_are_gone_is_a_404(manager, tenant, file_storage_dir):
+    from batches.storage import file_storage
+
+    done = _finished(tenant)
+    file_storage().delete(done.output_file.storage_name)
+    url = reverse("console:batch-file", args=[tenant.slug, done.output_file_id])
+    assert manager.get(url).status_code == 404
