@@ -155,6 +155,7 @@ class _Run:
     is_deleted: bool = False  # its conversation was deleted meanwhile: nothing to save
     error: ChatError | None = None
     text_relay: TextRelay | None = None  # its text for the conversation's other windows
+    replaces: int | None = None  # a regenerate: the reply it replaces, if it holds an answer
 
     def cancel(self) -> None:
         """Cancel the generation, once: a stop frame and ``_stop`` may both ask (an extra
@@ -375,10 +376,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         async with self._claim() as claim:
             if claim is None:
                 return
-            await database_sync_to_async(services.reply_prepare_regenerate)(
+            after_id, replaces = await database_sync_to_async(services.reply_prepare_regenerate)(
                 conversation=self.conversation
             )
-            await self._start_reply(claim, after_id=await self._last_message_id())
+            await self._start_reply(claim, after_id=after_id, replaces=replaces)
 
     async def on_edit(self, frame: dict) -> None:
         message_id = frame.get("message_id")
@@ -431,12 +432,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
             if self.num_replies_started == num_started:  # nothing was started after all
                 await claims.arelease(self.conversation, token)
 
-    async def _start_reply(self, claim: str, after_id: int) -> None:
+    async def _start_reply(self, claim: str, after_id: int, replaces: int | None = None) -> None:
         reply = await database_sync_to_async(services.reply_start)(
             conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
         )
         self.num_replies_started += 1
-        self.run = run = _Run(reply=reply, claim=claim)
+        self.run = run = _Run(reply=reply, claim=claim, replaces=replaces)
         if self.relay is not None:
             run.text_relay = TextRelay(self.relay, reply.pk)
         run.keeper = asyncio.create_task(
@@ -457,6 +458,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 user=self.user,
                 outcome=run.outcome,
                 on_text=partial(self._send_text, run),
+                replaces=run.replaces,
             )
         except asyncio.CancelledError:
             # A stop: the task ends normally, saving the partial reply below.
@@ -511,6 +513,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         run.is_finished = True
         outcome, error = run.outcome, run.error
         is_saved = False
+        is_replacing = False  # a regenerate left the reply it was to replace: windows resync
         if error is not None:
             status = Message.Status.ERROR
         elif run.is_stopped:
@@ -530,6 +533,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
                     completion_tokens=outcome.completion_tokens,
                 )
                 is_saved = True
+                if run.replaces is not None:
+                    is_replacing = not await database_sync_to_async(services.reply_replace)(
+                        reply=run.reply, replaced_id=run.replaces
+                    )
         except services.ConversationDeleted:
             run.is_deleted = True
         except Exception:
@@ -578,6 +585,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
                     "usage": outcome.usage(),
                 }
             )
+        if is_replacing:  # the pages dropped the old reply at the start: shown again
+            # (not under relay_lock: a relayed stop holds it while it waits for this end)
+            await self._send_all(await self._sync_frame())
 
     # --- the conversation's other windows (chat.relay) ---------------------------------------
 
@@ -632,6 +642,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 await self._catch_up(frame["message_id"])  # its page never saw it start
                 return
             self.mirror.end(frame["message_id"])
+        elif frame["type"] == "sync" and frame["generating"] is None and self.run is None:
+            self.mirror.forget()
         await self._send({**frame, "relayed": True})
 
     async def _catch_up(self, reply_id: int) -> None:
@@ -667,22 +679,26 @@ class ChatConsumer(AsyncWebsocketConsumer):
     async def _send_saved(self) -> None:
         """Send the conversation as saved, and follow the reply that another window generates,
         asking it for its text so far. Under ``relay_lock``."""
-        messages, generating = await self._saved_messages()
-        frame = {
-            "type": "sync",
-            "messages": [message_payload(message) for message in messages],
-            "settings": settings_payload(self.conversation),
-            "generating": generating,
-        }
+        frame = await self._sync_frame()
         await self._send(frame)
         if self.run is not None:
             return
+        generating = frame["generating"]
         if generating is None:
             self.mirror.forget()
         elif self.mirror.watch(generating) and self.relay is not None:
             self.mirror.ask_snapshot()
             request = {"type": "chat.snapshot_request", "reply_id": generating}
             await self.relay.publish(request, to_all=True)
+
+    async def _sync_frame(self) -> dict:
+        messages, generating = await self._saved_messages()
+        return {
+            "type": "sync",
+            "messages": [message_payload(message) for message in messages],
+            "settings": settings_payload(self.conversation),
+            "generating": generating,
+        }
 
     @database_sync_to_async
     def _saved_messages(self) -> tuple[list[Message], int | None]:
@@ -834,8 +850,3 @@ class ChatConsumer(AsyncWebsocketConsumer):
             return await self._was_deleted()
         except Exception:
             return False
-
-    @database_sync_to_async
-    def _last_message_id(self) -> int:
-        last = selectors.conversation_messages(conversation=self.conversation).last()
-        return last.pk if last else 0

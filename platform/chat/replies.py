@@ -93,7 +93,7 @@ class ReplyOutcome:
 
 @database_sync_to_async
 def _caller_and_messages(
-    conversation: Conversation, reply: Message, user: AbstractBaseUser
+    conversation: Conversation, before_id: int, user: AbstractBaseUser
 ) -> tuple[Caller, list]:
     tenant = conversation.tenant
     deployment = deployment_for_tenant(tenant=tenant, name=conversation.model)
@@ -106,7 +106,7 @@ def _caller_and_messages(
     caller = Caller.of_tenant(
         tenant=tenant, deployment=deployment, source=UsageRecord.Source.CHAT, user=user
     )
-    return caller, engine_messages(conversation=conversation, before_id=reply.pk)
+    return caller, engine_messages(conversation=conversation, before_id=before_id)
 
 
 async def generate_reply(
@@ -116,9 +116,11 @@ async def generate_reply(
     user: AbstractBaseUser,
     outcome: ReplyOutcome,
     on_text: Callable[[str], Awaitable[None]],
+    replaces: int | None = None,
 ) -> None:
-    """See the module docstring."""
-    caller, messages = await _caller_and_messages(conversation, reply, user)
+    """See the module docstring. ``replaces``: the id of the reply this one is to replace
+    (a regenerate), which the model does not see, nor anything after it."""
+    caller, messages = await _caller_and_messages(conversation, replaces or reply.pk, user)
     if not messages:
         raise ChatError("invalid_request", "There is nothing to answer yet.")
     request = GenerateRequest(

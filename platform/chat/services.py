@@ -248,16 +248,33 @@ def message_edit(*, conversation: Conversation, message_id: int, content: str) -
     return message
 
 
-@transaction.atomic
-def reply_prepare_regenerate(*, conversation: Conversation) -> None:
-    """Drop the last reply so that a new one can answer the last user message."""
-    last = Message.objects.filter(conversation=conversation).order_by("-id").first()
-    if last is None:
+def reply_prepare_regenerate(*, conversation: Conversation) -> tuple[int, int | None]:
+    """Where a new reply to the last user message goes: (the id of the message it follows,
+    the id of the reply it replaces, None where the last message is the user's). The reply it
+    replaces stays until the new one is kept (``reply_replace``): a refused or empty new reply
+    leaves the user the answer they had."""
+    last_two = list(Message.objects.filter(conversation=conversation).order_by("-id")[:2])
+    if not last_two or last_two[0].role == Message.Role.ASSISTANT and len(last_two) == 1:
         raise ValidationError("There is nothing to regenerate yet.")
-    if last.role == Message.Role.ASSISTANT:
-        last.delete()
-        if not Message.objects.filter(conversation=conversation).exists():
-            raise ValidationError("There is nothing to regenerate yet.")
+    if last_two[0].role == Message.Role.ASSISTANT:
+        return last_two[1].pk, last_two[0].pk
+    return last_two[0].pk, None
+
+
+@transaction.atomic
+def reply_replace(*, reply: Message, replaced_id: int) -> bool:
+    """Settle a regenerated ``reply`` (saved by ``reply_finish``) against the reply it was to
+    replace: where it holds an answer (complete, or stopped with text) the old one goes; else
+    (refused, failed, stopped before its first token) it goes, and the old one stays. True
+    where the new reply was kept."""
+    is_kept = reply.status == Message.Status.COMPLETE or (
+        reply.status == Message.Status.STOPPED and bool(reply.content)
+    )
+    gone = replaced_id if is_kept else reply.pk
+    Message.objects.filter(
+        pk=gone, conversation_id=reply.conversation_id, role=Message.Role.ASSISTANT
+    ).delete()
+    return is_kept
 
 
 @transaction.atomic

@@ -152,3 +152,85 @@ async def test_a_reply_holding_a_nul_streams_what_is_saved(fake_world):
     streamed = "".join(frame["text"] for frame in frames if frame["type"] == "token")
     reply = await sync_to_async(Message.objects.get)(pk=done["message_id"])
     assert streamed == reply.content == "ab c"
+
+
+async def _replied(fake, chat, *texts: str) -> dict:
+    """The ``done`` of the reply the fake engine answers with ``texts``, and its request."""
+    await chat.receive_until("start")
+    identity, request = await asyncio.wait_for(fake.generates.get(), 10)
+    await _answer(fake, identity, request.request_id, *texts)
+    done, _ = await chat.receive_until("done")
+    return {"done": done, "request": request}
+
+
+async def _saved(conversation) -> list[tuple[str, str, str]]:
+    return await sync_to_async(list)(
+        Message.objects.filter(conversation=conversation)
+        .order_by("id")
+        .values_list("role", "status", "content")
+    )
+
+
+async def test_a_regenerated_reply_is_asked_without_the_one_it_replaces(fake_world):
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    await _replied(fake, chat, "a first", " answer")
+    await chat.send(type="regenerate")
+    second = await _replied(fake, chat, "a better", " one")
+    await chat.close()
+    assert [(m.role, m.content) for m in second["request"].messages] == [("user", "hello")]
+    assert await _saved(conversation) == [
+        ("user", "complete", "hello"),
+        ("assistant", "complete", "a better one"),
+    ]
+
+
+@pytest.mark.tenant_limits(requests_per_minute=1)
+async def test_a_refused_regenerate_keeps_the_reply_it_would_replace(fake_world):
+    """The last reply was deleted before the new one was admitted: a refusal (the minute's
+    requests, the month's tokens, no engine) left an empty error where the answer was."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    first = (await _replied(fake, chat, "a good", " answer"))["done"]
+    await chat.send(type="regenerate")  # over the tenant's one request a minute
+    error, _ = await chat.receive_until("error", "done")
+    assert error["code"] == "rate_limited"
+    sync, _ = await chat.receive_until("sync")  # the page shows the answer again
+    await chat.close()
+    assert [m["id"] for m in sync["messages"]][1:] == [first["message_id"]]
+    assert await _saved(conversation) == [
+        ("user", "complete", "hello"),
+        ("assistant", "complete", "a good answer"),
+    ]
+
+
+async def test_a_regenerate_stopped_before_its_first_token_keeps_the_reply_it_would_replace(
+    fake_world,
+):
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    await _replied(fake, chat, "a good", " answer")
+    await chat.send(type="regenerate")
+    await chat.receive_until("start")
+    identity, request = await asyncio.wait_for(fake.generates.get(), 10)
+    await chat.send(type="stop")
+    for _ in range(100):
+        if request.request_id in fake.aborted():
+            break
+        await asyncio.sleep(0.05)
+    await fake.send(
+        identity,
+        ResponseType.OUTPUTS,
+        [GenerateDelta(request.request_id, finish_reason=FinishReason.ABORT, usage=Usage())],
+    )
+    done, _ = await chat.receive_until("done")
+    assert done["status"] == "stopped"
+    await chat.receive_until("sync")
+    await chat.close()
+    assert await _saved(conversation) == [
+        ("user", "complete", "hello"),
+        ("assistant", "complete", "a good answer"),
+    ]
