@@ -7,6 +7,7 @@
   const state = JSON.parse($("chat-state").textContent || "null");
   const csrfToken = document.querySelector("input[name=csrfmiddlewaretoken]").value;
   const PENDING_KEY = "chat:pending";
+  const UNTITLED = "New conversation";  // what the page shows for a conversation without a title
 
   const thread = $("thread");
   const input = $("input");
@@ -19,7 +20,7 @@
   let reconnectDelay = 500;
   let isGenerating = false;
   let streaming = null; // {id, text, el, body, frame}
-  let pending = null; // a send or an edit the server has not answered yet
+  let pending = null; // a send or an edit the server has not answered yet (isLost: socket closed)
   let retryTimer = null;
   let isSavingSettings = false;
 
@@ -134,6 +135,8 @@
   function fillMessage(node, message) {
     const body = node.querySelector(".body");
     const meta = node.querySelector(".meta");
+    // an edit open here ends when the message changed elsewhere: the new text replaces its area
+    node.classList.remove("editing");
     node.dataset.status = message.status;
     node.dataset.content = message.content;
     if (message.role === "user") {
@@ -209,9 +212,9 @@
     row.append(cancel, save);
     body.replaceChildren(area, row);
     area.focus();
-    const finish = function () {
+    const finish = function () {  // the message as saved (changed elsewhere meanwhile, maybe)
       node.classList.remove("editing");
-      body.textContent = original;
+      body.textContent = node.dataset.content;
     };
     cancel.addEventListener("click", finish);
     save.addEventListener("click", function () {
@@ -275,6 +278,7 @@
   // generated ended unheard of): the thread is brought in line without redrawing what is the
   // same, and a reply being generated shows as such, its text so far arriving as tokens.
   function applySync(frame) {
+    if (pending && pending.kind === "send") settleSend(frame.messages);
     const ids = new Set(frame.messages.map(function (message) { return message.id; }));
     thread.querySelectorAll(".message").forEach(function (node) {
       if (!ids.has(Number(node.dataset.id))) node.remove();
@@ -289,7 +293,6 @@
         thread.insertBefore(messageNode(message), later || null);
         return;
       }
-      if (node.classList.contains("editing")) return;
       if (streaming && streaming.id === message.id && message.status === "streaming") return;
       if (node.dataset.status !== message.status || node.dataset.content !== message.content) {
         fillMessage(node, message);
@@ -307,6 +310,24 @@
     }
     applySettings(frame.settings, false);
     refreshActions();
+  }
+
+  // A send whose "message" frame has not come, against the messages a sync holds: saved if one
+  // of them is a user message with its text that is not shown yet (as its own frame would, that
+  // empties the composer); not saved if its socket closed (the text stays there to send again).
+  function settleSend(messages) {
+    const isSaved = messages.some(function (message) {
+      return message.role === "user" && message.content === pending.content &&
+        !thread.querySelector('.message[data-id="' + message.id + '"]');
+    });
+    if (isSaved) clearComposer(pending.content);
+    if (isSaved || pending.isLost) pending = null;
+  }
+
+  function clearComposer(content) {
+    if (input.value !== content) return;  // written on since: kept
+    input.value = "";
+    autosize();
   }
 
   // A reply that another window generated ended: shown as it was saved.
@@ -328,10 +349,7 @@
         if (frame.relayed) {
           // another window's: this window's own send or edit is still waiting for its answer
         } else if (pending && pending.kind === "send" && frame.message.role === "user") {
-          if (input.value === pending.content) {
-            input.value = "";
-            autosize();
-          }
+          clearComposer(pending.content);
           pending = null;
         } else if (pending && pending.kind === "edit" && frame.message.id === pending.id) {
           pending = null;
@@ -426,6 +444,13 @@
     socket.addEventListener("close", function (event) {
       document.body.dataset.socket = "closed";
       if (streaming) finishStreaming({ status: "stopped", error_message: "" });
+      // what the server may not have read: an edit shows the message as saved until the next
+      // sync shows it edited, if it was; a send stays pending until that sync settles it
+      if (pending && pending.kind === "edit") {
+        pending.restore();
+        pending = null;
+      }
+      if (pending) pending.isLost = true;
       if (event.code === 4401) {
         setConnection("Signed out", "offline");
         showBanner("Your session has ended. Reload the page to sign in again.");
@@ -465,15 +490,19 @@
 
   async function submitMessage() {
     const content = input.value;
-    if (!content.trim() || isGenerating || composer.dataset.disabled) return;
+    // a send not answered yet blocks another: a second Enter or click would send it twice
+    if (!content.trim() || isGenerating || pending || composer.dataset.disabled) return;
     if (!state) {
       // No conversation yet: create one, then send from its page.
+      pending = { kind: "send", content: content };
       sendButton.disabled = true;
       const picker = $("model-picker");
-      const response = await post($("new-form").action, picker ? { model: picker.value } : {});
+      const response = await post($("new-form").action, picker ? { model: picker.value } : {})
+        .catch(function () { return null; });  // offline: refused, as below
       sendButton.disabled = false;
-      if (!response.ok) {
-        const data = await response.json().catch(function () { return {}; });
+      if (!response || !response.ok) {
+        pending = null;
+        const data = response ? await response.json().catch(function () { return {}; }) : {};
         showBanner(data.error || "Could not start a conversation.");
         return;
       }
@@ -511,15 +540,15 @@
   // alone). ``isOwn``: the answer to this window's own settings frame.
   function applySettings(settings, isOwn) {
     const title = $("conversation-title");
-    if (title && !title.isContentEditable && settings.title !== undefined) {
-      title.textContent = settings.title || "New conversation";
-    }
     const item = document.querySelector('.conversation-item[data-id="' + state.conversation_id + '"]');
-    if (item && settings.title) {
-      item.querySelector(".conversation-link").textContent = settings.title;
-      item.dataset.title = settings.title.toLowerCase();
+    if (settings.title !== undefined) {  // the empty title too: renamed to none
+      if (title && !title.isContentEditable) title.textContent = settings.title || UNTITLED;
+      if (item) {
+        item.querySelector(".conversation-link").textContent = settings.title || UNTITLED;
+        item.dataset.title = settings.title.toLowerCase();
+      }
+      document.title = (settings.title || UNTITLED) + " · LLM Platform";
     }
-    if (settings.title) document.title = settings.title + " · LLM Platform";
     const picker = $("model-picker");
     if (picker && settings.model) picker.value = settings.model;
     // the settings panel too (changed in another window), but not a field being edited here
@@ -579,11 +608,17 @@
     temperature.addEventListener("change", function () {
       saveSettingSoon({ temperature: Number(temperature.value) });
     });
-    $("setting-max-tokens").addEventListener("change", function (event) {
-      // empty: up to the model's context length
-      if (event.target.value.trim() === "") return saveSettingSoon({ max_tokens: null });
-      const value = parseInt(event.target.value, 10);
-      if (Number.isInteger(value)) saveSettingSoon({ max_tokens: value });
+    const maxTokens = $("setting-max-tokens");
+    maxTokens.addEventListener("change", function () {
+      // empty: up to the model's context length (text a number field cannot read reads as
+      // empty too, but is bad input)
+      if (maxTokens.value === "" && !maxTokens.validity.badInput) {
+        return saveSettingSoon({ max_tokens: null });
+      }
+      // read as the number shown: "1e3" is 1000 and "2.5" no whole number (parseInt: 1 and 2)
+      const value = maxTokens.valueAsNumber;
+      if (Number.isInteger(value) && value >= 1) return saveSettingSoon({ max_tokens: value });
+      showBanner("Max tokens must be a whole number, 1 to " + maxTokens.max + ".");
     });
   }
 
@@ -642,7 +677,7 @@
     node.dataset.renaming = "1";
     const before = node.textContent.trim();
     const field = el("input", "rename-input");
-    field.value = before === "New conversation" ? "" : before;
+    field.value = before === UNTITLED ? "" : before;
     field.maxLength = 200;
     field.setAttribute("aria-label", "Conversation title");
     node.hidden = true;
@@ -665,12 +700,12 @@
       }
       const data = await response.json();
       document.querySelectorAll('.conversation-item[data-id="' + data.id + '"] .conversation-link')
-        .forEach(function (link) { link.textContent = data.title || "New conversation"; });
+        .forEach(function (link) { link.textContent = data.title || UNTITLED; });
       const item = document.querySelector('.conversation-item[data-id="' + data.id + '"]');
       if (item) item.dataset.title = (data.title || "").toLowerCase();
       const header = $("conversation-title");
       if (header && state && state.conversation_id === data.id) {
-        header.textContent = data.title || "New conversation";
+        header.textContent = data.title || UNTITLED;
       }
     };
     field.addEventListener("keydown", function (event) {
