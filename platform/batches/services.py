@@ -436,9 +436,11 @@ def batch_validate(*, batch: Batch) -> Batch:
 
 @transaction.atomic
 def batch_cancel(*, batch: Batch, actor: AbstractBaseUser | None = None) -> Batch:
-    """Stop a batch from starting new lines; the worker finishes it as ``cancelled``.
-    ``actor``: the person cancelling it in the console, in the tenant's audit log (None: the
-    tenant's app, through the API)."""
+    """Stop a batch from starting new lines: its runner finishes it as ``cancelled`` once its
+    running lines end; one that no runner holds and with no line running (queued behind
+    other batches, or its worker lost) is ``cancelled`` at once, its results written and its
+    queued tokens freed. ``actor``: the person cancelling it in the console, in the tenant's
+    audit log (None: the tenant's app, through the API)."""
     batch = Batch.objects.select_for_update().get(pk=batch.pk)
     if batch.status == Batch.Status.CANCELLING:
         return batch
@@ -446,9 +448,14 @@ def batch_cancel(*, batch: Batch, actor: AbstractBaseUser | None = None) -> Batc
         raise Conflict(
             f"Cannot cancel a batch with status '{batch.status}'.", code="batch_not_cancellable"
         )
+    now = timezone.now()
     batch.status = Batch.Status.CANCELLING
-    batch.cancelling_at = timezone.now()
+    batch.cancelling_at = now
     batch.save(update_fields=["status", "cancelling_at"])
+    # the row is locked: a runner's claim waits, then finds it ended
+    is_held = batch.lease_until is not None and batch.lease_until >= now
+    if not is_held and not batch.requests.filter(status=BatchRequest.Status.RUNNING).exists():
+        _end(batch, Batch.Status.CANCELLED)
     if actor is not None:
         audit_record(
             action=AuditEvent.Action.BATCH_CANCELLED, actor=actor, target=batch, tenant=batch.tenant
@@ -595,11 +602,16 @@ def batch_finish(*, batch: Batch, runner: str) -> Batch:
     if final == Batch.Status.COMPLETED and batch.status != Batch.Status.FINALIZING:
         batch.status, batch.finalizing_at = Batch.Status.FINALIZING, now
         batch.save(update_fields=["status", "finalizing_at"])
+    _end(batch, final)
+    return batch
+
+
+def _end(batch: Batch, final: str) -> None:
+    """Write a locked batch's results and give it its ``final`` status."""
     _results_write(batch, is_expired=final == Batch.Status.EXPIRED)
     batch.status = final
     setattr(batch, f"{final}_at", timezone.now())
     batch.save(update_fields=["status", f"{final}_at", "output_file", "error_file"])
-    return batch
 
 
 def _results_write(batch: Batch, *, is_expired: bool) -> None:

@@ -56,11 +56,14 @@ def batch_cancel(request: HttpRequest, tenant: Tenant, batch_id: str) -> HttpRes
             request, "console/batches_cancel.html", _context(request, tenant, batch=batch)
         )
     try:
-        services.batch_cancel(batch=batch, actor=request.user)
+        batch = services.batch_cancel(batch=batch, actor=request.user)
     except services.Conflict as exc:
         messages.error(request, exc.message)
     else:
-        messages.success(request, f"Cancelling {batch.id}: lines already running finish.")
+        if batch.status == Batch.Status.CANCELLED:
+            messages.success(request, f"Cancelled {batch.id}.")
+        else:
+            messages.success(request, f"Cancelling {batch.id}: lines already running finish.")
     return redirect("console:batches", slug=tenant.slug)
 
 

@@ -64,8 +64,9 @@ def test_a_batch_is_created_listed_retrieved_and_cancelled(platform):
     assert batch.request_counts.total == 2
     assert batch.expires_at - batch.created_at == 24 * 3600
     assert client.batches.retrieve(batch.id).id == batch.id
-    cancelled = client.batches.cancel(batch.id)
-    assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
+    cancelled = client.batches.cancel(batch.id)  # no worker had taken it: ended at once
+    assert cancelled.status == "cancelled" and cancelled.cancelling_at is not None
+    assert cancelled.cancelled_at is not None
 
 
 def test_batches_are_listed_newest_first_by_cursor(platform):

@@ -128,3 +128,16 @@ def test_the_api_answers_a_full_queue_with_a_429(tenant, file_storage_dir, clien
     error = response.json()["error"]
     assert error["code"] == "token_limit_exceeded" and error["type"] == "rate_limit_error"
     assert "Enqueued token limit" in error["message"]
+
+
+def test_a_batch_no_worker_holds_is_cancelled_at_once_and_frees_its_tokens(
+    tenant, file_storage_dir, monkeypatch
+):
+    """With every batch worker busy, a cancelled batch stayed ``cancelling`` until one took
+    it up (hours, behind long batches), its tokens still holding the tenant's queue full."""
+    monkeypatch.setattr(services, "_queue_run", lambda batch_id: None)  # the workers are busy
+    _limit(tenant, plan=3 * CHAT_LINE_TOKENS)
+    first = services.batch_cancel(batch=_batch(tenant, _upload(tenant, 3)))
+    assert first.status == Batch.Status.CANCELLED and first.cancelled_at is not None
+    assert services.queued_batch_tokens(tenant=tenant) == 0
+    assert _batch(tenant, _upload(tenant, 3))  # room again

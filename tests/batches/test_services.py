@@ -370,14 +370,46 @@ def test_a_runner_that_lost_the_lease_writes_nothing_into_a_line_run_again(
 
 def test_a_running_batch_can_be_cancelled_and_a_finished_one_not(tenant, file_storage_dir):
     file = _upload(tenant, [request_line("a")])
-    batch = services.batch_cancel(batch=_batch(tenant, file))
+    batch = _batch(tenant, file)
+    assert services.batch_claim(batch_id=batch.id, runner="r", lease_seconds=60)
+    batch = services.batch_cancel(batch=batch)  # its runner ends it
     assert batch.status == Batch.Status.CANCELLING and batch.cancelling_at is not None
     assert services.batch_cancel(batch=batch).status == Batch.Status.CANCELLING
+    assert services.batch_finish(batch=batch, runner="r").status == Batch.Status.CANCELLED
 
     done = _batch(tenant, file)
     Batch.objects.filter(pk=done.pk).update(status=Batch.Status.COMPLETED)
     with pytest.raises(services.Conflict):
         services.batch_cancel(batch=done)
+
+
+def test_a_batch_cancelled_with_a_line_running_waits_for_its_runner(tenant, file_storage_dir):
+    """Its lease ran out (its worker was lost): the sweep's runner ends the running line."""
+    batch = services.batch_validate(batch=_batch(tenant, _upload(tenant, [request_line("a")])))
+    [request] = batch.requests.all()
+    services.batch_request_claim(request=request, request_id="chatcmpl-1")
+    assert services.batch_cancel(batch=batch).status == Batch.Status.CANCELLING
+
+
+def test_a_batch_no_runner_holds_is_cancelled_at_once_with_what_it_answered(
+    tenant, file_storage_dir
+):
+    from batches.storage import file_storage
+
+    batch = services.batch_validate(
+        batch=_batch(tenant, _upload(tenant, [request_line("a"), request_line("b")]))
+    )
+    first = batch.requests.order_by("line_number").first()
+    services.batch_request_claim(request=first, request_id="chatcmpl-1")
+    answer = {"status_code": 200, "request_id": "chatcmpl-1", "body": {"id": "chatcmpl-1"}}
+    services.batch_request_finish(request=first, response=answer)
+
+    batch = services.batch_cancel(batch=batch)
+
+    assert batch.status == Batch.Status.CANCELLED and batch.cancelled_at is not None
+    with file_storage().open(batch.output_file.storage_name, "rb") as output:
+        [line] = output.read().splitlines()
+    assert b'"custom_id":"a"' in line
 
 
 def test_batches_are_paged_newest_first_after_a_cursor(tenant, file_storage_dir):

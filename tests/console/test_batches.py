@@ -112,12 +112,12 @@ def test_cancel_asks_first_then_cancels(manager, tenant, file_storage_dir):
     assert asked.status_code == 200 and b"Cancel the batch" in asked.content
     assert Batch.objects.get(pk=batch.pk).status == Batch.Status.VALIDATING
 
-    answered = manager.post(url, follow=True)
-    assert Batch.objects.get(pk=batch.pk).status == Batch.Status.CANCELLING
-    assert f"Cancelling {batch.id}" in answered.content.decode()
+    answered = manager.post(url, follow=True)  # no worker held it: cancelled at once
+    assert Batch.objects.get(pk=batch.pk).status == Batch.Status.CANCELLED
+    assert f"Cancelled {batch.id}." in answered.content.decode()
 
-    again = manager.post(url, follow=True)  # cancelling already: nothing changes
-    assert again.status_code == 200
+    again = manager.post(url, follow=True)  # ended already: said so, nothing changes
+    assert again.status_code == 200 and "Cannot cancel" in again.content.decode()
     # in the tenant's audit log, once, with who cancelled it
     [event] = AuditEvent.objects.filter(action=AuditEvent.Action.BATCH_CANCELLED)
     assert (event.tenant, event.target_id, event.actor.is_authenticated) == (tenant, batch.id, True)
