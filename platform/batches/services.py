@@ -607,8 +607,11 @@ def batch_finish(*, batch: Batch, runner: str) -> Batch:
 
 
 def _end(batch: Batch, final: str) -> None:
-    """Write a locked batch's results and give it its ``final`` status."""
+    """Write a locked batch's results and give it its ``final`` status. Its lines go: their
+    prompts and answers are in its files now, which the tenant may delete (a copy kept here
+    outlived them, and every batch was stored twice for good)."""
     _results_write(batch, is_expired=final == Batch.Status.EXPIRED)
+    BatchRequest.objects.filter(batch=batch).delete()
     batch.status = final
     setattr(batch, f"{final}_at", timezone.now())
     batch.save(update_fields=["status", f"{final}_at", "output_file", "error_file"])

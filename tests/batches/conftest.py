@@ -57,3 +57,21 @@ def jsonl(lines: list[dict]) -> bytes:
 def file_storage_dir(settings, tmp_path):
     settings.VAR_DIR = tmp_path
     return tmp_path / "files"
+
+
+def result_lines(batch) -> dict[str, dict]:
+    """An ended batch's lines as its output and error files give them (its lines' rows are
+    gone by then), by ``custom_id``, in line order; each with ``"file"``: "output" or
+    "error"."""
+    from batches.models import Batch, File
+    from batches.storage import file_storage
+
+    batch = Batch.objects.get(pk=batch.pk)
+    lines = []
+    for kind, file_id in (("output", batch.output_file_id), ("error", batch.error_file_id)):
+        if file_id is None:
+            continue
+        with file_storage().open(File.objects.get(pk=file_id).storage_name, "rb") as stream:
+            lines += [{**json.loads(line), "file": kind} for line in stream.read().splitlines()]
+    lines.sort(key=lambda line: int(line["id"].removeprefix("batch_req_")))  # line order
+    return {line["custom_id"]: line for line in lines}

@@ -16,7 +16,7 @@ from gateway.errors import ApiError
 from serving.services import deployment_register
 from tenants import services
 from tenants.models import ApiKey, Plan, UsageRecord
-from tests.batches.conftest import MODEL_NAME, jsonl, request_line
+from tests.batches.conftest import MODEL_NAME, jsonl, request_line, result_lines
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -46,16 +46,15 @@ def _batch(tenant, key, num_lines: int = 3) -> Batch:
 
 
 def _lines(batch: Batch) -> list[tuple[str, int | None, str | None]]:
-    """Each line's status, HTTP status and error code, in line order."""
-    lines = BatchRequest.objects.filter(batch=batch).order_by("line_number")
-    responses = [(line.status, line.response_object() or {}) for line in lines]
+    """Each line's status, HTTP status and error code, in line order, from its results."""
+    statuses = {"output": BatchRequest.Status.COMPLETED, "error": BatchRequest.Status.FAILED}
     return [
         (
-            status,
-            response.get("status_code"),
-            (response.get("body") or {}).get("error", {}).get("code"),
+            statuses[line["file"]],
+            (line["response"] or {}).get("status_code"),
+            ((line["response"] or {}).get("body") or {}).get("error", {}).get("code"),
         )
-        for status, response in responses
+        for line in result_lines(batch).values()
     ]
 
 

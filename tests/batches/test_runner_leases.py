@@ -20,7 +20,7 @@ from batches.selectors import batches_unattended
 from batches.storage import file_storage
 from tenants import services
 from tenants.models import UsageRecord
-from tests.batches.conftest import jsonl, request_line
+from tests.batches.conftest import jsonl, request_line, result_lines
 from tests.usage_records import usage_record_add
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -181,8 +181,8 @@ def test_a_line_a_dead_runner_metered_gets_its_answer_whatever_the_batch_became(
 
     batch.refresh_from_db()
     assert answered == ["r0"] and _custom_ids(batch.output_file_id) == ["r0"]
-    r0 = BatchRequest.objects.get(batch=batch, custom_id="r0")
-    assert r0.request_id == "chatcmpl-dead0" and r0.status == BatchRequest.Status.COMPLETED
+    r0 = result_lines(batch)["r0"]
+    assert r0["response"]["request_id"] == "chatcmpl-dead0" and r0["file"] == "output"
 
 
 def test_a_line_a_dead_runner_metered_runs_first_then_the_rest(world):
@@ -308,8 +308,8 @@ def test_an_owed_line_whose_rerun_failed_after_admission_keeps_its_paid_request_
     assert batch_runner.batch_run(batch_id=batch.id) == "completed"
 
     assert tries == ["chatcmpl-dead0", "chatcmpl-dead0"]
-    r0 = BatchRequest.objects.get(batch=batch, custom_id="r0")
-    assert r0.request_id == "chatcmpl-dead0" and r0.status == BatchRequest.Status.COMPLETED
+    r0 = result_lines(batch)["r0"]
+    assert r0["response"]["request_id"] == "chatcmpl-dead0" and r0["file"] == "output"
 
 
 def test_a_line_that_fails_the_platform_is_a_500_and_the_rest_of_the_batch_runs(world, monkeypatch):
@@ -329,9 +329,9 @@ def test_a_line_that_fails_the_platform_is_a_500_and_the_rest_of_the_batch_runs(
 
     assert batch_runner.batch_run(batch_id=batch.id) == "completed"
 
-    r1 = BatchRequest.objects.get(batch=batch, custom_id="r1")
-    assert r1.status == BatchRequest.Status.FAILED
-    response = json.loads(r1.response)
+    r1 = result_lines(batch)["r1"]
+    assert r1["file"] == "error"
+    response = r1["response"]
     assert response["status_code"] == 500
     assert response["body"]["error"]["code"] == "server_error"
     assert sorted(answered) == ["r0", "r2"]

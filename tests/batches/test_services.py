@@ -458,3 +458,20 @@ def test_an_answer_holding_a_nul_character_is_kept_and_written_as_the_api_sent_i
     # the answer's keys in the order it gave them, as the online API's
     assert lines[0].index(b'"status_code"') < lines[0].index(b'"request_id"')
     assert lines[0].index(b'"id"') < lines[0].index(b'"object"') < lines[0].index(b'"text"')
+
+
+def test_an_ended_batch_keeps_no_copy_of_its_prompts_and_answers(tenant, file_storage_dir):
+    """Its lines' bodies and answers stayed in the database for good, after the tenant
+    deleted its input and output files too."""
+    batch = services.batch_validate(
+        batch=_batch(tenant, _upload(tenant, [request_line("a"), request_line("b")]))
+    )
+    for request in batch.requests.all():
+        services.batch_request_claim(request=request, request_id=f"id-{request.pk}")
+        answer = {"status_code": 200, "request_id": f"id-{request.pk}", "body": {"x": 1}}
+        services.batch_request_finish(request=request, response=answer)
+    assert services.batch_claim(batch_id=batch.id, runner="r", lease_seconds=60)
+    batch = services.batch_finish(batch=batch, runner="r")
+    assert batch.status == Batch.Status.COMPLETED and batch.num_completed == 2
+    assert not BatchRequest.objects.filter(batch=batch).exists()
+    assert not BatchRequest.objects.exists()
