@@ -475,3 +475,20 @@ def test_an_ended_batch_keeps_no_copy_of_its_prompts_and_answers(tenant, file_st
     assert batch.status == Batch.Status.COMPLETED and batch.num_completed == 2
     assert not BatchRequest.objects.filter(batch=batch).exists()
     assert not BatchRequest.objects.exists()
+
+
+def test_the_migration_drops_the_lines_of_batches_that_ended_before_it(tenant, file_storage_dir):
+    from importlib import import_module
+
+    from django.apps import apps
+
+    migration = import_module("batches.migrations.0007_drop_ended_batches_lines")
+    file = _upload(tenant, [request_line("a")])
+    ended = services.batch_validate(batch=_batch(tenant, file))
+    Batch.objects.filter(pk=ended.pk).update(status=Batch.Status.COMPLETED)
+    running = services.batch_validate(batch=_batch(tenant, file))
+
+    migration.drop_ended_batches_lines(apps, None)
+
+    assert not BatchRequest.objects.filter(batch=ended).exists()
+    assert BatchRequest.objects.filter(batch=running).count() == 1
