@@ -1,6 +1,7 @@
 """Pages of the chat. Thin: they resolve the user's tenant, read through ``chat.selectors``
 and write through ``chat.services``; the conversation itself talks over the WebSocket."""
 
+import logging
 from functools import wraps
 
 from django.contrib.auth.decorators import login_required
@@ -16,8 +17,11 @@ from chat.payloads import message_payload, settings_payload
 from chat.selectors import SESSION_TENANT_KEY
 from config.numerals import parse_count
 from console.permissions import console_tenants
+from serving.runs import UNREACHABLE_STORE_ERRORS
 from tenants.models import Tenant
 from tenants.selectors import user_tenants
+
+logger = logging.getLogger(__name__)
 
 
 def with_tenant(view):
@@ -73,7 +77,10 @@ def _page(request: HttpRequest, tenant: Tenant, conversation=None) -> HttpRespon
         "has_console": console_tenants(user=request.user).exists(),
     }
     if conversation is not None:
-        services.replies_interrupt_unless_claimed(conversation=conversation)
+        try:
+            services.replies_interrupt_unless_claimed(conversation=conversation)
+        except UNREACHABLE_STORE_ERRORS:  # Redis down: a reply left streaming waits for a sync
+            logger.warning("conversation %s: could not look for its claim", conversation.pk)
         context["chat_state"] = {
             "conversation_id": conversation.pk,
             "settings": settings_payload(conversation),

@@ -348,3 +348,22 @@ def test_nul_characters_in_a_model_title_or_search_are_refused_or_taken_out(alic
     )
     assert response.json()["title"] == "ab"  # control characters are taken out of a title
     assert client.get("/chat/", {"q": "a\x00"}).status_code == 200
+
+
+def test_a_conversation_opens_with_the_cache_out_of_reach(alice, acme, monkeypatch):
+    """Looking for a reply being generated read the cache unguarded: every conversation
+    page was a 500 while Redis was down (the socket says "unavailable" and syncs later)."""
+    from django.core.cache import cache
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    conversation = services.conversation_create(user=alice, tenant=acme, model="small-chat")
+    services.message_send(conversation=conversation, content="hi")
+    client = login(alice)
+
+    def down(*args, **kwargs):
+        raise RedisConnectionError("redis is down")
+
+    monkeypatch.setattr(cache, "get", down)
+    response = client.get(f"/chat/{conversation.pk}/")
+    assert response.status_code == 200
+    assert b"hi" in response.content
