@@ -87,6 +87,12 @@ def batch_run(*, batch_id: str) -> str:
         return "held"
     try:
         batch = services.batch_validate(batch=batch)
+        # validating a large file can outlast the lease: another runner may have the batch now
+        if (
+            services.batch_lease_renew(batch=batch, runner=runner, lease_seconds=lease_seconds)
+            is None
+        ):
+            return "held"
         services.batch_requests_resume(batch=batch)
         if batch.status in (Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING):
             asyncio.run(BatchRun(batch, _credentials_of(batch), runner).run())

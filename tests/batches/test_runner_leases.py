@@ -396,3 +396,32 @@ def test_an_owed_lines_tries_in_one_pass_run_under_engine_ids_of_their_own(world
     batch_runner.batch_run(batch_id=batch.id)
 
     assert engine_ids == [["chatcmpl-dead0-0"], ["chatcmpl-dead0-0.1"]]
+
+
+def test_a_runner_whose_lease_ran_out_while_it_validated_leaves_the_batch_to_its_new_runner(
+    world, monkeypatch
+):
+    """Validating a large file can outlast the lease: the sweep's runner took the batch and
+    started its lines, and the first, resuming, made them pending again, so both ran them."""
+    tenant, api_key, answered = world
+    batch = _batch(tenant, api_key)
+    validate = batch_services.batch_validate
+
+    def validate_slowly(*, batch):
+        validated = validate(batch=batch)  # meanwhile another runner took the lapsed lease
+        Batch.objects.filter(pk=batch.pk).update(
+            runner="other", lease_until=timezone.now() + timedelta(seconds=60)
+        )
+        BatchRequest.objects.filter(batch=batch, custom_id="r0").update(
+            status=BatchRequest.Status.RUNNING, request_id="chatcmpl-other0"
+        )
+        return validated
+
+    monkeypatch.setattr(batch_services, "batch_validate", validate_slowly)
+
+    assert batch_runner.batch_run(batch_id=batch.id) == "held"
+
+    assert answered == []
+    r0 = BatchRequest.objects.get(batch=batch, custom_id="r0")
+    assert (r0.status, r0.request_id) == (BatchRequest.Status.RUNNING, "chatcmpl-other0")
+    assert Batch.objects.get(pk=batch.pk).runner == "other"
