@@ -25,6 +25,7 @@ LIMIT_FIELDSET = (
             "max_concurrent_requests",
             "monthly_token_budget",
             "max_queued_batch_tokens",
+            "max_file_storage_bytes",
         )
     },
 )

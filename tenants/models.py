@@ -72,6 +72,12 @@ class Plan(models.Model):
         help_text="The most input tokens the tenant's unfinished batches may hold; a batch "
         "that would pass it is refused. Empty: no limit.",
     )
+    max_file_storage_bytes = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="The most bytes the tenant's files (batch inputs and results) may take; an "
+        "upload that would pass it is refused until files are deleted. Empty: no limit.",
+    )
 
     def __str__(self) -> str:
         return self.name
@@ -88,6 +94,7 @@ class Tenant(models.Model):
     max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
     monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
     max_queued_batch_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    max_file_storage_bytes = models.PositiveBigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

@@ -45,6 +45,13 @@ def tenant_queued_batch_tokens_limit(*, tenant: Tenant) -> int | None:
     return tenant.plan.max_queued_batch_tokens
 
 
+def tenant_file_storage_limit(*, tenant: Tenant) -> int | None:
+    """The most bytes the tenant's files may take (None: no limit)."""
+    if tenant.max_file_storage_bytes is not None:
+        return tenant.max_file_storage_bytes
+    return tenant.plan.max_file_storage_bytes
+
+
 def api_key_limits(*, api_key: ApiKey) -> Limits:
     """The key's own limits, enforced in addition to its tenant's."""
     return Limits(**{name: getattr(api_key, name) for name in LIMIT_FIELDS})

@@ -72,7 +72,8 @@ def plan_default_ensure() -> Plan:
 
 # the fields of a tenant and of a key that their creation's audit event lists
 TENANT_AUDITED_FIELDS = (
-    "name", "slug", "plan", "is_active", *LIMIT_FIELDS, "max_queued_batch_tokens"
+    "name", "slug", "plan", "is_active", *LIMIT_FIELDS, "max_queued_batch_tokens",
+    "max_file_storage_bytes",
 )  # fmt: skip
 API_KEY_AUDITED_FIELDS = ("name", "expires_at", *LIMIT_FIELDS)
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import BinaryIO
 
 from asgiref.sync import sync_to_async
-from django.db.models import Model, Q, QuerySet
+from django.db.models import Model, Q, QuerySet, Sum
 from django.utils import timezone
 
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
@@ -57,6 +57,11 @@ def _page(
         )
     items = list(queryset[: limit + 1])
     return items[:limit], len(items) > limit
+
+
+def stored_file_bytes(*, tenant_id: int) -> int:
+    """What the tenant's files take, in bytes."""
+    return File.objects.filter(tenant_id=tenant_id).aggregate(total=Sum("bytes"))["total"] or 0
 
 
 def files_list(

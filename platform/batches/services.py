@@ -26,11 +26,12 @@ from batches.jsonl import (
     split_lines,
 )
 from batches.models import ACTIVE_STATUSES, Batch, BatchRequest, File
+from batches.selectors import stored_file_bytes
 from batches.storage import file_storage, max_file_bytes, max_line_bytes
 from config.json_text import NUL
 from tenants.audit import audit_record
 from tenants.models import ApiKey, AuditEvent, Tenant, UsageRecord
-from tenants.selectors import tenant_queued_batch_tokens_limit
+from tenants.selectors import tenant_file_storage_limit, tenant_queued_batch_tokens_limit
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -58,6 +59,11 @@ class FileTooLarge(InvalidRequest):
 
 class Conflict(InvalidRequest):
     """The object's state forbids the change (cancelling a finished batch)."""
+
+
+class StorageFull(InvalidRequest):
+    """The tenant's files take its storage limit: an upload waits for deletions (a 400, not
+    a 429: waiting frees nothing)."""
 
 
 class QueueFull(InvalidRequest):
@@ -99,7 +105,26 @@ def file_create(*, tenant: Tenant, upload: DjangoFile, purpose: str) -> File:
         num_lines=num_lines,
         num_input_tokens=num_input_tokens,
     )
-    return _file_save(file, upload)
+    with transaction.atomic():
+        # the tenant's row locked: two uploads at once cannot both take the last room
+        Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
+        _check_storage(tenant, upload.size)
+        return _file_save(file, upload)
+
+
+def _check_storage(tenant: Tenant, num_bytes: int) -> None:
+    limit = tenant_file_storage_limit(tenant=tenant)
+    if limit is None:
+        return
+    stored = stored_file_bytes(tenant_id=tenant.pk)
+    if stored + num_bytes > limit:
+        raise StorageFull(
+            f"Your organization's files take {stored} of your {limit} bytes of file storage, "
+            f"and this file is {num_bytes} more. Delete files you no longer need "
+            "(DELETE /v1/files/{file_id}).",
+            param="file",
+            code="storage_limit_exceeded",
+        )
 
 
 def file_create_generated(*, tenant: Tenant, purpose: str, filename: str, content: bytes) -> File:

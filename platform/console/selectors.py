@@ -10,11 +10,12 @@ from typing import NamedTuple
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
+from batches.selectors import stored_file_bytes
 from gateway.metrics import supervisor_status
 from serving.models import ModelDeployment
 from tenants.models import Tenant, UsageRollup
 from tenants.quotas import quota_usage
-from tenants.selectors import tenant_limits
+from tenants.selectors import tenant_file_storage_limit, tenant_limits
 
 MAX_SERIES = 5
 
@@ -91,6 +92,11 @@ def quota_rows(*, tenant: Tenant) -> list[QuotaRow]:
         ("Tokens / minute", usage.tokens_this_minute, limits.tokens_per_minute),
         ("Concurrent requests", usage.concurrent_requests, limits.max_concurrent_requests),
         ("Tokens this month", usage.month_tokens, limits.monthly_token_budget),
+        (
+            "File storage (bytes)",
+            stored_file_bytes(tenant_id=tenant.pk),
+            tenant_file_storage_limit(tenant=tenant),
+        ),
     ]
     return [
         QuotaRow(name, round(used or 0), limit, _percent(used, limit)) for name, used, limit in rows

@@ -202,3 +202,19 @@ async def test_a_file_whose_bytes_are_gone_is_a_404_not_a_broken_200(key):
         response = await client.get(f"/v1/files/{created['id']}/content")
     assert response.status_code == 404, response.text
     assert response.json()["error"]["code"] == "not_found"
+
+
+async def test_an_upload_past_the_tenants_file_storage_is_a_400_not_a_retried_429(key):
+    """The SDK retries a 429 by itself: waiting frees no storage."""
+    from asgiref.sync import sync_to_async
+
+    line = _line()
+    await sync_to_async(Plan.objects.filter(slug="open").update)(
+        max_file_storage_bytes=len(line) + 1
+    )
+    async with _client(key) as client:
+        assert (await _upload(client, line)).status_code == 200
+        refused = await _upload(client, line)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("storage_limit_exceeded", "file")

@@ -492,3 +492,25 @@ def test_the_migration_drops_the_lines_of_batches_that_ended_before_it(tenant, f
 
     assert not BatchRequest.objects.filter(batch=ended).exists()
     assert BatchRequest.objects.filter(batch=running).count() == 1
+
+
+@pytest.mark.parametrize("whose", ["plan", "tenant"])
+def test_a_tenants_files_may_take_no_more_than_its_storage_limit(tenant, file_storage_dir, whose):
+    """A tenant's uploads had no bound but the size of each: one tenant could fill the files
+    volume every tenant's batches share."""
+    lines = [request_line("a")]
+    size = len(jsonl(lines))
+    if whose == "plan":
+        tenant.plan.max_file_storage_bytes = 2 * size
+        tenant.plan.save()
+    else:
+        tenant.max_file_storage_bytes = 2 * size
+        tenant.save()
+    first, _ = _upload(tenant, lines), _upload(tenant, lines)
+    with pytest.raises(services.StorageFull) as caught:
+        _upload(tenant, lines)
+    assert caught.value.code == "storage_limit_exceeded" and caught.value.param == "file"
+    assert f"{2 * size} of your {2 * size}" in caught.value.message
+    assert File.objects.filter(tenant=tenant).count() == 2
+    services.file_delete(file=first)  # deleting one makes room
+    assert _upload(tenant, lines)

@@ -32,6 +32,7 @@ def test_quota_rows_show_use_against_each_limit(frozen_quotas):
 
     assert list(rows) == [
         "Requests / minute", "Tokens / minute", "Concurrent requests", "Tokens this month",
+        "File storage (bytes)",
     ]  # fmt: skip
     assert rows["Requests / minute"] == selectors.QuotaRow("Requests / minute", 2, 4, 50)
     assert rows["Concurrent requests"] == selectors.QuotaRow("Concurrent requests", 0, 1, 0)
@@ -126,3 +127,17 @@ def test_fairness_compares_each_tenants_service_with_its_weight_within_its_tier(
     assert (night.served_percent, night.entitled_percent) == (100.0, 100.0)
     # estimated inside the histogram bucket that holds the one 40 ms
     assert heavy.ttft_p50 is not None and 25 < heavy.ttft_p50 <= 50
+
+
+@pytest.mark.django_db
+def test_the_quota_rows_show_what_the_tenants_files_take_of_its_storage(frozen_quotas):
+    from batches.models import File
+
+    tenant = tenant_with()
+    tenant.max_file_storage_bytes = 1000
+    tenant.save()
+    File.objects.create(tenant=tenant, purpose="batch", filename="a.jsonl", bytes=250)
+
+    rows = {row.name: row for row in selectors.quota_rows(tenant=tenant)}
+
+    assert rows["File storage (bytes)"] == selectors.QuotaRow("File storage (bytes)", 250, 1000, 25)
