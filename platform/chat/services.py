@@ -164,20 +164,20 @@ def conversation_configure(
     max_tokens: int | None | Unchanged = UNCHANGED,
 ) -> Conversation:
     """Change the conversation's generation settings; None leaves a setting as it is, except
-    ``max_tokens``, where None means up to the model's context length."""
-    changed = []
+    ``max_tokens``, where None means up to the model's context length. Every setting is
+    checked before any is changed: a refusal leaves the conversation as it was, in memory too
+    (the socket's copy is the one its next reply reads)."""
+    changes = {}
     if model is not None:
         if not isinstance(model, str) or model not in chat_models(tenant=conversation.tenant):
             raise ValidationError(f"The model '{model}' is not available to your organization.")
-        conversation.model = model
-        changed.append("model")
+        changes["model"] = model
     if system_prompt is not None:
         if not isinstance(system_prompt, str) or len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
             raise ValidationError(
                 f"The system prompt must be text of at most {MAX_SYSTEM_PROMPT_CHARS} characters."
             )
-        conversation.system_prompt = _clean(system_prompt)
-        changed.append("system_prompt")
+        changes["system_prompt"] = _clean(system_prompt)
     if temperature is not None:
         if (
             isinstance(temperature, bool)
@@ -187,11 +187,9 @@ def conversation_configure(
             or not 0 <= temperature <= 2
         ):
             raise ValidationError("The temperature must be a number from 0 to 2.")
-        conversation.temperature = float(temperature)
-        changed.append("temperature")
+        changes["temperature"] = float(temperature)
     if max_tokens is None:
-        conversation.max_tokens = None
-        changed.append("max_tokens")
+        changes["max_tokens"] = None
     elif not isinstance(max_tokens, Unchanged):
         if (
             isinstance(max_tokens, bool)
@@ -199,8 +197,10 @@ def conversation_configure(
             or not 1 <= max_tokens <= MAX_TOKENS_LIMIT
         ):
             raise ValidationError(f"Max tokens must be a whole number, 1 to {MAX_TOKENS_LIMIT}.")
-        conversation.max_tokens = max_tokens
-        changed.append("max_tokens")
+        changes["max_tokens"] = max_tokens
+    for name, value in changes.items():
+        setattr(conversation, name, value)
+    changed = list(changes)
     if changed:
         conversation.save(update_fields=changed)
     return conversation

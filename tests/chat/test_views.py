@@ -367,3 +367,17 @@ def test_a_conversation_opens_with_the_cache_out_of_reach(alice, acme, monkeypat
     response = client.get(f"/chat/{conversation.pk}/")
     assert response.status_code == 200
     assert b"hi" in response.content
+
+
+def test_settings_refused_in_part_change_nothing_not_even_in_memory(alice, acme):
+    """A valid model beside an invalid temperature: the refusal saved nothing, but the
+    socket's conversation had its model changed, and its next reply used the unsaved one."""
+    conversation = services.conversation_create(user=alice, tenant=acme, model="small-chat")
+    before = (conversation.model, conversation.temperature, conversation.system_prompt)
+    with pytest.raises(services.ValidationError):
+        services.conversation_configure(
+            conversation=conversation, model="big-chat", system_prompt="New.", temperature=5
+        )
+    assert (conversation.model, conversation.temperature, conversation.system_prompt) == before
+    conversation.refresh_from_db()
+    assert (conversation.model, conversation.temperature, conversation.system_prompt) == before
