@@ -75,6 +75,9 @@ def _page(request: HttpRequest, tenant: Tenant, conversation=None) -> HttpRespon
         "models": models,
         "examples": example_prompts(models=models),
         "has_console": console_tenants(user=request.user).exists(),
+        # the fields hold no more than the socket takes: past it, a refusal would say why
+        "max_content_chars": services.MAX_CONTENT_CHARS,
+        "max_system_prompt_chars": services.MAX_SYSTEM_PROMPT_CHARS,
     }
     if conversation is not None:
         try:

@@ -381,3 +381,12 @@ def test_settings_refused_in_part_change_nothing_not_even_in_memory(alice, acme)
     assert (conversation.model, conversation.temperature, conversation.system_prompt) == before
     conversation.refresh_from_db()
     assert (conversation.model, conversation.temperature, conversation.system_prompt) == before
+
+
+def test_the_page_holds_no_more_text_than_the_socket_takes(alice, acme):
+    """A system prompt past its limit was refused by the socket after it was typed (past
+    64 KiB, as a frame too large to read, which told the user nothing)."""
+    conversation = services.conversation_create(user=alice, tenant=acme, model="small-chat")
+    page = login(alice).get(f"/chat/{conversation.pk}/").content.decode()
+    assert f'id="setting-system" rows="5" maxlength="{services.MAX_SYSTEM_PROMPT_CHARS}"' in page
+    assert f'id="input" rows="1" maxlength="{services.MAX_CONTENT_CHARS}"' in page
