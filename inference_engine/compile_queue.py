@@ -9,9 +9,13 @@ vLLM compiles its grammars on a pool while their requests wait: a tenant whose g
 long waits behind its own alone, and requests without one do not wait at all.
 
 Each job is answered exactly once, through its ``answer`` callback: with what its compile
-returned (or raised); or, not done ``timeout`` seconds after it was submitted, as timed out (a
-compile cannot be interrupted: it runs on, its result is dropped, and its tenant's next job
-waits for it); or as cancelled, or closed when the queue stops.
+returned (or raised); or as timed out, when it waited ``timeout`` seconds without starting
+(``started`` False: the workers were busy with its tenant's earlier jobs, or everyone's) or
+its compile ran ``timeout`` seconds (``started`` True: the grammar itself is too slow); or as
+cancelled, or closed when the queue stops. A compile cannot be interrupted: one past its
+time runs on, its result dropped and its tenant's next job waiting for it, but its thread no
+longer counts as a worker: another takes its place (up to ``MAX_STUCK_COMPILES`` such), so
+tenants whose grammars are slow cannot hold the pool from the others.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
+
+# compiles past their time that may run on beside the workers (each holds a core until done)
+MAX_STUCK_COMPILES = 8
 
 
 @dataclass(frozen=True)
@@ -46,9 +53,10 @@ class _Job:
     tenant: str
     compile: Callable[[], object]
     answer: Callable[[Outcome], None]
-    deadline: float
+    deadline: float  # to start by; once started, to compile by
     started: bool = False
     answered: bool = False
+    is_stuck: bool = False  # its compile ran past its time: its thread is no worker now
 
 
 @dataclass
@@ -65,6 +73,8 @@ class CompileQueue:
     _deadlines: list[tuple[float, int, _Job]] = field(default_factory=list, init=False)
     _order: itertools.count = field(default_factory=itertools.count, init=False)
     _threads: list[threading.Thread] = field(default_factory=list, init=False)
+    _num_threads: int = field(default=0, init=False)  # worker threads alive, stuck ones too
+    _num_stuck: int = field(default=0, init=False)
     _closed: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -74,13 +84,21 @@ class CompileQueue:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
 
     def start(self) -> None:
-        targets = [self._work] * self.workers + [self._watch]
-        self._threads = [
-            threading.Thread(target=target, name=f"engine-grammar-{i}", daemon=True)
-            for i, target in enumerate(targets)
-        ]
-        for thread in self._threads:
-            thread.start()
+        with self._lock:
+            for _ in range(self.workers):
+                self._add_worker()
+        watcher = threading.Thread(target=self._watch, name="engine-grammar-watch", daemon=True)
+        self._threads.append(watcher)
+        watcher.start()
+
+    def _add_worker(self) -> None:
+        """Start one more worker thread (lock held)."""
+        thread = threading.Thread(
+            target=self._work, name=f"engine-grammar-{len(self._threads)}", daemon=True
+        )
+        self._threads.append(thread)
+        self._num_threads += 1
+        thread.start()
 
     def submit(
         self,
@@ -159,7 +177,10 @@ class CompileQueue:
                 if not queued:
                     del self._waiting[tenant]
                 job.started = True
+                job.deadline = time.monotonic() + self.timeout  # its own time, from now
+                heapq.heappush(self._deadlines, (job.deadline, next(self._order), job))
                 self._running.add(tenant)
+                self._lock.notify_all()
             try:
                 outcome = Outcome(result=job.compile())
             except Exception as exc:  # noqa: BLE001 - answered with it, the worker lives on
@@ -174,8 +195,16 @@ class CompileQueue:
                 if not is_late:
                     job.answered = True
                     del self._jobs[job.key]
+                is_surplus = False
+                if job.is_stuck:  # another thread took this one's place meanwhile
+                    self._num_stuck -= 1
+                    is_surplus = self._num_threads - self._num_stuck > self.workers
+                    if is_surplus:
+                        self._num_threads -= 1
             if not is_late:
                 job.answer(outcome)
+            if is_surplus:
+                return
 
     def _watch(self) -> None:
         """Answer each job not done by its deadline as timed out."""
@@ -188,12 +217,16 @@ class CompileQueue:
                 while self._deadlines and (
                     self._deadlines[0][2].answered or self._deadlines[0][0] <= now
                 ):
-                    _, _, job = heapq.heappop(self._deadlines)
-                    if job.answered:
-                        continue
+                    deadline, _, job = heapq.heappop(self._deadlines)
+                    if job.answered or deadline != job.deadline:
+                        continue  # answered, or started since: its compile has its own time
                     if job.started:
                         job.answered = True
                         del self._jobs[job.key]
+                        job.is_stuck = True
+                        self._num_stuck += 1
+                        if self._num_stuck <= MAX_STUCK_COMPILES:
+                            self._add_worker()  # in its place, for the other jobs
                     else:
                         self._take_waiting(job)
                     expired.append(job)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 
@@ -147,3 +148,35 @@ def test_closing_answers_what_is_left_and_what_comes_after(compiles):
     assert answers.next() == ("late", Outcome(closed=True))
     gate.set()
     assert answers.none_within(0.3)
+
+
+def test_a_grammar_that_waited_behind_its_tenants_gets_its_own_time_to_compile(compiles):
+    """Its time ran from its submission: a fast grammar that started just before it ran out
+    was refused as too slow to compile ("simplify it"), which no change of it could mend."""
+    queue_, answers = compiles(workers=2, timeout=1.0), Answers()
+    queue_.submit("a1", "a", lambda: time.sleep(0.8) or "g1", answers.to("a1"))
+    queue_.submit("a2", "a", lambda: time.sleep(0.4) or "g2", answers.to("a2"))
+    assert [answers.next(), answers.next()] == [
+        ("a1", Outcome(result="g1")),
+        ("a2", Outcome(result="g2")),
+    ]
+
+
+def test_compiles_past_their_time_do_not_hold_the_workers_from_other_tenants(compiles):
+    """Two tenants' endless compiles held both workers: every other tenant's grammars then
+    waited out their time, refused."""
+    queue_, answers, gate = compiles(workers=2, timeout=0.3), Answers(), threading.Event()
+    for tenant in ("a", "b"):
+        queue_.submit(tenant, tenant, gated(gate), answers.to(tenant))
+    stuck = {answers.next()[0], answers.next()[0]}
+    assert stuck == {"a", "b"}  # refused as too slow; their threads still compiling
+    queue_.submit("c", "c", lambda: "fast", answers.to("c"))
+    assert answers.next() == ("c", Outcome(result="fast"))
+    queue_.submit("a-next", "a", lambda: "next", answers.to("a-next"))
+    assert answers.none_within(0.1)  # its tenant's next still waits for the stuck one
+    gate.set()
+    assert answers.next() == ("a-next", Outcome(result="next"))
+    deadline = time.monotonic() + 10
+    while queue_._num_threads != 2:  # the stuck ones' threads go once done
+        assert time.monotonic() < deadline, queue_._num_threads
+        time.sleep(0.01)
