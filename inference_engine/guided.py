@@ -72,7 +72,9 @@ class GrammarCompiler:
         self.stop_token_ids = eos_token_ids or frozenset(() if eos is None else (eos,))
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._closing_tokens: tuple[list[int], list[float]] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache's: held for a look or a change, never longer
+        # builds of the library and of the closing tokens (each a whole vocabulary's read)
+        self._build_lock = threading.Lock()
         # (salt, constraint) -> its compiled grammar, least recently used first
         self._compiled: OrderedDict[tuple[str, bytes], xgrammar.CompiledGrammar] = OrderedDict()
         self._compiled_bytes = 0
@@ -80,7 +82,7 @@ class GrammarCompiler:
     def _library(self) -> xgrammar.GrammarCompiler:
         """The xgrammar compiler, built on first use: reading a large vocabulary takes a
         moment that engines which never see a constraint should not pay at start."""
-        with self._lock:
+        with self._build_lock:
             if self._compiler is None:
                 import xgrammar
 
@@ -167,7 +169,7 @@ class GrammarCompiler:
         one the grammar rules it out, except to open a key or an empty string), then the
         other tokens made only of quotes, brackets and braces, and last a comma (where the
         grammar allows no bracket: a number or a string before a required key)."""
-        with self._lock:
+        with self._build_lock:
             if self._closing_tokens is None:
                 texts = self._tokenizer.batch_decode([[i] for i in range(len(self._tokenizer))])
                 weights = {}

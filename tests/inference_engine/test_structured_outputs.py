@@ -561,3 +561,38 @@ def test_a_short_budget_still_writes_its_strings(llm):
     outputs = llm.generate(["the quick brown"] * 4, params)
     answers = [json.loads(o.text)["answer"] for o in outputs if o.finish_reason == "stop"]
     assert any(answers), [o.text for o in outputs]
+
+
+def test_a_grammar_being_built_holds_up_no_look_into_the_cache(monkeypatch):
+    """The library's first build (a whole vocabulary read: seconds for a large one) held the
+    cache's lock: the intake thread, asking whether a request's grammar was compiled, waited
+    behind it, and with it every request."""
+    import threading
+    import time
+
+    import xgrammar
+
+    from tests.inference_engine.conftest import build_tokenizer
+
+    building, gate = threading.Event(), threading.Event()
+    from_huggingface = xgrammar.TokenizerInfo.from_huggingface
+
+    def slow_build(*args, **kwargs):
+        building.set()
+        assert gate.wait(20)
+        return from_huggingface(*args, **kwargs)
+
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", slow_build)
+    compiler = GrammarCompiler(build_tokenizer(), 384, frozenset([0]))
+    spec = StructuredOutputsParams(regex="[ab]{1,3}")
+    compiling = threading.Thread(target=compiler.compile, args=(spec,))
+    compiling.start()
+    try:
+        assert building.wait(10)
+        started = time.monotonic()
+        assert not compiler.is_compiled(spec)
+        assert time.monotonic() - started < 1.0
+    finally:
+        gate.set()
+        compiling.join(10)
+    assert compiler.is_compiled(spec)
