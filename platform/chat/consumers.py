@@ -155,7 +155,8 @@ class _Run:
     is_deleted: bool = False  # its conversation was deleted meanwhile: nothing to save
     error: ChatError | None = None
     text_relay: TextRelay | None = None  # its text for the conversation's other windows
-    replaces: int | None = None  # a regenerate: the reply it replaces, if it holds an answer
+    # a regenerate: the replies it replaces once it holds an answer (shown by no sync meanwhile)
+    replaces: list[int] = field(default_factory=list)
 
     def cancel(self) -> None:
         """Cancel the generation, once: a stop frame and ``_stop`` may both ask (an extra
@@ -182,6 +183,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     mirror: ReplyMirror
     mirror_checker: asyncio.Task | None = None
     holder: asyncio.Task | None = None  # marks the conversation open while the socket is open
+    resync: asyncio.Task | None = None  # this window's look after a regenerate settled
     allowed_at = 0.0  # when the user was last found allowed to see the conversation (monotonic)
     frame_budgets: dict[bool, FrameBudget] | None = None  # stops (True) and the other frames
     num_replies_started = 0
@@ -432,12 +434,14 @@ class ChatConsumer(AsyncWebsocketConsumer):
             if self.num_replies_started == num_started:  # nothing was started after all
                 await claims.arelease(self.conversation, token)
 
-    async def _start_reply(self, claim: str, after_id: int, replaces: int | None = None) -> None:
+    async def _start_reply(
+        self, claim: str, after_id: int, replaces: list[int] | None = None
+    ) -> None:
         reply = await database_sync_to_async(services.reply_start)(
             conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
         )
         self.num_replies_started += 1
-        self.run = run = _Run(reply=reply, claim=claim, replaces=replaces)
+        self.run = run = _Run(reply=reply, claim=claim, replaces=replaces or [])
         if self.relay is not None:
             run.text_relay = TextRelay(self.relay, reply.pk)
         run.keeper = asyncio.create_task(
@@ -513,7 +517,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         run.is_finished = True
         outcome, error = run.outcome, run.error
         is_saved = False
-        is_replacing = False  # a regenerate left the reply it was to replace: windows resync
+        is_replacing = False  # a regenerate settled: the windows look again
         if error is not None:
             status = Message.Status.ERROR
         elif run.is_stopped:
@@ -533,10 +537,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
                     completion_tokens=outcome.completion_tokens,
                 )
                 is_saved = True
-                if run.replaces is not None:
-                    is_replacing = not await database_sync_to_async(services.reply_replace)(
-                        reply=run.reply, replaced_id=run.replaces
+                if run.replaces:
+                    await database_sync_to_async(services.reply_replace)(
+                        reply=run.reply, replaced_ids=run.replaces
                     )
+                    is_replacing = True
         except services.ConversationDeleted:
             run.is_deleted = True
         except Exception:
@@ -585,9 +590,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
                     "usage": outcome.usage(),
                 }
             )
-        if is_replacing:  # the pages dropped the old reply at the start: shown again
-            # (not under relay_lock: a relayed stop holds it while it waits for this end)
-            await self._send_all(await self._sync_frame())
+        if is_replacing:
+            # The pages dropped the old replies at the start, and a window that synced
+            # meanwhile shows them: each window sends its page what is saved now, as it would
+            # for a sync (not a frame of this one's: another window may have started a reply
+            # since the claim went). This one's, under relay_lock, on a task of its own: a
+            # relayed stop holds that lock while it waits for this end.
+            self.resync = asyncio.create_task(self._resync())
+            if self.relay is not None:
+                await self.relay.publish({"type": "chat.resync"}, to_all=True)
 
     # --- the conversation's other windows (chat.relay) ---------------------------------------
 
@@ -596,7 +607,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             if self.is_closed:
                 return
             kind = message["type"]
-            if kind in ("chat.frame", "chat.text", "chat.snapshot") and not (
+            if kind in ("chat.frame", "chat.text", "chat.snapshot", "chat.resync") and not (
                 await self._still_allowed()
             ):
                 return
@@ -628,6 +639,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 run, reply_id = self.run, message.get("reply_id")
                 if run is not None and reply_id in (None, run.reply.pk):
                     await self._stop(run)
+            elif kind == "chat.resync":  # a regenerate settled in another window
+                if self.run is None:  # one that runs a reply shows its own
+                    await self._send_saved()
             elif kind == "chat.deleted":
                 if self.run is not None:
                     self._deleted(self.run)  # its end closes the socket
@@ -642,8 +656,6 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 await self._catch_up(frame["message_id"])  # its page never saw it start
                 return
             self.mirror.end(frame["message_id"])
-        elif frame["type"] == "sync" and frame["generating"] is None and self.run is None:
-            self.mirror.forget()
         await self._send({**frame, "relayed": True})
 
     async def _catch_up(self, reply_id: int) -> None:
@@ -691,6 +703,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
             request = {"type": "chat.snapshot_request", "reply_id": generating}
             await self.relay.publish(request, to_all=True)
 
+    async def _resync(self) -> None:
+        async with self.relay_lock:
+            if not self.is_closed and self.run is None:
+                await self._send_saved()
+
     async def _sync_frame(self) -> dict:
         messages, generating = await self._saved_messages()
         return {
@@ -708,8 +725,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
         is_claimed = services.replies_interrupt_unless_claimed(conversation=self.conversation)
         messages = list(selectors.conversation_messages(conversation=self.conversation))
         run = self.run
-        if run is not None:
-            return messages, run.reply.pk
+        if run is not None:  # the replies it regenerates are gone for the page already
+            return [m for m in messages if m.pk not in run.replaces], run.reply.pk
         last = messages[-1] if messages else None
         if is_claimed and last is not None and last.status == Message.Status.STREAMING:
             return messages, last.pk

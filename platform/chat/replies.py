@@ -116,11 +116,12 @@ async def generate_reply(
     user: AbstractBaseUser,
     outcome: ReplyOutcome,
     on_text: Callable[[str], Awaitable[None]],
-    replaces: int | None = None,
+    replaces: list[int] | None = None,
 ) -> None:
-    """See the module docstring. ``replaces``: the id of the reply this one is to replace
-    (a regenerate), which the model does not see, nor anything after it."""
-    caller, messages = await _caller_and_messages(conversation, replaces or reply.pk, user)
+    """See the module docstring. ``replaces``: the ids of the replies this one is to replace
+    (a regenerate), which the model does not see, nor anything after them."""
+    before_id = min(replaces) if replaces else reply.pk
+    caller, messages = await _caller_and_messages(conversation, before_id, user)
     if not messages:
         raise ChatError("invalid_request", "There is nothing to answer yet.")
     request = GenerateRequest(

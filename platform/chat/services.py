@@ -248,31 +248,35 @@ def message_edit(*, conversation: Conversation, message_id: int, content: str) -
     return message
 
 
-def reply_prepare_regenerate(*, conversation: Conversation) -> tuple[int, int | None]:
-    """Where a new reply to the last user message goes: (the id of the message it follows,
-    the id of the reply it replaces, None where the last message is the user's). The reply it
-    replaces stays until the new one is kept (``reply_replace``): a refused or empty new reply
-    leaves the user the answer they had."""
-    last_two = list(Message.objects.filter(conversation=conversation).order_by("-id")[:2])
-    if not last_two or last_two[0].role == Message.Role.ASSISTANT and len(last_two) == 1:
+def reply_prepare_regenerate(*, conversation: Conversation) -> tuple[int, list[int]]:
+    """Where a new reply to the last user message goes: (that message's id, the ids of the
+    replies after it, which the new one replaces: one, or more where a process died
+    mid-regenerate). They stay until the new reply is kept (``reply_replace``): a refused or
+    empty new reply leaves the user the answer they had."""
+    question = (
+        Message.objects.filter(conversation=conversation, role=Message.Role.USER)
+        .order_by("-id")
+        .values_list("id", flat=True)
+        .first()
+    )
+    if question is None:
         raise ValidationError("There is nothing to regenerate yet.")
-    if last_two[0].role == Message.Role.ASSISTANT:
-        return last_two[1].pk, last_two[0].pk
-    return last_two[0].pk, None
+    replies = Message.objects.filter(conversation=conversation, id__gt=question).order_by("id")
+    return question, list(replies.values_list("id", flat=True))
 
 
 @transaction.atomic
-def reply_replace(*, reply: Message, replaced_id: int) -> bool:
-    """Settle a regenerated ``reply`` (saved by ``reply_finish``) against the reply it was to
-    replace: where it holds an answer (complete, or stopped with text) the old one goes; else
-    (refused, failed, stopped before its first token) it goes, and the old one stays. True
-    where the new reply was kept."""
+def reply_replace(*, reply: Message, replaced_ids: list[int]) -> bool:
+    """Settle a regenerated ``reply`` (saved by ``reply_finish``) against the replies it was
+    to replace: where it holds an answer (complete, or stopped with text) they go; else
+    (refused, failed, stopped before its first token) it goes, and they stay. True where the
+    new reply was kept."""
     is_kept = reply.status == Message.Status.COMPLETE or (
         reply.status == Message.Status.STOPPED and bool(reply.content)
     )
-    gone = replaced_id if is_kept else reply.pk
+    gone = replaced_ids if is_kept else [reply.pk]
     Message.objects.filter(
-        pk=gone, conversation_id=reply.conversation_id, role=Message.Role.ASSISTANT
+        pk__in=gone, conversation_id=reply.conversation_id, role=Message.Role.ASSISTANT
     ).delete()
     return is_kept
 

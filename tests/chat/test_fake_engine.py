@@ -234,3 +234,74 @@ async def test_a_regenerate_stopped_before_its_first_token_keeps_the_reply_it_wo
         ("user", "complete", "hello"),
         ("assistant", "complete", "a good answer"),
     ]
+
+
+async def test_every_window_shows_the_regenerated_reply_alone_once_it_is_kept(fake_world):
+    """A window that synced while the reply was regenerated showed the old reply beside the
+    new one (still saved then), and kept showing it once it was deleted."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, first = await open_chat(fake_world["user"], conversation.pk)
+    _, _, second = await open_chat(fake_world["user"], conversation.pk)
+    await first.send(type="send", content="hello")
+    await _replied(fake, first, "old", " answer")
+    await second.receive_until("done")
+    await first.send(type="regenerate")
+    await first.receive_until("start")
+    identity, request = await asyncio.wait_for(fake.generates.get(), 10)
+    await second.receive_until("start")
+    await second.send(type="sync")  # as a reconnect does
+    await second.receive_until("sync")
+    await _answer(fake, identity, request.request_id, "new")
+    await first.receive_until("done")
+    shown, _ = await second.receive_until("sync")  # the windows are told to look again
+    await first.close()
+    await second.close()
+    assert [m["content"] for m in shown["messages"]] == ["hello", "new"]
+
+
+async def test_a_regenerate_after_an_interrupted_one_replaces_every_reply_after_the_question(
+    fake_world,
+):
+    """A process that died mid-regenerate left the old reply and the interrupted new one: the
+    next regenerate answered after the old reply (the model read it as the last turn) and
+    replaced only the interrupted one."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+
+    @sync_to_async
+    def left_by_a_dead_process():
+        chat_services.message_send(conversation=conversation, content="hello")
+        old = chat_services.reply_start(conversation=conversation, request_id="chat-old")
+        chat_services.reply_finish(message=old, content="old answer", status="complete")
+        chat_services.reply_start(conversation=conversation, request_id="chat-dead")
+        chat_services.replies_interrupt(conversation=conversation)
+
+    await left_by_a_dead_process()
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="regenerate")
+    regenerated = await _replied(fake, chat, "newer")
+    await chat.close()
+    assert [(m.role, m.content) for m in regenerated["request"].messages] == [("user", "hello")]
+    assert await _saved(conversation) == [
+        ("user", "complete", "hello"),
+        ("assistant", "complete", "newer"),
+    ]
+
+
+async def test_a_window_running_a_reply_ignores_another_windows_resync(fake_world):
+    """A full sync frame relayed by the window whose regenerate settled, read before another
+    window started its reply, removed that reply from the other's page and ended its stream."""
+    from channels.layers import get_channel_layer
+
+    from chat.relay import group_name
+
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    await chat.receive_until("start")
+    identity, request = await asyncio.wait_for(fake.generates.get(), 10)
+    group = group_name(tenant_id=conversation.tenant_id, conversation_id=conversation.pk)
+    await get_channel_layer().group_send(group, {"type": "chat.resync", "sender": "elsewhere"})
+    await _answer(fake, identity, request.request_id, "an answer")
+    _, frames = await chat.receive_until("done")
+    await chat.close()
+    assert "sync" not in [frame["type"] for frame in frames]
