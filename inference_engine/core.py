@@ -161,16 +161,16 @@ class EngineCore:
             )
         return None
 
-    def needs_grammar_compile(self, params: SamplingParams, cache_salt: str | None = None) -> bool:
-        """Whether ``params`` ask for a grammar not compiled yet for ``cache_salt``'s
-        requests: ``compile_structured_outputs`` then compiles (tens of milliseconds, or far
-        more for a schema written to be slow)."""
+    def cached_grammar(
+        self, params: SamplingParams, cache_salt: str | None = None
+    ) -> xgrammar.CompiledGrammar | None:
+        """``params``' grammar as compiled before for ``cache_salt``'s requests; None where it
+        is not in the cache (``compile_structured_outputs`` then compiles: tens of
+        milliseconds, or far more for a schema written to be slow) or there is none."""
         spec = params.structured_outputs
-        return (
-            spec is not None
-            and self.grammars is not None
-            and not self.grammars.is_compiled(spec, cache_salt)
-        )
+        if spec is None or self.grammars is None:
+            return None
+        return self.grammars.cached(spec, cache_salt)
 
     def compile_structured_outputs(
         self, params: SamplingParams, cache_salt: str | None = None

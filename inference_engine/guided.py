@@ -101,12 +101,10 @@ class GrammarCompiler:
         """The compiled grammar of ``spec`` for the callers sharing ``salt`` (a tenant's prefix
         cache salt), from the cache where they compiled it before; ``InvalidGrammar`` naming
         the problem if it cannot be compiled."""
+        compiled = self.cached(spec, salt)
+        if compiled is not None:
+            return compiled
         key = (salt or "", msgspec.msgpack.encode(spec))
-        with self._lock:
-            compiled = self._compiled.get(key)
-            if compiled is not None:
-                self._compiled.move_to_end(key)
-                return compiled
         compiled = self._compile(spec)
         with self._lock:
             if key not in self._compiled:
@@ -117,10 +115,16 @@ class GrammarCompiler:
                 self._compiled_bytes -= oldest.memory_size_bytes
         return compiled
 
-    def is_compiled(self, spec: StructuredOutputsParams, salt: str | None = None) -> bool:
-        """Whether ``compile(spec, salt)`` would find it in the cache."""
+    def cached(
+        self, spec: StructuredOutputsParams, salt: str | None = None
+    ) -> xgrammar.CompiledGrammar | None:
+        """The compiled grammar of ``spec`` for ``salt``'s callers where the cache holds it."""
+        key = (salt or "", msgspec.msgpack.encode(spec))
         with self._lock:
-            return (salt or "", msgspec.msgpack.encode(spec)) in self._compiled
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+            return compiled
 
     def cache_bytes(self) -> int:
         """What the compiled grammars kept take."""

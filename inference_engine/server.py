@@ -328,7 +328,10 @@ class EngineServer:
                 if deadline is None:
                     deadline = time.monotonic() + self.config.shutdown_grace_period
                     logger.info("draining %d requests", len(self.processor.states))
-                if (time.monotonic() >= deadline or self._abort_now.is_set()) and (
+                is_ending = time.monotonic() >= deadline or self._abort_now.is_set()
+                if is_ending and len(self._compiles):
+                    self._compiles.close()  # requests whose grammar compiles are refused
+                if is_ending and (
                     left := [r for r in list(self.processor.states) if r not in shutdown_aborted]
                 ):
                     shutdown_aborted.update(left)
@@ -713,23 +716,20 @@ class EngineServer:
         ):
             self._refuse(item, push, encoder, *refused)
             return False
-        # a new grammar compiles on the compile queue, not here nor in the busy loop
-        if core is not None and core.needs_grammar_compile(request.params, request.cache_salt):
-            self._compiling.add(item.req_id)
-            self._compiles.submit(
-                item.req_id,
-                request.tenant_id or "",
-                lambda: core.compile_structured_outputs(request.params, request.cache_salt),
-                lambda outcome: self._intake.put(_Compiled(item, token_ids, outcome)),
-            )
-            return True
-        # compiled already (or none): from the cache, handed on with the request
-        grammar = (
-            core.compile_structured_outputs(request.params, request.cache_salt) if core else None
-        )
-        if isinstance(grammar, Refusal):
-            self._refuse(item, push, encoder, *grammar)
-            return False
+        grammar = None
+        if core is not None and request.params.structured_outputs is not None:
+            # compiled before: taken from the cache at once, handed on with the request; else
+            # compiled on the compile queue, neither here nor in the busy loop
+            grammar = core.cached_grammar(request.params, request.cache_salt)
+            if grammar is None:
+                self._compiling.add(item.req_id)
+                self._compiles.submit(
+                    item.req_id,
+                    request.tenant_id or "",
+                    lambda: core.compile_structured_outputs(request.params, request.cache_salt),
+                    lambda outcome: self._intake.put(_Compiled(item, token_ids, outcome)),
+                )
+                return True
         self._queue_add(item, token_ids, grammar)
         return False
 

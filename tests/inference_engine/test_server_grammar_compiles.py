@@ -81,6 +81,7 @@ def compiling(llama_dir, tmp_path, request):
     dealer = Dealer(server.config.endpoint)
     _wait_for(server._ready.is_set, timeout=60)
     compiling = Compiling(server, dealer)
+    compiling.thread = thread
     yield compiling
     compiling.gate.set()
     dealer.close()
@@ -175,3 +176,16 @@ def test_the_busy_loop_never_compiles_a_grammar_the_intake_had_compiled(compilin
     compiling.generate("again", "a", regex="[xyz]{1,3}")  # dropped: compiled again there
     assert _served(compiling.finals("again")["again"])
     assert compiling.compiled == ["[xyz]{1,3}", "[xyz]{1,3}"]
+
+
+def test_a_shutdown_that_aborts_at_once_waits_for_no_grammar(compiling):
+    """A second SIGTERM aborted the requests running, but one whose grammar compiled kept
+    the engine up until its compile ended or timed out."""
+    compiling.generate("compiling", "a", regex="gated[a-z]{1,3}")
+    _wait_for(lambda: compiling.started)
+    compiling.server.request_shutdown()
+    compiling.server.request_shutdown()  # abort what is left, now
+    [refused] = compiling.finals("compiling").values()
+    assert refused.error == ErrorCode.ENGINE_ERROR and "shut down" in refused.error_message
+    compiling.thread.join(timeout=10)
+    assert not compiling.thread.is_alive()
