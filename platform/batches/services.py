@@ -462,10 +462,10 @@ def batch_validate(*, batch: Batch) -> Batch:
 @transaction.atomic
 def batch_cancel(*, batch: Batch, actor: AbstractBaseUser | None = None) -> Batch:
     """Stop a batch from starting new lines: its runner finishes it as ``cancelled`` once its
-    running lines end; one that no runner holds and with no line running (queued behind
-    other batches, or its worker lost) is ``cancelled`` at once, its results written and its
-    queued tokens freed. ``actor``: the person cancelling it in the console, in the tenant's
-    audit log (None: the tenant's app, through the API)."""
+    running lines end; one that no runner has and with no line running (queued behind other
+    batches) is ``cancelled`` at once, its results written and its queued tokens freed.
+    ``actor``: the person cancelling it in the console, in the tenant's audit log (None: the
+    tenant's app, through the API)."""
     batch = Batch.objects.select_for_update().get(pk=batch.pk)
     if batch.status == Batch.Status.CANCELLING:
         return batch
@@ -477,9 +477,10 @@ def batch_cancel(*, batch: Batch, actor: AbstractBaseUser | None = None) -> Batc
     batch.status = Batch.Status.CANCELLING
     batch.cancelling_at = now
     batch.save(update_fields=["status", "cancelling_at"])
-    # the row is locked: a runner's claim waits, then finds it ended
-    is_held = batch.lease_until is not None and batch.lease_until >= now
-    if not is_held and not batch.requests.filter(status=BatchRequest.Status.RUNNING).exists():
+    # No runner has it (never taken, or given back; the row is locked: a runner's claim
+    # waits, then finds it ended) and no line runs: nobody else would end it. A runner whose
+    # lease lapsed may be alive, about to claim a line: it, or the sweep's next, ends it.
+    if not batch.runner and not batch.requests.filter(status=BatchRequest.Status.RUNNING).exists():
         _end(batch, Batch.Status.CANCELLED)
     if actor is not None:
         audit_record(

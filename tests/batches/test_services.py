@@ -2,6 +2,7 @@
 temporary files folder."""
 
 import json
+from datetime import timedelta
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -381,6 +382,15 @@ def test_a_running_batch_can_be_cancelled_and_a_finished_one_not(tenant, file_st
     Batch.objects.filter(pk=done.pk).update(status=Batch.Status.COMPLETED)
     with pytest.raises(services.Conflict):
         services.batch_cancel(batch=done)
+
+
+def test_a_batch_whose_runners_lease_lapsed_waits_for_its_runner(tenant, file_storage_dir):
+    """Its runner may be alive, late to renew, about to claim a line: ended under it, that
+    line would run and be metered, its answer written nowhere."""
+    batch = services.batch_validate(batch=_batch(tenant, _upload(tenant, [request_line("a")])))
+    assert services.batch_claim(batch_id=batch.id, runner="r", lease_seconds=60)
+    Batch.objects.filter(pk=batch.pk).update(lease_until=timezone.now() - timedelta(seconds=1))
+    assert services.batch_cancel(batch=batch).status == Batch.Status.CANCELLING
 
 
 def test_a_batch_cancelled_with_a_line_running_waits_for_its_runner(tenant, file_storage_dir):
