@@ -39,3 +39,39 @@ def test_without_the_demo_the_banner_still_lists_the_addresses(embedded, monkeyp
     for address in ADDRESSES:
         assert f"http://127.0.0.1:8123{address}" in output, address
     assert "sk-" not in output and "createsuperuser" in output
+
+
+def test_a_port_in_use_stops_the_start_before_the_banner(embedded, monkeypatch):
+    """The banner, and a new demo key, were printed, then Daphne looped on "Address already
+    in use" while /health/ready answered from whatever held the port (the other copy, whose
+    database knows no such key)."""
+    import socket
+
+    from django.core.management.base import CommandError
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    monkeypatch.setattr(runplatform.Supervisor, "run", lambda self: 0)
+    out = io.StringIO()
+    try:
+        with pytest.raises(CommandError, match=f"127.0.0.1:{port} is in use"):
+            call_command("runplatform", "--port", str(port), stdout=out)
+    finally:
+        taken.close()
+    assert "API key" not in out.getvalue()
+
+
+def test_a_second_platform_on_the_same_var_dir_is_refused(embedded, monkeypatch):
+    """Two copies on one checkout shared its engine socket and supervisor state: stopping the
+    second took the first one's engine away."""
+    from django.core.management.base import CommandError
+
+    def second_start(self):
+        out = io.StringIO()
+        with pytest.raises(CommandError, match="already runs on"):
+            call_command("runplatform", "--port", "8124", stdout=out)
+        return 0
+
+    monkeypatch.setattr(runplatform.Supervisor, "run", second_start)
+    call_command("runplatform", "--port", "8123", stdout=io.StringIO())
+    _banner(monkeypatch)  # the first has stopped: free again

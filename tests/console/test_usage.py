@@ -152,6 +152,9 @@ def test_the_dashboard_says_as_of_when_and_formats_numbers(client, django_user_m
     client.force_login(owner)
     page = client.get(reverse("console:dashboard", args=[tenant.slug])).content.decode()
     assert ">12,345<" in page  # tokens, live: nothing was rolled up
+    # the batch card's numbers too (they read "12345" beside "2,138")
+    assert '>12,345</div><div class="label">API and chat tokens' in page
+    assert "requests turned away before they ran" in page  # not a list read as a breakdown
     assert "As of " in page and "nothing rolled up yet" in page
     assert 'name="period"' in page and "Tokens per day" in page  # 14 days by default
     url = reverse("console:dashboard", args=[tenant.slug])
@@ -321,3 +324,13 @@ def test_a_latency_axis_past_a_second_is_in_seconds():
     assert all(f">{tick}<" in svg for tick in ("0s", "0.5s", "1s", "1.5s"))
     short = charts.lines(["a"], {"p50": [400.0]}, "ms")
     assert ">400ms<" in short and ">0ms<" in short
+
+
+def test_a_moment_reads_as_how_long_ago_it_was():
+    """The platform page's "Checked" read "0 minutes" for a check just made."""
+    from console.templatetags.console_format import ago
+
+    now = datetime.now(UTC)
+    assert ago(now - timedelta(seconds=10)) == "just now"
+    assert ago(now - timedelta(minutes=5)) == "5\xa0minutes ago"
+    assert ago(None) == "never"

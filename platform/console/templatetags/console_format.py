@@ -1,6 +1,10 @@
 """Numbers as the console shows them: thousands separated, milliseconds and rates rounded."""
 
+from datetime import datetime, timedelta
+
 from django import template
+from django.utils import timezone
+from django.utils.timesince import timesince
 
 from console.charts import exact_number
 
@@ -11,6 +15,16 @@ register = template.Library()
 def thousands(value: float | None) -> str:
     """12345 -> "12,345"; None -> "–"."""
     return "–" if value is None else exact_number(value)
+
+
+@register.filter
+def ago(moment: datetime | None) -> str:
+    """How long ago ``moment`` was: "just now" within a minute, "5 minutes ago"; "never"."""
+    if moment is None:
+        return "never"
+    if timezone.now() - moment < timedelta(minutes=1):
+        return "just now"
+    return f"{timesince(moment)} ago"
 
 
 @register.filter

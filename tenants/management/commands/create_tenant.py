@@ -27,7 +27,10 @@ class Command(BaseCommand):
             try:
                 owner = get_user_model().objects.get(username=options["owner"])
             except get_user_model().DoesNotExist as exc:
-                raise CommandError(f"No user named {options['owner']!r}.") from exc
+                raise CommandError(
+                    f"No user named {options['owner']!r}: make the account first (the admin's "
+                    "Users page, or `manage.py createsuperuser` for staff)."
+                ) from exc
         plan = None
         if options["plan"]:
             plan = Plan.objects.filter(slug=options["plan"]).first()

@@ -1,9 +1,13 @@
+import contextlib
+import errno
+import fcntl
 import os
 import shlex
 import shutil
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +38,36 @@ class Command(BaseCommand):
         parser.add_argument("--no-demo", action="store_true", help="Skip the demo data")
 
     def handle(self, *args, **options) -> None:
+        with self._var_dir_held(options["host"], options["port"]):
+            self._run(options)
+
+    @contextlib.contextmanager
+    def _var_dir_held(self, host: str, port: int) -> Iterator[None]:
+        """Hold ``VAR_DIR`` for this run alone: a second copy on the same checkout would share
+        its engine socket and supervisor state, and stopping it took the first one's engine
+        away. Refused, saying who has it."""
+        var_dir = Path(settings.VAR_DIR)
+        var_dir.mkdir(parents=True, exist_ok=True)
+        with open(var_dir / "runplatform.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "another process"
+                raise CommandError(
+                    f"The platform already runs on {var_dir} ({holder}): stop it first, or give "
+                    "this one a VAR_DIR of its own."
+                ) from None
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()}, http://{host}:{port}")
+            lock.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _run(self, options: dict) -> None:
         call_command("migrate", interactive=False, verbosity=0)
         base_url = f"http://{options['host']}:{options['port']}"
         env = python_path_env(settings.BASE_DIR)
@@ -49,6 +83,7 @@ class Command(BaseCommand):
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
             processes.append(self._engine(env, placement))
+        _check_port_free(options["host"], options["port"])
         credentials = None
         if settings.IS_EMBEDDED and not options["no_demo"]:
             credentials = demo_bootstrap()
@@ -172,3 +207,17 @@ class Command(BaseCommand):
 
 def _cpu_list(cpus: frozenset[int]) -> str:
     return ",".join(str(cpu) for cpu in sorted(cpus))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port something else listens on, before the banner shows a key and an address
+    that would reach that other thing (Daphne could only loop on "Address already in use")."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise CommandError(
+            f"{host}:{port} is in use (another `make run`?): stop what listens there, or "
+            "choose another port (PORT=8001 make run)."
+        ) from None
