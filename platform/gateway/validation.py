@@ -108,7 +108,13 @@ def decode(body: bytes, request_type: type) -> msgspec.Struct:
             unrecognized = _unrecognized(body, request_type)
             if unrecognized is not None:
                 raise unrecognized from exc
-        raise invalid(message, param=_param_of(message)) from exc
+        param = _param_of(message)
+        if (part := _UNREAD_PART.match(message)) and param and param.endswith(".type"):
+            message = (
+                f"Content of type '{part.group(1)}' is not supported by this server: its "
+                "models read text only (send 'text' parts, or a string)."
+            )
+        raise invalid(message, param=param) from exc
     except msgspec.DecodeError as exc:
         raise invalid(f"The request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # json_body caps the depth; a batch line stored before did not
@@ -132,6 +138,10 @@ def _unrecognized(body: bytes, request_type: type) -> ApiError | None:
     return invalid(
         f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}", param=unknown[0]
     )
+
+
+# a content part's type for what a text model cannot read: images, audio, files
+_UNREAD_PART = re.compile(r"^Invalid value '(\w+)' - at `\$\.messages\[\d+\]\.content\[\d+\]")
 
 
 def _param_of(message: str) -> str | None:

@@ -407,3 +407,13 @@ def test_the_reservation_holds_whatever_the_tokenizer_makes_of_the_text(body):
     reservation = _reservation(plan, max_context=4096)
     assert reservation.tokens >= 250 * 4 + 10
     assert reservation.likely_tokens < 100
+
+
+@pytest.mark.parametrize("kind", ["image_url", "input_audio", "file"])
+def test_content_a_text_model_cannot_read_is_refused_saying_so(kind):
+    """An image part was refused as "Invalid value 'image_url'", which reads as a typo."""
+    body = _chat(messages=[{"role": "user", "content": [{"type": kind, kind: {}}]}])
+    error = _error(plan_chat, body)
+    assert error.param == "messages[0].content[0].type"
+    assert f"Content of type '{kind}' is not supported" in error.message
+    assert "text" in error.message
