@@ -50,11 +50,15 @@ def install() -> None:
 
 
 class ProbeAnswersFilter(logging.Filter):
-    """Drops Django's request error for a health probe's own answer: a 503 from
-    ``/health/ready`` says "not ready" (the engine loading, a database away), which the probe
-    reads, and the access log shows; it is not a server error."""
+    """Drops Django's request log for what is no server error: a client's error (a 4xx: the
+    access log has its line, and its body tells the client why), and a health probe's own
+    answer (a 503 from ``/health/ready`` says "not ready": the engine loading, a database
+    away, which the probe reads)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        status = getattr(record, "status_code", 0) or 0
+        if 400 <= status < 500:
+            return False
         request = getattr(record, "request", None)
         path = getattr(request, "path", "") if request is not None else ""
-        return not (path.startswith("/health/") and getattr(record, "status_code", 0) == 503)
+        return not (path.startswith("/health/") and status == 503)

@@ -114,3 +114,25 @@ def test_a_server_error_is_logged_once_and_a_probe_saying_not_ready_not_at_all(t
     assert sum("Internal Server Error: /chat/x" in line for line in lines) == 1, lines
     assert not any("/health/ready" in line for line in lines), lines
     assert sum("Service Unavailable: /v1/models" in line for line in lines) == 1, lines
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "kept"),
+    [
+        ("/v1/chat/completions", 400, False),  # the client's error: its body says why
+        ("/v1/models/nope", 404, False),
+        ("/chat/", 403, False),
+        ("/health/ready", 503, False),  # "not ready", for the probe to read
+        ("/v1/chat/completions", 500, True),  # the server's own failure
+        ("/chat/", 502, True),
+    ],
+)
+def test_django_logs_a_server_error_but_no_client_error(path, status, kept):
+    """Every API 4xx was logged again as a WARNING beside its access line."""
+    from types import SimpleNamespace
+
+    from config.access_log import ProbeAnswersFilter
+
+    record = logging.LogRecord("django.request", logging.WARNING, "", 0, "x", None, None)
+    record.request, record.status_code = SimpleNamespace(path=path), status
+    assert ProbeAnswersFilter().filter(record) is kept
