@@ -72,7 +72,6 @@ class CompileQueue:
     _running: set[str] = field(default_factory=set, init=False)  # tenants compiling now
     _deadlines: list[tuple[float, int, _Job]] = field(default_factory=list, init=False)
     _order: itertools.count = field(default_factory=itertools.count, init=False)
-    _threads: list[threading.Thread] = field(default_factory=list, init=False)
     _num_threads: int = field(default=0, init=False)  # worker threads alive, stuck ones too
     _num_stuck: int = field(default=0, init=False)
     _closed: bool = field(default=False, init=False)
@@ -87,18 +86,14 @@ class CompileQueue:
         with self._lock:
             for _ in range(self.workers):
                 self._add_worker()
-        watcher = threading.Thread(target=self._watch, name="engine-grammar-watch", daemon=True)
-        self._threads.append(watcher)
-        watcher.start()
+        threading.Thread(target=self._watch, name="engine-grammar-watch", daemon=True).start()
 
     def _add_worker(self) -> None:
-        """Start one more worker thread (lock held)."""
-        thread = threading.Thread(
-            target=self._work, name=f"engine-grammar-{len(self._threads)}", daemon=True
-        )
-        self._threads.append(thread)
+        """Start one more worker thread (lock held; not kept: a stuck one's replacement would
+        leave a dead thread in a list for every slow grammar)."""
         self._num_threads += 1
-        thread.start()
+        name = f"engine-grammar-{next(self._order)}"
+        threading.Thread(target=self._work, name=name, daemon=True).start()
 
     def submit(
         self,

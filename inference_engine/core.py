@@ -185,14 +185,14 @@ class EngineCore:
             return Refusal(
                 ErrorCode.INVALID_REQUEST, "structured outputs need the model's tokenizer"
             )
+        if params.structured_outputs.kind() in JSON_KINDS:
+            # built before the grammar enters the cache: a request that takes it from there
+            # goes to the busy loop at once, which finds them built
+            self.grammars.closing_tokens()
         try:
-            compiled = self.grammars.compile(params.structured_outputs, cache_salt)
+            return self.grammars.compile(params.structured_outputs, cache_salt)
         except InvalidGrammar as exc:
             return Refusal(ErrorCode.INVALID_REQUEST, str(exc), "structured_outputs")
-        if params.structured_outputs.kind() in JSON_KINDS:
-            # decoded with the tokenizer the I/O thread owns; the busy loop finds it cached
-            self.grammars.closing_tokens()
-        return compiled
 
     def _attach_grammar(
         self, request: Request, compiled: xgrammar.CompiledGrammar | None

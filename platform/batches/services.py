@@ -105,11 +105,21 @@ def file_create(*, tenant: Tenant, upload: DjangoFile, purpose: str) -> File:
         num_lines=num_lines,
         num_input_tokens=num_input_tokens,
     )
-    with transaction.atomic():
-        # the tenant's row locked: two uploads at once cannot both take the last room
-        Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
-        _check_storage(tenant, upload.size)
-        return _file_save(file, upload)
+    return _file_save(file, upload, check=functools.partial(_check_storage, tenant, upload.size))
+
+
+def _check_room_for_results(tenant: Tenant) -> None:
+    """A batch's results are files of the tenant's too: none starts once its files take the
+    storage limit (its results are never refused: a batch that ran keeps its answers)."""
+    limit = tenant_file_storage_limit(tenant=tenant)
+    if limit is not None and (stored := stored_file_bytes(tenant_id=tenant.pk)) >= limit:
+        raise StorageFull(
+            f"Your organization's files take {stored} of your {limit} bytes of file storage: "
+            "no room for this batch's results. Delete files you no longer need "
+            "(DELETE /v1/files/{file_id}).",
+            param="input_file_id",
+            code="storage_limit_exceeded",
+        )
 
 
 def _check_storage(tenant: Tenant, num_bytes: int) -> None:
@@ -139,11 +149,18 @@ def file_create_generated(*, tenant: Tenant, purpose: str, filename: str, conten
     return _file_save(file, ContentFile(content))
 
 
-def _file_save(file: File, content: DjangoFile) -> File:
+def _file_save(file: File, content: DjangoFile, check: Callable[[], None] | None = None) -> File:
+    """Store the bytes, then the row; ``check`` (a limit) runs with the tenant's row locked
+    just before the row goes in: two uploads at once cannot both take the last room, and no
+    other change of the tenant waits while the bytes are written. Refused, the bytes go."""
     storage = file_storage()
     file.storage_name = storage.save(f"{file.tenant_id}/{file.id}.jsonl", content)
     try:
-        file.save(force_insert=True)
+        with transaction.atomic():
+            if check is not None:
+                Tenant.objects.select_for_update().filter(pk=file.tenant_id).first()
+                check()
+            file.save(force_insert=True)
     except BaseException:
         storage.delete(file.storage_name)
         raise
@@ -302,6 +319,7 @@ def batch_create(
     # one creation at a time per tenant, so that two cannot both pass the queued tokens limit
     tenant = Tenant.objects.select_for_update().select_related("plan").get(pk=tenant.pk)
     _check_queued_tokens(tenant, input_file.num_input_tokens)
+    _check_room_for_results(tenant)
     now = timezone.now()
     batch = Batch.objects.create(
         tenant=tenant,

@@ -516,11 +516,17 @@ def test_a_tenants_files_may_take_no_more_than_its_storage_limit(tenant, file_st
     else:
         tenant.max_file_storage_bytes = 2 * size
         tenant.save()
-    first, _ = _upload(tenant, lines), _upload(tenant, lines)
+    first, second = _upload(tenant, lines), _upload(tenant, lines)
     with pytest.raises(services.StorageFull) as caught:
         _upload(tenant, lines)
     assert caught.value.code == "storage_limit_exceeded" and caught.value.param == "file"
     assert f"{2 * size} of your {2 * size}" in caught.value.message
     assert File.objects.filter(tenant=tenant).count() == 2
+    assert len(list(file_storage_dir.rglob("*.jsonl"))) == 2  # the refused one's bytes went
+    # nor does a batch start over the limit: its results would take more room still
+    with pytest.raises(services.StorageFull) as caught:
+        _batch(tenant, first)
+    assert caught.value.param == "input_file_id"
     services.file_delete(file=first)  # deleting one makes room
+    assert _batch(tenant, second)
     assert _upload(tenant, lines)

@@ -75,3 +75,18 @@ def test_a_second_platform_on_the_same_var_dir_is_refused(embedded, monkeypatch)
     monkeypatch.setattr(runplatform.Supervisor, "run", second_start)
     call_command("runplatform", "--port", "8123", stdout=io.StringIO())
     _banner(monkeypatch)  # the first has stopped: free again
+
+
+def test_an_ipv6_host_is_checked_as_daphne_binds_it(embedded, monkeypatch):
+    """HOST=:: (Daphne binds it) failed the port check with a traceback: an IPv4 socket."""
+    import socket
+
+    from django.core.management.base import CommandError
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    monkeypatch.setattr(runplatform.Supervisor, "run", lambda self: 0)
+    try:
+        call_command("runplatform", "--host", "::1", "--port", "8125", stdout=io.StringIO())
+    except CommandError as exc:  # a host without IPv6 configured: said so, no traceback
+        assert "Cannot listen on ::1:8125" in str(exc)

@@ -596,3 +596,21 @@ def test_a_grammar_being_built_holds_up_no_look_into_the_cache(monkeypatch):
         gate.set()
         compiling.join(10)
     assert compiler.cached(spec) is not None
+
+
+def test_a_json_grammar_enters_the_cache_with_its_closing_tokens_built(llm, monkeypatch):
+    """The grammar was cached before the closing tokens' first build (a whole vocabulary's
+    read): a request taking it from the cache meanwhile had the busy loop wait for that
+    build, every stream with it."""
+    grammars = llm.core.grammars
+    monkeypatch.setattr(grammars, "_closing_tokens", None)
+    spec = StructuredOutputsParams(json=json.dumps({"type": "object", "title": "fresh"}))
+    build, seen_cached = grammars.closing_tokens, []
+
+    def closing_tokens():
+        seen_cached.append(grammars.cached(spec, "salt") is not None)
+        return build()
+
+    monkeypatch.setattr(grammars, "closing_tokens", closing_tokens)
+    llm.core.compile_structured_outputs(SamplingParams(structured_outputs=spec), "salt")
+    assert seen_cached and not seen_cached[0]

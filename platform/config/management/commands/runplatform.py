@@ -212,12 +212,13 @@ def _cpu_list(cpus: frozenset[int]) -> str:
 def _check_port_free(host: str, port: int) -> None:
     """Refuse a port something else listens on, before the banner shows a key and an address
     that would reach that other thing (Daphne could only loop on "Address already in use")."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # HOST=:: as Daphne takes it
     try:
-        socket.create_server((host, port)).close()
+        socket.create_server((host, port), family=family).close()
     except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        raise CommandError(
-            f"{host}:{port} is in use (another `make run`?): stop what listens there, or "
-            "choose another port (PORT=8001 make run)."
-        ) from None
+        if exc.errno == errno.EADDRINUSE:
+            raise CommandError(
+                f"{host}:{port} is in use (another `make run`?): stop what listens there, or "
+                "choose another port (PORT=8001 make run)."
+            ) from None
+        raise CommandError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}.") from None
