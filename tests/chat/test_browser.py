@@ -113,6 +113,18 @@ def _reply_text(page) -> str:
     return page.locator(".message.assistant .body").last.inner_text()
 
 
+def _run_engine_until(page, engine, condition, slice_seconds: float = 0.01) -> None:
+    """Inside ``engine_paused``: let the engine run in slices until ``condition()`` holds on
+    the page, and leave it paused."""
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while not condition():
+        assert time.monotonic() < deadline, "the page never showed it"
+        engine.process.send_signal(signal.SIGCONT)
+        time.sleep(slice_seconds)
+        engine.process.send_signal(signal.SIGSTOP)
+        page.wait_for_timeout(50)  # for the page to take what came
+
+
 def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser, ready_engine):
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     page = context.new_page()
@@ -129,21 +141,18 @@ def test_sign_in_stream_stop_and_reload(chromium, live_chat, browser, ready_engi
         page.wait_for_url(f"{live_chat}/chat/")
         page.wait_for_selector("#empty-state")
 
-        # A first message from the empty page starts a conversation and streams the reply.
+        # A first message from the empty page starts a conversation and streams the reply. The
+        # engine is held still from the message on, but for short slices: the tiny random model
+        # may end its reply at any token, and a loaded machine's page showed the reply growing
+        # only once it had ended.
         page.fill("#input", "Write a long story about a fox")
         page.keyboard.press("Enter")
         page.wait_for_url(f"{live_chat}/chat/*/")
         page.wait_for_selector(".message.user")
-        page.wait_for_function(
-            "() => { const b = document.querySelectorAll('.message.assistant .body');"
-            " return b.length && b[b.length - 1].textContent.trim().length > 0; }"
-        )
-        first = len(_reply_text(page))
-        page.wait_for_function(
-            f"() => document.querySelector('.message.assistant .body').textContent.length > {first}"
-        )
-        # Hold the engine still: the tiny random model may otherwise end its reply at any token.
         with engine_paused(ready_engine):
+            _run_engine_until(page, ready_engine, lambda: len(_reply_text(page).strip()) > 0)
+            first = len(_reply_text(page))
+            _run_engine_until(page, ready_engine, lambda: len(_reply_text(page)) > first)
             assert page.is_visible("#stop") and not page.is_visible("#send")
             _shot(page, "02-streaming.png")
             page.click("#stop")
