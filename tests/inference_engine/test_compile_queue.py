@@ -153,9 +153,9 @@ def test_closing_answers_what_is_left_and_what_comes_after(compiles):
 def test_a_grammar_that_waited_behind_its_tenants_gets_its_own_time_to_compile(compiles):
     """Its time ran from its submission: a fast grammar that started just before it ran out
     was refused as too slow to compile ("simplify it"), which no change of it could mend."""
-    queue_, answers = compiles(workers=2, timeout=1.0), Answers()
-    queue_.submit("a1", "a", lambda: time.sleep(0.8) or "g1", answers.to("a1"))
-    queue_.submit("a2", "a", lambda: time.sleep(0.4) or "g2", answers.to("a2"))
+    queue_, answers = compiles(workers=2, timeout=2.0), Answers()  # 2.4 s in all, each within
+    queue_.submit("a1", "a", lambda: time.sleep(1.4) or "g1", answers.to("a1"))
+    queue_.submit("a2", "a", lambda: time.sleep(1.0) or "g2", answers.to("a2"))
     assert [answers.next(), answers.next()] == [
         ("a1", Outcome(result="g1")),
         ("a2", Outcome(result="g2")),
