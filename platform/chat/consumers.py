@@ -155,8 +155,10 @@ class _Run:
     is_deleted: bool = False  # its conversation was deleted meanwhile: nothing to save
     error: ChatError | None = None
     text_relay: TextRelay | None = None  # its text for the conversation's other windows
-    # a regenerate: the replies it replaces once it holds an answer (shown by no sync meanwhile)
+    # a regenerate or an edit: the messages it replaces once it holds an answer (shown by no
+    # sync meanwhile), and the edit (message id, new text) then saved
     replaces: list[int] = field(default_factory=list)
+    edit: tuple[int, str] | None = None
 
     def cancel(self) -> None:
         """Cancel the generation, once: a stop frame and ``_stop`` may both ask (an extra
@@ -390,15 +392,16 @@ class ChatConsumer(AsyncWebsocketConsumer):
         async with self._claim() as claim:
             if claim is None:
                 return
-            title = self.conversation.title
-            message = await database_sync_to_async(services.message_edit)(
+            # saved, with what follows dropped, once its reply holds an answer (a refused
+            # one changes nothing): the pages show it edited meanwhile
+            message, content, later = await database_sync_to_async(services.message_edit_check)(
                 conversation=self.conversation, message_id=message_id, content=frame.get("content")
             )
-            await self._send_all({"type": "message", "message": message_payload(message)})
-            if self.conversation.title != title:  # an edited first message retitled it
-                settings = settings_payload(self.conversation)
-                await self._send_all({"type": "settings", "settings": settings})
-            await self._start_reply(claim, after_id=message.pk)
+            edited = {**message_payload(message), "content": content}
+            await self._send_all({"type": "message", "message": edited})
+            await self._start_reply(
+                claim, after_id=message.pk, replaces=later, edit=(message.pk, content)
+            )
 
     async def on_settings(self, frame: dict) -> None:
         changes = {name: frame[name] for name in SETTINGS_FIELDS if name in frame}
@@ -435,13 +438,17 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 await claims.arelease(self.conversation, token)
 
     async def _start_reply(
-        self, claim: str, after_id: int, replaces: list[int] | None = None
+        self,
+        claim: str,
+        after_id: int,
+        replaces: list[int] | None = None,
+        edit: tuple[int, str] | None = None,
     ) -> None:
         reply = await database_sync_to_async(services.reply_start)(
             conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
         )
         self.num_replies_started += 1
-        self.run = run = _Run(reply=reply, claim=claim, replaces=replaces or [])
+        self.run = run = _Run(reply=reply, claim=claim, replaces=replaces or [], edit=edit)
         if self.relay is not None:
             run.text_relay = TextRelay(self.relay, reply.pk)
         run.keeper = asyncio.create_task(
@@ -463,6 +470,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 outcome=run.outcome,
                 on_text=partial(self._send_text, run),
                 replaces=run.replaces,
+                edited=run.edit,
             )
         except asyncio.CancelledError:
             # A stop: the task ends normally, saving the partial reply below.
@@ -537,9 +545,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
                     completion_tokens=outcome.completion_tokens,
                 )
                 is_saved = True
-                if run.replaces:
+                if run.replaces or run.edit is not None:
                     await database_sync_to_async(services.reply_replace)(
-                        reply=run.reply, replaced_ids=run.replaces
+                        conversation=self.conversation,
+                        reply=run.reply,
+                        replaced_ids=run.replaces,
+                        edit=run.edit,
                     )
                     is_replacing = True
         except services.ConversationDeleted:
@@ -639,8 +650,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 run, reply_id = self.run, message.get("reply_id")
                 if run is not None and reply_id in (None, run.reply.pk):
                     await self._stop(run)
-            elif kind == "chat.resync":  # a regenerate settled in another window
-                if self.run is None:  # one that runs a reply shows its own
+            elif kind == "chat.resync":  # a regenerate or an edit settled in another window
+                # one that runs a reply shows its own; the others reload (an edit may retitle)
+                if self.run is None and await self._still_allowed(is_forced=True):
                     await self._send_saved()
             elif kind == "chat.deleted":
                 if self.run is not None:
@@ -725,7 +737,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
         is_claimed = services.replies_interrupt_unless_claimed(conversation=self.conversation)
         messages = list(selectors.conversation_messages(conversation=self.conversation))
         run = self.run
-        if run is not None:  # the replies it regenerates are gone for the page already
+        if run is not None:  # the messages it replaces are gone for the page already
+            if run.edit is not None:
+                for message in messages:
+                    if message.pk == run.edit[0]:
+                        message.content = run.edit[1]  # shown edited, not saved yet
             return [m for m in messages if m.pk not in run.replaces], run.reply.pk
         last = messages[-1] if messages else None
         if is_claimed and last is not None and last.status == Message.Status.STREAMING:

@@ -93,7 +93,10 @@ class ReplyOutcome:
 
 @database_sync_to_async
 def _caller_and_messages(
-    conversation: Conversation, before_id: int, user: AbstractBaseUser
+    conversation: Conversation,
+    before_id: int,
+    user: AbstractBaseUser,
+    edited: tuple[int, str] | None,
 ) -> tuple[Caller, list]:
     tenant = conversation.tenant
     deployment = deployment_for_tenant(tenant=tenant, name=conversation.model)
@@ -106,7 +109,7 @@ def _caller_and_messages(
     caller = Caller.of_tenant(
         tenant=tenant, deployment=deployment, source=UsageRecord.Source.CHAT, user=user
     )
-    return caller, engine_messages(conversation=conversation, before_id=before_id)
+    return caller, engine_messages(conversation=conversation, before_id=before_id, edited=edited)
 
 
 async def generate_reply(
@@ -117,11 +120,13 @@ async def generate_reply(
     outcome: ReplyOutcome,
     on_text: Callable[[str], Awaitable[None]],
     replaces: list[int] | None = None,
+    edited: tuple[int, str] | None = None,
 ) -> None:
-    """See the module docstring. ``replaces``: the ids of the replies this one is to replace
-    (a regenerate), which the model does not see, nor anything after them."""
+    """See the module docstring. ``replaces``: the ids of the messages this reply is to
+    replace (a regenerate, an edit), which the model does not see, nor anything after them;
+    ``edited``: (a user message's id, the new text the model reads there)."""
     before_id = min(replaces) if replaces else reply.pk
-    caller, messages = await _caller_and_messages(conversation, before_id, user)
+    caller, messages = await _caller_and_messages(conversation, before_id, user, edited)
     if not messages:
         raise ChatError("invalid_request", "There is nothing to answer yet.")
     request = GenerateRequest(

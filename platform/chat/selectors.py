@@ -57,7 +57,12 @@ def conversation_messages(*, conversation: Conversation) -> QuerySet[Message]:
     ).order_by("id")
 
 
-def engine_messages(*, conversation: Conversation, before_id: int | None = None) -> list:
+def engine_messages(
+    *,
+    conversation: Conversation,
+    before_id: int | None = None,
+    edited: tuple[int, str] | None = None,
+) -> list:
     """The conversation as the engine sees it: the system prompt first, then every turn with
     content, up to but excluding ``before_id``. A failed reply is left out, also the text it
     had streamed before it failed (a stopped one stays: the user chose where it ends).
@@ -73,12 +78,13 @@ def engine_messages(*, conversation: Conversation, before_id: int | None = None)
     if before_id is not None:
         turns = turns.filter(id__lt=before_id)
     for turn in turns:
-        if not turn.content or turn.status == Message.Status.ERROR:
+        content = edited[1] if edited is not None and turn.pk == edited[0] else turn.content
+        if not content or turn.status == Message.Status.ERROR:
             continue
         if messages and messages[-1].role == turn.role:
-            messages[-1] = EngineMessage(turn.role, f"{messages[-1].content}\n\n{turn.content}")
+            messages[-1] = EngineMessage(turn.role, f"{messages[-1].content}\n\n{content}")
         else:
-            messages.append(EngineMessage(turn.role, turn.content))
+            messages.append(EngineMessage(turn.role, content))
     return messages
 
 

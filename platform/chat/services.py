@@ -225,8 +225,22 @@ def message_send(*, conversation: Conversation, content: str) -> Message:
 
 @transaction.atomic
 def message_edit(*, conversation: Conversation, message_id: int, content: str) -> Message:
-    """Change one of the user's messages and drop everything after it, to resend from there.
-    An edited first message retitles a conversation whose title was made from it."""
+    """Change one of the user's messages and drop everything after it, to resend from there
+    (at once: the chat defers both until the new reply holds an answer, ``reply_replace``)."""
+    message, content, later = message_edit_check(
+        conversation=conversation, message_id=message_id, content=content
+    )
+    _edit_apply(conversation, message, content)
+    Message.objects.filter(conversation=conversation, pk__in=later).delete()
+    _touch(conversation)
+    return message
+
+
+def message_edit_check(
+    *, conversation: Conversation, message_id: int, content: str
+) -> tuple[Message, str, list[int]]:
+    """An edit of one of the user's messages, checked and not applied: (the message as saved,
+    its new text, the ids of the messages after it, which a reply to the new text replaces)."""
     content = _check_content(content)
     message = Message.objects.filter(
         pk=message_id,
@@ -236,6 +250,13 @@ def message_edit(*, conversation: Conversation, message_id: int, content: str) -
     ).first()
     if message is None:
         raise ValidationError("That message does not exist in this conversation.")
+    later = Message.objects.filter(conversation=conversation, id__gt=message.pk).order_by("id")
+    return message, content, list(later.values_list("id", flat=True))
+
+
+def _edit_apply(conversation: Conversation, message: Message, content: str) -> None:
+    """Save the message's new text; an edited first message retitles a conversation whose
+    title was made from it."""
     is_first = not Message.objects.filter(conversation=conversation, id__lt=message.pk).exists()
     if is_first and conversation.title == _title_from(message.content):
         # the title was made from this message, not chosen: it follows the edit
@@ -243,9 +264,6 @@ def message_edit(*, conversation: Conversation, message_id: int, content: str) -
         conversation.save(update_fields=["title"])
     message.content = content
     message.save(update_fields=["content"])
-    Message.objects.filter(conversation=conversation, id__gt=message.pk).delete()
-    _touch(conversation)
-    return message
 
 
 def reply_prepare_regenerate(*, conversation: Conversation) -> tuple[int, list[int]]:
@@ -266,19 +284,33 @@ def reply_prepare_regenerate(*, conversation: Conversation) -> tuple[int, list[i
 
 
 @transaction.atomic
-def reply_replace(*, reply: Message, replaced_ids: list[int]) -> bool:
-    """Settle a regenerated ``reply`` (saved by ``reply_finish``) against the replies it was
-    to replace: where it holds an answer (complete, or stopped with text) they go; else
-    (refused, failed, stopped before its first token) it goes, and they stay. True where the
-    new reply was kept."""
+def reply_replace(
+    *,
+    conversation: Conversation,
+    reply: Message,
+    replaced_ids: list[int],
+    edit: tuple[int, str] | None = None,
+) -> bool:
+    """Settle a regenerated or re-asked ``reply`` (saved by ``reply_finish``): where it holds
+    an answer (complete, or stopped with text) the messages it replaces go and the ``edit``
+    (message id, new text) is saved; else (refused, failed, stopped before its first token) it
+    goes, and nothing else changes. True where the new reply was kept."""
     is_kept = reply.status == Message.Status.COMPLETE or (
         reply.status == Message.Status.STOPPED and bool(reply.content)
     )
-    gone = replaced_ids if is_kept else [reply.pk]
-    Message.objects.filter(
-        pk__in=gone, conversation_id=reply.conversation_id, role=Message.Role.ASSISTANT
-    ).delete()
-    return is_kept
+    if not is_kept:
+        Message.objects.filter(pk=reply.pk, conversation=conversation).delete()
+        return False
+    if edit is not None:
+        message_id, content = edit
+        message = Message.objects.filter(
+            pk=message_id, conversation=conversation, role=Message.Role.USER
+        ).first()
+        if message is not None:
+            _edit_apply(conversation, message, content)
+    gone = [pk for pk in replaced_ids if pk != reply.pk]
+    Message.objects.filter(pk__in=gone, conversation=conversation).delete()
+    return True
 
 
 @transaction.atomic

@@ -314,16 +314,16 @@ async def test_edit_changes_a_message_drops_what_followed_and_resends(chat_world
 
     await chat.send(type="edit", message_id=first_id, content="First question, reworded")
     done, frames = await chat.receive_until("done", "error")
+    sync, _ = await chat.receive_until("sync")  # saved once the reply held an answer
     await chat.close()
 
     assert frames[0] == {
         "type": "message",
         "message": {**frames[0]["message"], "id": first_id, "content": "First question, reworded"},
     }
+    assert frames[1]["type"] == "start" and frames[1]["after_id"] == first_id
     # the title was made from the first question: it follows the edit
-    assert frames[1]["type"] == "settings"
-    assert frames[1]["settings"]["title"] == "First question, reworded"
-    assert frames[2]["type"] == "start" and frames[2]["after_id"] == first_id
+    assert sync["settings"]["title"] == "First question, reworded"
     messages = await _messages(conversation)
     assert [(m.role, m.content) for m in messages][0] == ("user", "First question, reworded")
     assert [m.role for m in messages] == ["user", "assistant"]

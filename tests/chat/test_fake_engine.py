@@ -305,3 +305,43 @@ async def test_a_window_running_a_reply_ignores_another_windows_resync(fake_worl
     _, frames = await chat.receive_until("done")
     await chat.close()
     assert "sync" not in [frame["type"] for frame in frames]
+
+
+async def test_an_edit_is_asked_with_its_new_text_and_saved_once_answered(fake_world):
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    first = await _replied(fake, chat, "first answer")
+    await chat.send(type="send", content="and more")
+    await _replied(fake, chat, "second answer")
+    question_id = first["done"]["message_id"] - 1
+    await chat.send(type="edit", message_id=question_id, content="hello again")
+    edited = await _replied(fake, chat, "new answer")
+    sync, _ = await chat.receive_until("sync")
+    await chat.close()
+    assert [(m.role, m.content) for m in edited["request"].messages] == [("user", "hello again")]
+    assert await _saved(conversation) == [
+        ("user", "complete", "hello again"),
+        ("assistant", "complete", "new answer"),
+    ]
+    assert sync["settings"]["title"] == "hello again"  # made from the first message: follows
+
+
+@pytest.mark.tenant_limits(requests_per_minute=1)
+async def test_a_refused_edit_changes_nothing(fake_world):
+    """An edit saved the new text and dropped every later message before its reply was
+    admitted: a refusal left the edited question without an answer, the old answers gone."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    first = await _replied(fake, chat, "an answer")
+    await chat.send(type="edit", message_id=first["done"]["message_id"] - 1, content="changed")
+    error, _ = await chat.receive_until("error", "done")
+    assert error["code"] == "rate_limited"
+    sync, _ = await chat.receive_until("sync")
+    await chat.close()
+    assert [m["content"] for m in sync["messages"]] == ["hello", "an answer"]
+    assert await _saved(conversation) == [
+        ("user", "complete", "hello"),
+        ("assistant", "complete", "an answer"),
+    ]
