@@ -398,9 +398,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 conversation=self.conversation, message_id=message_id, content=frame.get("content")
             )
             edited = {**message_payload(message), "content": content}
-            await self._send_all({"type": "message", "message": edited})
             await self._start_reply(
-                claim, after_id=message.pk, replaces=later, edit=(message.pk, content)
+                claim,
+                after_id=message.pk,
+                replaces=later,
+                edit=(message.pk, content),
+                announce={"type": "message", "message": edited},
             )
 
     async def on_settings(self, frame: dict) -> None:
@@ -443,7 +446,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         after_id: int,
         replaces: list[int] | None = None,
         edit: tuple[int, str] | None = None,
+        announce: dict | None = None,
     ) -> None:
+        """Start a reply after ``after_id``; ``announce``: a frame for every window once the
+        reply exists (an edit shown only once its reply can run)."""
         reply = await database_sync_to_async(services.reply_start)(
             conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
         )
@@ -455,6 +461,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
             claims.akeep(self.conversation, run.claim, on_deleted=partial(self._deleted, run))
         )
         run.guard = asyncio.create_task(self._guard_access(run))
+        if announce is not None:
+            await self._send_all(announce)
         await self._send_all({"type": "start", "message_id": reply.pk, "after_id": after_id})
         if run.is_stop_asked:  # another window's stop, or a deletion, came meanwhile
             await self._stop(run)
@@ -717,7 +725,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def _resync(self) -> None:
         async with self.relay_lock:
-            if not self.is_closed and self.run is None:
+            # reloaded: settings changed in another window meanwhile, a title an edit made
+            if (
+                not self.is_closed
+                and self.run is None
+                and await self._still_allowed(is_forced=True)
+            ):
                 await self._send_saved()
 
     async def _sync_frame(self) -> dict:

@@ -258,10 +258,13 @@ def _edit_apply(conversation: Conversation, message: Message, content: str) -> N
     """Save the message's new text; an edited first message retitles a conversation whose
     title was made from it."""
     is_first = not Message.objects.filter(conversation=conversation, id__lt=message.pk).exists()
-    if is_first and conversation.title == _title_from(message.content):
-        # the title was made from this message, not chosen: it follows the edit
-        conversation.title = _title_from(content)
-        conversation.save(update_fields=["title"])
+    if is_first:
+        # a title made from this message, not chosen, follows the edit: as saved now (a rename
+        # made while the edit's reply ran stands)
+        title = _title_from(content)
+        made = Conversation.objects.filter(pk=conversation.pk, title=_title_from(message.content))
+        if made.update(title=title):
+            conversation.title = title
     message.content = content
     message.save(update_fields=["content"])
 

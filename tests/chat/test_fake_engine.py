@@ -9,7 +9,7 @@ from asgiref.sync import sync_to_async
 from django.core.cache import cache
 
 from chat import services as chat_services
-from chat.models import Message
+from chat.models import Conversation, Message
 from inference_engine.protocol import FinishReason, GenerateDelta, ResponseType, Usage
 from serving import metering
 from serving.pool import get_pool
@@ -345,3 +345,62 @@ async def test_a_refused_edit_changes_nothing(fake_world):
         ("user", "complete", "hello"),
         ("assistant", "complete", "an answer"),
     ]
+
+
+async def _editing(fake, chat, content: str = "changed"):
+    """A conversation of one answered question whose question is being edited to ``content``:
+    (the engine's identity, the edit's engine request), its reply not answered yet."""
+    await chat.send(type="send", content="hello")
+    first = await _replied(fake, chat, "first answer")
+    await chat.send(type="edit", message_id=first["done"]["message_id"] - 1, content=content)
+    await chat.receive_until("start")
+    return await asyncio.wait_for(fake.generates.get(), 10)
+
+
+async def test_a_rename_made_while_an_edit_is_answered_stands(fake_world):
+    """The edit's title, made when its reply settled, was written over a rename made from the
+    sidebar meanwhile (the socket's copy still had the old title)."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    identity, request = await _editing(fake, chat)
+    fresh = await sync_to_async(Conversation.objects.get)(pk=conversation.pk)
+    await sync_to_async(chat_services.conversation_rename)(conversation=fresh, title="My name")
+    await _answer(fake, identity, request.request_id, "new answer")
+    sync, _ = await chat.receive_until("sync")
+    await chat.close()
+    assert sync["settings"]["title"] == "My name"
+    assert (await sync_to_async(Conversation.objects.get)(pk=conversation.pk)).title == "My name"
+
+
+async def test_the_editing_windows_sync_shows_settings_changed_elsewhere_meanwhile(fake_world):
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    _, _, other = await open_chat(fake_world["user"], conversation.pk)
+    identity, request = await _editing(fake, chat)
+    await other.send(type="settings", temperature=1.5)
+    await chat.receive_until("settings")
+    await _answer(fake, identity, request.request_id, "new answer")
+    sync, _ = await chat.receive_until("sync")
+    await chat.close()
+    await other.close()
+    assert sync["settings"]["temperature"] == 1.5
+
+
+async def test_an_edit_whose_reply_cannot_start_is_not_shown_as_saved(fake_world, monkeypatch):
+    """The edited text went to every window before its reply was created: a database error
+    there left them showing an edit that was never saved."""
+    from django.db import OperationalError
+
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    first = await _replied(fake, chat, "first answer")
+
+    def failing(**kwargs):
+        raise OperationalError("the database is gone")
+
+    monkeypatch.setattr(chat_services, "reply_start", failing)
+    await chat.send(type="edit", message_id=first["done"]["message_id"] - 1, content="changed")
+    _, frames = await chat.receive_until("error")
+    await chat.close()
+    assert not [f for f in frames if f["type"] == "message"]
