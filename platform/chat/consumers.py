@@ -185,7 +185,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     mirror: ReplyMirror
     mirror_checker: asyncio.Task | None = None
     holder: asyncio.Task | None = None  # marks the conversation open while the socket is open
-    resync: asyncio.Task | None = None  # this window's look after a regenerate settled
+    resync: asyncio.Task | None = None  # this window's look after a regenerate or edit settled
     allowed_at = 0.0  # when the user was last found allowed to see the conversation (monotonic)
     frame_budgets: dict[bool, FrameBudget] | None = None  # stops (True) and the other frames
     num_replies_started = 0
@@ -533,7 +533,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         run.is_finished = True
         outcome, error = run.outcome, run.error
         is_saved = False
-        is_replacing = False  # a regenerate settled: the windows look again
+        is_replacing = False  # a regenerate or an edit settled: the windows look again
         if error is not None:
             status = Message.Status.ERROR
         elif run.is_stopped:
@@ -610,7 +610,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 }
             )
         if is_replacing:
-            # The pages dropped the old replies at the start, and a window that synced
+            # The pages dropped the replaced messages at the start, and a window that synced
             # meanwhile shows them: each window sends its page what is saved now, as it would
             # for a sync (not a frame of this one's: another window may have started a reply
             # since the claim went). This one's, under relay_lock, on a task of its own: a
