@@ -88,6 +88,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SHUT_DOWN_BEFORE_START = "the engine shut down before the request started"
+
 # frames queued per client before ZeroMQ drops more; a client this far behind is stuck
 SEND_HWM = 100_000
 # how far past --max-frame-bytes the transport's own limit (MAXMSGSIZE) is set
@@ -741,14 +743,11 @@ class EngineServer:
         self._compiling.discard(item.req_id)
         if outcome.cancelled or item.req_id in self._aborted_compiling:
             self._aborted_compiling.discard(item.req_id)
-            self._num_adds_refused += 1
-            self._adds_refused_by_tenant[item.request.tenant_id or ""] += 1
             aborted = GenerateDelta(
                 item.request.request_id, finish_reason=FinishReason.ABORT, usage=Usage()
             )
-            push.send_multipart(
-                [item.identity, ResponseType.OUTPUTS.value, encoder.encode([aborted])]
-            )
+            frame = [item.identity, ResponseType.OUTPUTS.value, encoder.encode([aborted])]
+            self._end_unqueued(item, push, frame)
             return
         grammar = self._compiled_grammar(outcome)
         if isinstance(grammar, Refusal):
@@ -773,9 +772,7 @@ class EngineServer:
                 "grammars are still compiling",
             )
         if outcome.closed:
-            return Refusal(
-                ErrorCode.ENGINE_ERROR, "the engine shut down before the request started"
-            )
+            return Refusal(ErrorCode.ENGINE_ERROR, SHUT_DOWN_BEFORE_START)
         if outcome.error is not None:
             return Refusal(
                 ErrorCode.ENGINE_ERROR,
@@ -843,10 +840,15 @@ class EngineServer:
         param: str | None = None,
     ) -> None:
         """Answer a request the intake will not queue, and uncount it."""
+        request_id = item.request.request_id
+        frame = _error_frame(encoder, item.identity, request_id, code, message, param)
+        self._end_unqueued(item, push, frame)
+
+    def _end_unqueued(self, item: _Intake, push: zmq.Socket, frame: list[bytes]) -> None:
+        """Send the last frame of a request the intake will not queue, and uncount it."""
         self._num_adds_refused += 1
         self._adds_refused_by_tenant[item.request.tenant_id or ""] += 1
-        request_id = item.request.request_id
-        push.send_multipart(_error_frame(encoder, item.identity, request_id, code, message, param))
+        push.send_multipart(frame)
 
     def _refuse_leftover_adds(self) -> None:
         """Fail the adds the busy loop left when it stopped (queued as it drained its last):
@@ -859,7 +861,7 @@ class EngineServer:
                 add.req_id,
                 finish_reason=FinishReason.ERROR,
                 error_code=ErrorCode.ENGINE_ERROR,
-                error_message="the engine shut down before the request started",
+                error_message=SHUT_DOWN_BEFORE_START,
             )
             for add in left
         ]
@@ -882,8 +884,9 @@ class EngineServer:
                 if isinstance(item, _Compiled):
                     item = item.item
                 if isinstance(item, _Intake):
-                    message = "the engine shut down before the request started"
-                    self._refuse(item, push, encoder, ErrorCode.ENGINE_ERROR, message)
+                    self._refuse(
+                        item, push, encoder, ErrorCode.ENGINE_ERROR, SHUT_DOWN_BEFORE_START
+                    )
                     self._tokenizing.discard(item.req_id)
         finally:
             push.close(linger=-1)
