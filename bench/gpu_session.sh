@@ -10,8 +10,8 @@
 #   parity  the CUDA parity tests and the chunked-prefill one that once flaked, 5 times
 #   tests   tests/inference_engine once, the GPU path's files first (the engines there run on
 #           CUDA: device "auto"), then the compiled CPU kernels' files in a process of their
-#           own (a crash there leaves its backtrace in segv.log), then the others, and the
-#           benchmark's smoke test last
+#           own (a crash there leaves its backtrace in segv.log), then the others (those no
+#           GPU has run yet first), and the benchmark's smoke test last
 #   rest    bench/gpu_throughput.py --rest: the benchmark's rows that --core leaves out
 # A session has 15 minutes of device time, starts included: the default call leaves enough to
 # start a second machine for a rerun after a fix, or for `rest`. Logs go to $OUT, which the
@@ -69,18 +69,32 @@ for part in $(echo "$PARTS" | tr ',' ' '); do
         gpu_files="test_triton_attention.py test_gpu_step.py test_async_scheduling.py
             test_parity.py"
         compiled_files="test_attention.py test_cpu_kernels.py test_cpu_linear.py"
-        first="" ignored="" compiled=""
+        first="" compiled=""
         for file in $gpu_files; do
             first="$first tests/inference_engine/$file"
-            ignored="$ignored --ignore=tests/inference_engine/$file"
         done
         for file in $compiled_files; do
             compiled="$compiled tests/inference_engine/$file"
-            ignored="$ignored --ignore=tests/inference_engine/$file"
         done
         # the benchmark's smoke test last: on a GPU it runs every row of the script, which
         # the bench part has already run for real
         smoke=tests/inference_engine/test_gpu_bench_smoke.py
+        # the rest in this order: the files no GPU has run yet (or whose GPU run a budget cut
+        # short, or that were fixed after it) first, then every other file
+        unrun="test_prompt_logprobs.py test_compile_queue.py test_server_grammar_compiles.py
+            test_server_intake.py test_server.py test_server_output_processor.py
+            test_structured_outputs.py test_tokenization.py test_tokenizer_limit.py
+            test_llm.py test_mid_step_admission.py"
+        rest=""
+        for file in $unrun; do
+            rest="$rest tests/inference_engine/$file"
+        done
+        for path in tests/inference_engine/test_*.py; do
+            case " $first $compiled $rest $smoke " in
+            *" $path "*) ;;
+            *) rest="$rest $path" ;;
+            esac
+        done
         # shellcheck disable=SC2086
         timeout -s INT -k 30 "$limit" python3 -m pytest $first -q -p no:cacheprovider -rfE \
             --maxfail=25 --durations=10 --continue-on-collection-errors 2>&1 |
@@ -109,9 +123,9 @@ for part in $(echo "$PARTS" | tr ',' ' '); do
         limit=$(allowance 600)
         if [ "$limit" -ge 30 ]; then
             # shellcheck disable=SC2086
-            timeout -s INT -k 30 "$limit" python3 -m pytest tests/inference_engine $ignored \
-                --ignore="$smoke" -q -p no:cacheprovider -rfE --maxfail=25 --durations=10 \
-                --continue-on-collection-errors 2>&1 | tee -a "$OUT/tests.log"
+            timeout -s INT -k 30 "$limit" python3 -m pytest $rest -q -p no:cacheprovider \
+                -rfE --maxfail=25 --durations=10 --continue-on-collection-errors 2>&1 |
+                tee -a "$OUT/tests.log"
         else
             echo "== the other engine tests: skipped, ${limit}s left" | tee -a "$OUT/tests.log"
         fi
