@@ -42,7 +42,8 @@ async def serve_generation(
         try:
             plan = plan_of(json_body(request))
         except ApiError:
-            await aapi_key_for(raw_key)  # a wrong key is a 401 whatever the body
+            # a wrong key is a 401 whatever the body; a right one's tenant is counted
+            tenant = (await aapi_key_for(raw_key)).tenant.slug
             raise
         auth = await authorization.authorize(raw_key, plan.model)
         tenant, model = auth.api_key.tenant.slug, auth.deployment.name

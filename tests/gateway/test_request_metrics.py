@@ -63,6 +63,26 @@ async def test_a_request_that_fails_once_admitted_is_counted_once(run_world):  #
     assert {name: count for name, count in added.items() if count} == {"error": 1}
 
 
+async def test_a_malformed_body_with_a_valid_key_is_counted_for_its_tenant(run_world):  # noqa: F811
+    """A 400 for the body was counted under tenant="unknown" though the key named the
+    tenant: its dashboard never showed its clients' bad requests."""
+    from tests.asgi_client import asgi_request
+
+    _, raw_key = await sync_to_async(services.api_key_create)(tenant=run_world.tenant, name="h")
+    before = _requests_counted(run_world.tenant.slug)
+
+    status, _, _ = await asgi_request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({"model": "m", "prompt": "hi", "max_tokens": -1}).encode(),
+        headers={"Authorization": f"Bearer {raw_key}", "Content-Type": "application/json"},
+    )
+
+    after = _requests_counted(run_world.tenant.slug)
+    assert status == 400
+    assert after.get("400", 0) - before.get("400", 0) == 1
+
+
 def test_a_scrape_without_tenants_sums_counts_and_leaves_out_created_timestamps():
     """Summing the tenants away summed each counter's ``_created`` Unix time too: three
     tenants' came out a century ahead."""
