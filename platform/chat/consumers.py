@@ -67,7 +67,8 @@ reply stopped and saved.
 Only one reply per conversation is generated at a time, across sockets and processes: a
 frame that would start another gets a ``busy`` error. The claim is a lease that the reply
 renews (``chat.claims``), so a process that dies mid-reply frees the conversation within
-half a minute, and its reply, left as streaming, is then marked interrupted. The reply runs
+half a minute, and its reply, left as streaming, is then marked interrupted (a regenerate's
+or an edit's goes instead, leaving the conversation as it was). The reply runs
 as its own task, so a stop frame is read at once, even before the first token; stop and
 disconnect cancel the task, which aborts the engine request. A conversation deleted while its
 reply runs (another window, another process) stops the reply within
@@ -451,7 +452,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
         """Start a reply after ``after_id``; ``announce``: a frame for every window once the
         reply exists (an edit shown only once its reply can run)."""
         reply = await database_sync_to_async(services.reply_start)(
-            conversation=self.conversation, request_id=f"chat-{uuid.uuid4().hex}"
+            conversation=self.conversation,
+            request_id=f"chat-{uuid.uuid4().hex}",
+            is_replacement=bool(replaces) or edit is not None,
         )
         self.num_replies_started += 1
         self.run = run = _Run(reply=reply, claim=claim, replaces=replaces or [], edit=edit)
@@ -542,25 +545,27 @@ class ChatConsumer(AsyncWebsocketConsumer):
             status = Message.Status.COMPLETE
         try:
             if not run.is_deleted:
-                await database_sync_to_async(services.reply_finish)(
-                    message=run.reply,
-                    content=outcome.text,
-                    status=status,
-                    finish_reason=outcome.finish_reason,
-                    error_code=error.code if error else "",
-                    error_message=error.message if error else "",
-                    prompt_tokens=outcome.prompt_tokens,
-                    completion_tokens=outcome.completion_tokens,
-                )
-                is_saved = True
-                if run.replaces or run.edit is not None:
-                    await database_sync_to_async(services.reply_replace)(
+                saved = {
+                    "message": run.reply,
+                    "content": outcome.text,
+                    "status": status,
+                    "finish_reason": outcome.finish_reason,
+                    "error_code": error.code if error else "",
+                    "error_message": error.message if error else "",
+                    "prompt_tokens": outcome.prompt_tokens,
+                    "completion_tokens": outcome.completion_tokens,
+                }
+                if run.reply.is_replacement:
+                    await database_sync_to_async(services.reply_finish_replacing)(
                         conversation=self.conversation,
-                        reply=run.reply,
                         replaced_ids=run.replaces,
                         edit=run.edit,
+                        **saved,
                     )
                     is_replacing = True
+                else:
+                    await database_sync_to_async(services.reply_finish)(**saved)
+                is_saved = True
         except services.ConversationDeleted:
             run.is_deleted = True
         except Exception:
@@ -745,8 +750,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
     @database_sync_to_async
     def _saved_messages(self) -> tuple[list[Message], int | None]:
         """The conversation's messages, and the id of the reply being generated (None: none).
-        Replies left streaming by a process that died are marked interrupted, as the page
-        does."""
+        Replies left streaming by a process that died are settled (``replies_interrupt``), as
+        the page does."""
         is_claimed = services.replies_interrupt_unless_claimed(conversation=self.conversation)
         messages = list(selectors.conversation_messages(conversation=self.conversation))
         run = self.run

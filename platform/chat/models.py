@@ -61,6 +61,9 @@ class Message(models.Model):
     error_message = models.TextField(blank=True)
     model = models.CharField(max_length=200, blank=True)
     request_id = models.CharField(max_length=64, blank=True)
+    # a regenerate's or an edit's reply: what it replaces goes only once it holds an answer,
+    # and one left streaming by a process that died goes as a failed one would (``chat.services``)
+    is_replacement = models.BooleanField(default=False)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)

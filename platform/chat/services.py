@@ -6,6 +6,7 @@ transaction. The consumer calls them through ``database_sync_to_async``.
 
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
@@ -317,8 +318,11 @@ def reply_replace(
 
 
 @transaction.atomic
-def reply_start(*, conversation: Conversation, request_id: str) -> Message:
-    """The reply placeholder that tokens stream into."""
+def reply_start(
+    *, conversation: Conversation, request_id: str, is_replacement: bool = False
+) -> Message:
+    """The reply placeholder that tokens stream into; ``is_replacement``: a regenerate's or
+    an edit's, settled by ``reply_finish_replacing``."""
     return Message.objects.create(
         tenant_id=conversation.tenant_id,
         conversation=conversation,
@@ -326,19 +330,23 @@ def reply_start(*, conversation: Conversation, request_id: str) -> Message:
         status=Message.Status.STREAMING,
         model=conversation.model,
         request_id=request_id,
+        is_replacement=is_replacement,
     )
 
 
+@transaction.atomic
 def replies_interrupt(*, conversation: Conversation, up_to_id: int | None = None) -> int:
-    """Mark the conversation's replies still saved as streaming (those up to ``up_to_id``, if
-    given) as failed: called when nobody holds its claim, they were left by a process that
-    died mid-reply. Returns how many."""
+    """Settle the conversation's replies still saved as streaming (those up to ``up_to_id``,
+    if given): called when nobody holds its claim, they were left by a process that died
+    mid-reply. A new question's is marked failed; a regenerate's or an edit's goes, as a failed
+    one does (``reply_replace``), and the conversation is as it was. Returns how many."""
     streaming = Message.objects.filter(
         conversation=conversation, role=Message.Role.ASSISTANT, status=Message.Status.STREAMING
     )
     if up_to_id is not None:
         streaming = streaming.filter(id__lte=up_to_id)
-    return streaming.update(
+    num_dropped, _ = streaming.filter(is_replacement=True).delete()
+    return num_dropped + streaming.update(
         status=Message.Status.ERROR,
         error_code="interrupted",
         error_message=INTERRUPTED_MESSAGE,
@@ -363,6 +371,23 @@ def replies_interrupt_unless_claimed(*, conversation: Conversation) -> bool:
     if newest is not None:
         replies_interrupt(conversation=conversation, up_to_id=newest)
     return False
+
+
+@transaction.atomic
+def reply_finish_replacing(
+    *,
+    conversation: Conversation,
+    message: Message,
+    replaced_ids: list[int],
+    edit: tuple[int, str] | None = None,
+    **outcome: Any,
+) -> bool:
+    """``reply_finish`` and ``reply_replace`` in one transaction: a failure (or a process
+    dying) between the two would leave the new answer beside the one it replaces."""
+    reply_finish(message=message, **outcome)
+    return reply_replace(
+        conversation=conversation, reply=message, replaced_ids=replaced_ids, edit=edit
+    )
 
 
 @transaction.atomic

@@ -287,6 +287,63 @@ async def test_a_regenerate_after_an_interrupted_one_replaces_every_reply_after_
     ]
 
 
+@pytest.mark.parametrize("action", ["send", "regenerate", "edit"])
+async def test_a_regenerate_or_edit_saves_its_reply_as_a_replacement(fake_world, action):
+    """What a process that dies mid-reply leaves is read by the row's mark: a regenerate's or
+    an edit's reply replaces others only once it holds an answer, a new question's does not."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    await _replied(fake, chat, "old")
+    question = await sync_to_async(
+        Message.objects.filter(conversation=conversation, role="user").first
+    )()
+    frames = {
+        "send": {"type": "send", "content": "again"},
+        "regenerate": {"type": "regenerate"},
+        "edit": {"type": "edit", "message_id": question.pk, "content": "hi"},
+    }
+    await chat.send(**frames[action])
+    started, _ = await chat.receive_until("start")
+    reply = await sync_to_async(Message.objects.get)(pk=started["message_id"])
+    identity, request = await asyncio.wait_for(fake.generates.get(), 10)
+    await _answer(fake, identity, request.request_id, "new")
+    await chat.receive_until("done")
+    await chat.close()
+    assert reply.is_replacement is (action != "send")
+
+
+async def test_a_reply_that_cannot_replace_what_it_replaces_is_not_saved_either(
+    fake_world, monkeypatch
+):
+    """The new reply was saved complete and then, apart, the old one dropped: a failure (or a
+    process dying) between the two left both answers. Both are saved at once or neither."""
+    fake, conversation = fake_world["fake"], fake_world["conversation"]
+    _, _, chat = await open_chat(fake_world["user"], conversation.pk)
+    await chat.send(type="send", content="hello")
+    await _replied(fake, chat, "old")
+
+    def failing(**_):
+        raise RuntimeError("the database went away")
+
+    monkeypatch.setattr(chat_services, "reply_replace", failing)
+    await chat.send(type="regenerate")
+    await chat.receive_until("start")
+    identity, request = await asyncio.wait_for(fake.generates.get(), 10)
+    await _answer(fake, identity, request.request_id, "new")
+    error, _ = await chat.receive_until("error")
+    monkeypatch.undo()
+    await chat.send(type="sync")
+    shown, _ = await chat.receive_until("sync")
+    await chat.close()
+    assert error["code"] == "internal_error"
+    assert [m["content"] for m in shown["messages"]] == ["hello", "old"]
+    assert await _saved(conversation) == [
+        ("user", "complete", "hello"),
+        ("assistant", "complete", "old"),
+    ]
+
+
 async def test_a_window_running_a_reply_ignores_another_windows_resync(fake_world):
     """A full sync frame relayed by the window whose regenerate settled, read before another
     window started its reply, removed that reply from the other's page and ended its stream."""

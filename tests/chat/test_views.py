@@ -390,3 +390,22 @@ def test_the_page_holds_no_more_text_than_the_socket_takes(alice, acme):
     page = login(alice).get(f"/chat/{conversation.pk}/").content.decode()
     assert f'id="setting-system" rows="5" maxlength="{services.MAX_SYSTEM_PROMPT_CHARS}"' in page
     assert f'id="input" rows="1" maxlength="{services.MAX_CONTENT_CHARS}"' in page
+
+
+def test_a_regenerate_left_streaming_by_a_dead_process_changes_nothing(alice, acme):
+    """A process that died while a regenerate's or an edit's reply ran left that reply beside
+    the answer it was to replace (an edit's, answering a text that was never saved): the page
+    showed the question, its answer, and an interrupted reply after it. Like a reply that
+    fails, it goes, and the conversation is as it was."""
+    conversation = services.conversation_create(user=alice, tenant=acme)
+    question = services.message_send(conversation=conversation, content="Hello?")
+    old = services.reply_start(conversation=conversation, request_id="chat-old")
+    services.reply_finish(message=old, content="Hi!", status="complete")
+    services.reply_start(conversation=conversation, request_id="chat-dead", is_replacement=True)
+
+    messages = state_of(login(alice).get(f"/chat/{conversation.pk}/"))["messages"]
+
+    assert [(m["id"], m["status"], m["content"]) for m in messages] == [
+        (question.pk, "complete", "Hello?"),
+        (old.pk, "complete", "Hi!"),
+    ]
