@@ -7,8 +7,11 @@
   ``application/x-www-form-urlencoded``, which is refused, but many HTTP clients send no type
   with a raw body). Any other type is a 415.
 - ``charset``: the body is decoded by the declared one (``utf-8`` when none is declared, as
-  JSON's RFC 8259 has it; ``latin-1``, ``utf-16``, any codec Python knows), then re-encoded as
-  UTF-8. A charset Python does not know is a 415; bytes the charset cannot decode are a 400.
+  JSON's RFC 8259 has it; ``latin-1``, ``utf-16``, ``shift_jis``: any charset Python's own
+  codecs read), then re-encoded as UTF-8. Anything else is a 415: a name Python does not know,
+  and its codecs that are no charsets (``base64``, ``zlib``; ``punycode``, ``idna`` and the
+  escapes, which transform text: punycode's decoder takes quadratic time, 14 s of the event
+  loop for 400 KB); bytes the charset cannot decode are a 400.
 - Text: a lone surrogate escaped in any string or key (``"\\ud800"``) is a 400 naming the
   field (``config.json_text``).
 - Depth: arrays and objects nested past ``MAX_NESTING`` are a 400, whatever the field (the
@@ -16,6 +19,8 @@
 """
 
 import codecs
+import encodings
+import pkgutil
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
@@ -32,6 +37,27 @@ from gateway.errors import ApiError, invalid
 
 JSON_CONTENT_TYPE = "application/json"
 UTF8 = codecs.lookup("utf-8").name
+# Python's text codecs that are no charsets: transforms of text, and the placeholders
+NOT_CHARSETS = frozenset(
+    ("punycode", "idna", "unicode-escape", "raw-unicode-escape", "utf-7", "undefined", "charmap")
+)
+
+
+def _python_charsets() -> frozenset[str]:
+    """The names (as ``codecs.lookup`` gives them) of the charsets Python's own codecs read:
+    one codec registered by a library may be anything."""
+    names = set()
+    for module in pkgutil.iter_modules(encodings.__path__):
+        try:
+            codec = codecs.lookup(module.name)
+        except LookupError:  # a helper module (aliases), or a platform's own codec (mbcs)
+            continue
+        if getattr(codec, "_is_text_encoding", True) and codec.name not in NOT_CHARSETS:
+            names.add(codec.name)
+    return frozenset(names)
+
+
+CHARSETS = _python_charsets()
 
 
 def json_body(request: HttpRequest) -> bytes:
@@ -71,8 +97,8 @@ def _transcode(raw: bytes, charset: str) -> bytes:
         codec = codecs.lookup(charset)
     except LookupError:
         codec = None
-    # bytes-to-bytes codecs (base64, zlib: a decompression bomb) are no charsets
-    if codec is None or not getattr(codec, "_is_text_encoding", True):
+    # bytes-to-bytes codecs (base64, zlib: a decompression bomb) are no charsets either
+    if codec is None or codec.name not in CHARSETS:
         raise ApiError(
             415,
             f"Unsupported charset {charset[:40]!r}: send the body as UTF-8 (or name a charset "

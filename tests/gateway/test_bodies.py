@@ -63,6 +63,31 @@ def test_a_charset_that_is_not_one_is_a_415(charset):
     assert len(error.message) < 200
 
 
+@pytest.mark.parametrize(
+    "charset",
+    ["punycode", "idna", "unicode_escape", "raw-unicode-escape", "utf-7", "undefined", "charmap"],
+)
+def test_a_text_transform_that_is_no_charset_is_a_415(charset):
+    """Python's codecs that transform text are no charsets: punycode's decoder is quadratic
+    (a 200 KB body with a bad key held the event loop, every other request with it, 2.9 s;
+    400 KB 14 s), and the escapes turn ASCII bytes into any text."""
+    error = _refusal(UTF8_BODY, f"application/json; charset={charset}")
+    assert error.status == 415 and error.code == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("charset", ["shift_jis", "gb18030", "iso-8859-15", "cp1251", "koi8-r"])
+def test_the_worlds_charsets_are_read(charset):
+    text = '{"model": "м-ü-日"}'
+    try:
+        raw = text.encode(charset)
+    except UnicodeEncodeError:
+        raw = '{"model": "plain"}'.encode(charset)
+    assert (
+        json_body(_request(raw, f"application/json; charset={charset}"))
+        == raw.decode(charset).encode()
+    )
+
+
 def test_bytes_the_declared_charset_cannot_decode_are_a_400():
     odd_length = b'{"model": "\xff"} '
     error = _refusal(odd_length, "application/json; charset=utf-16")
