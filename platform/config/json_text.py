@@ -10,6 +10,7 @@ into it.
 
 import json
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -32,22 +33,46 @@ def lone_surrogate_path(raw: bytes | str) -> str | None:
         document = json.loads(text)  # the standard library's parser keeps lone surrogates
     except (ValueError, RecursionError):
         return None
-    pending: list[tuple[str, object]] = [("", document)]
-    while pending:
-        path, value = pending.pop()
+    if not isinstance(document, dict | list):
+        return "$" if isinstance(document, str) and _LONE_SURROGATE.search(document) else None
+    # depth first, in the document's order, with the path's parts held once on a stack
+    # (built only for the string it reports: a path per child copied its parent's each time)
+    parts: list[str] = []
+    stack = [_children(document)]
+    while stack:
+        child = next(stack[-1], None)
+        if child is None:
+            stack.pop()
+            if parts:
+                parts.pop()
+            continue
+        name, value = child
+        is_bad_key = name is None
+        if is_bad_key:  # a key that is no Unicode itself, shown escaped
+            name = value.encode("utf-8", "backslashreplace").decode()
+        part = f"[{name}]" if isinstance(name, int) else f".{name}" if parts else name
+        if is_bad_key:
+            return "".join(parts) + part
         if isinstance(value, str):
             if _LONE_SURROGATE.search(value):
-                return path or "$"
-        elif isinstance(value, dict):
-            for key in reversed(list(value)):
-                shown = key.encode("utf-8", "backslashreplace").decode()
-                child = f"{path}.{shown}" if path else shown
-                if shown != key:
-                    return child
-                pending.append((child, value[key]))
-        elif isinstance(value, list):
-            pending.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+                return "".join(parts) + part
+        elif isinstance(value, dict | list):
+            parts.append(part)
+            stack.append(_children(value))
     return None
+
+
+def _children(container: object) -> Iterator[tuple[str | int | None, object]]:
+    """(the child's key or index, the child) for each child of an object or array in order,
+    and (None, the key) for a key holding a lone surrogate, in its value's place."""
+    if isinstance(container, dict):
+        for key, value in container.items():
+            if _LONE_SURROGATE.search(key):
+                yield None, key
+                return
+            yield key, value
+    else:
+        yield from enumerate(container)
 
 
 # Arrays and objects a client's document may nest: OpenAI's structured outputs allow a schema
