@@ -137,9 +137,12 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 check_json_schema(spec.json)
+                grammar = json_schema_grammar(spec.json)
                 # compact JSON: a model cannot loop on whitespace between the tokens
-                compiled = compiler.compile_json_schema(
-                    bounded_strings_as_patterns(spec.json), any_whitespace=False
+                compiled = (
+                    compiler.compile_json_schema(spec.json, any_whitespace=False)
+                    if grammar is None
+                    else compiler.compile_grammar(grammar)
                 )
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, any_whitespace=False)
@@ -197,37 +200,59 @@ class GrammarCompiler:
         return xgrammar.GrammarMatcher(self.compile(spec, salt))
 
 
-def bounded_strings_as_patterns(schema_text: str) -> str:
-    r"""``schema_text`` with each string's ``minLength``/``maxLength`` rewritten as the
-    ``pattern`` ``^[\s\S]{min,max}$``. xgrammar 0.2.8 compiles a length-bounded string to a
-    rule that admits raw control characters (invalid JSON: ``{"code": "y\x12"}`` was sampled);
-    its pattern rules produce valid JSON strings (without escapes) of the same lengths. Text that
-    is not JSON is returned as is, for the compiler to report."""
-    try:
-        schema = json.loads(schema_text)
-    except ValueError:
-        return schema_text
-    return json.dumps(_rewrite_bounded_strings(schema))
+def json_schema_grammar(schema_text: str) -> str | None:
+    r"""xgrammar's grammar of the JSON schema ``schema_text`` (EBNF) with the rule of every
+    length-bounded string's characters replaced by JSON's (``JSON_STRING_CHARACTER``); None
+    where the schema bounds no string's length, for the compiler to take as it is.
+
+    xgrammar 0.2.8's own rule (``[^"\\\r\n]``) admits raw control characters (invalid JSON:
+    ``{"code": "y\x12"}`` was sampled); the pattern ``^[\s\S]{min,max}$`` that replaced it
+    admitted raw quotes and newlines from 129 characters on, and compiled in time that grows
+    with the bound (22 s at 5,000). This keeps xgrammar's repetition of one character rule,
+    which compiles at once whatever the bound, and counts an escape as the one character it
+    is."""
+    if "Length" not in schema_text:  # no minLength or maxLength anywhere
+        return None
+    import xgrammar
+
+    grammar = str(xgrammar.Grammar.from_json_schema(schema_text, any_whitespace=False))
+    fixed, count = _BOUNDED_STRING_CHARACTERS.subn(
+        lambda rule: f"{rule[1]} ::= {JSON_STRING_CHARACTER}", grammar
+    )
+    return fixed if count else None
 
 
-def _rewrite_bounded_strings(node: object) -> object:
-    if isinstance(node, list):
-        return [_rewrite_bounded_strings(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    node = {key: _rewrite_bounded_strings(value) for key, value in node.items()}
-    bounded = "minLength" in node or "maxLength" in node
-    if node.get("type") == "string" and bounded and not node.keys() & _STRING_SHAPES:
-        low, high = node.get("minLength", 0), node.get("maxLength", "")
-        if isinstance(low, int) and (high == "" or isinstance(high, int)):
-            node.pop("minLength", None)
-            node.pop("maxLength", None)
-            node["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
-    return node
+# a length-bounded string's character, as xgrammar 0.2.8 writes its rule
+_BOUNDED_STRING_CHARACTERS = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+# a character of a JSON string: any but a quote, a backslash or a control character, or an
+# escape
+JSON_STRING_CHARACTER = (
+    r'(([^"\\\0-\x1f]) | ("\\" (["\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
+    r"[A-Fa-f0-9]))))"
+)
+# the most a length or count bound may be (xgrammar's repetitions count in 32 bits)
+MAX_LENGTH_BOUND = 2**31 - 1
+_LENGTH_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"))
 
 
-# string keywords that already shape the value: a length bound beside them is left alone
-_STRING_SHAPES = {"pattern", "format", "enum", "const"}
+def _check_length_bounds(node: dict, where: str) -> None:
+    """``InvalidGrammar`` for a length or count bound that is no count up to
+    ``MAX_LENGTH_BOUND``, or a lower bound above its upper one (xgrammar wrapped 2**40 to a
+    small number, and named 2**31 only as a repetition range of negative numbers)."""
+    for low_name, high_name in _LENGTH_BOUNDS:
+        for name in (low_name, high_name):
+            value = node.get(name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_LENGTH_BOUND
+            ):
+                raise InvalidGrammar(
+                    f"{where}: {name!r} must be a whole number from 0 to {MAX_LENGTH_BOUND}"
+                )
+        low, high = node.get(low_name), node.get(high_name)
+        if low is not None and high is not None and low > high:
+            raise InvalidGrammar(f"{where}: {low_name!r} is {low}, above {high_name!r} ({high})")
 
 
 def check_pattern(pattern: str, where: str) -> None:
@@ -287,6 +312,7 @@ def check_json_schema(schema_text: str) -> None:
             )
         if isinstance(node.get("pattern"), str):
             check_pattern(node["pattern"], f"{where} pattern")
+        _check_length_bounds(node, where)
         properties = node.get("properties")
         if isinstance(properties, dict):
             required = node.get("required")

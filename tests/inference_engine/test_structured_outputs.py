@@ -28,6 +28,7 @@ from inference_engine.protocol import InvalidParam, StructuredOutputsParams
 from inference_engine.request import NO_TOKEN
 from inference_engine.sampler import Sampler, SamplingRow
 from inference_engine.tokenization import render_chat, tool_call_parser
+from tests.inference_engine.conftest import build_tokenizer
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "schemas.json").read_text())
 SAMPLES_PER_SCHEMA = 4
@@ -64,16 +65,53 @@ def json_params(schema: dict, tokenizer, **overrides) -> SamplingParams:
     return SamplingParams(**values)
 
 
-def test_length_bounded_strings_compile_as_patterns():
-    """xgrammar's own rule for a length-bounded string admits raw control characters."""
-    from inference_engine.guided import bounded_strings_as_patterns
+@pytest.mark.parametrize(("low", "high"), [(0, 4), (3, None), (300, 400), (129, None), (0, 5000)])
+def test_length_bounded_strings_hold_only_json_string_characters(low, high):
+    """xgrammar's own rule for a length-bounded string admits raw control characters; the
+    pattern that replaced it (``^[\\s\\S]{300,400}$``) admitted a raw quote and newlines from
+    129 characters on (a reply that did not parse, finished "stop"), and took 22 s to compile
+    at a bound of 5,000. A bound counts characters, an escape one."""
+    import xgrammar
 
-    schema = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 4}}}
-    rewritten = json.loads(bounded_strings_as_patterns(json.dumps(schema)))
-    assert rewritten["properties"]["c"] == {"type": "string", "pattern": "^[\\s\\S]{0,4}$"}
-    shaped = {"type": "string", "maxLength": 4, "enum": ["ab"]}
-    assert json.loads(bounded_strings_as_patterns(json.dumps(shaped))) == shaped
-    assert bounded_strings_as_patterns("not json") == "not json"
+    bounded = {"type": "string", "minLength": low} | ({"maxLength": high} if high else {})
+    schema = {"type": "object", "properties": {"a": bounded}, "required": ["a"]}
+    compiled = GrammarCompiler(build_tokenizer(), 384, frozenset([0])).compile(
+        StructuredOutputsParams(json=json.dumps(schema))
+    )
+
+    def accepts(value: str) -> bool:
+        return xgrammar.GrammarMatcher(compiled).accept_string(f'{{"a": "{value}"}}')
+
+    enough = "x" * max(low, 1)
+    assert accepts(enough)
+    if low > 2:  # an escaped quote and an escaped letter: a character each
+        assert accepts(enough[:-2] + '\\"' + "\\u00e9")
+    assert not accepts(enough + '"')  # a raw quote inside
+    assert not accepts(enough + "\n") and not accepts(enough + "\x01")
+    if low > 1:
+        assert not accepts("x" * (low - 1))
+    if high is not None:
+        assert not accepts("x" * (high + 1))
+
+
+@pytest.mark.parametrize(
+    ("bounds", "message"),
+    [
+        ({"minLength": 2**31}, "minLength"),
+        ({"minLength": 2**40}, "minLength"),
+        ({"maxLength": -1}, "maxLength"),
+        ({"minLength": 1.5}, "minLength"),
+        ({"minLength": 5, "maxLength": 4}, "minLength"),
+        ({"type": "array", "minItems": 2**40}, "minItems"),
+    ],
+)
+def test_length_bounds_out_of_range_are_refused_by_name(bounds, message):
+    """2**31 was refused as "Invalid repetition range {-2147483648, -1}", and 2**40 wrapped
+    around: a string of 12 characters, finished "stop"."""
+    schema = {"type": "string"} | bounds
+    compiler = GrammarCompiler(build_tokenizer(), 384, frozenset([0]))
+    with pytest.raises(InvalidGrammar, match=message):
+        compiler.compile(StructuredOutputsParams(json=json.dumps(schema)))
 
 
 def test_sampled_outputs_of_thirty_schemas_always_parse_and_validate(llm):
