@@ -16,7 +16,7 @@ from gateway.schemas import (
     CompletionRequest,
 )
 from gateway.structured import ToolPlan
-from inference_engine.protocol import GenerateRequest, InvalidParam, SamplingParams
+from inference_engine.protocol import MAX_TOOLS, GenerateRequest, InvalidParam, SamplingParams
 from serving.budget import PromptTokens, message_tokens, text_tokens, token_id_tokens
 from serving.runs import RunSpec
 
@@ -27,11 +27,8 @@ MAX_USER_CHARS = 256
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN_FIELD = "Object contains unknown field"
 _FIELD = re.compile(r"field `([^`]+)`")
-# where the API calls a sampling parameter otherwise
-_API_PARAM = {
-    "logprobs": "top_logprobs",
-    "structured_outputs": "response_format",
-}
+# where the API calls a sampling parameter otherwise (the constraint: ``_constraint_names``)
+_API_PARAM = {"logprobs": "top_logprobs"}
 
 
 @dataclass
@@ -206,7 +203,8 @@ def _sampling_params(
         # max_tokens unset (None) is up to the context length
         return SamplingParams(max_tokens=max_tokens, **given)
     except InvalidParam as exc:
-        param = max_tokens_param if exc.field == "max_tokens" else _API_PARAM.get(exc.field)
+        names = _API_PARAM | _constraint_names(request, tool_plan)
+        param = max_tokens_param if exc.field == "max_tokens" else names.get(exc.field)
         message = str(exc)
         if param is not None:  # the API's name for it
             message = message.replace(exc.field, param, 1)
@@ -252,6 +250,8 @@ def plan_chat(body: bytes) -> GenerationPlan:
         raise invalid("messages must contain at least one message.", "messages")
     if len(request.messages) > MAX_MESSAGES:
         raise invalid(f"messages may hold at most {MAX_MESSAGES} messages.", "messages")
+    if request.tools is not None and len(request.tools) > MAX_TOOLS:
+        raise invalid(f"tools may hold at most {MAX_TOOLS} tools.", "tools")
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid("top_logprobs needs logprobs to be true.", "top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None

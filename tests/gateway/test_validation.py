@@ -24,6 +24,10 @@ def _chat(**fields) -> bytes:
     return json.dumps({**CHAT, **fields}).encode()
 
 
+def _completion(**fields) -> bytes:
+    return json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
+
+
 def _error(plan, body: bytes) -> ApiError:
     with pytest.raises(ApiError) as excinfo:
         plan(body)
@@ -417,3 +421,31 @@ def test_content_a_text_model_cannot_read_is_refused_saying_so(kind):
     assert error.param == "messages[0].content[0].type"
     assert f"Content of type '{kind}' is not supported" in error.message
     assert "text" in error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"structured_outputs": {"choice": [""]}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": ["a"] * 2000}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None),
+    ],
+)
+def test_a_constraint_refused_is_named_as_the_request_gave_it(fields, param):
+    """A structured_outputs choice the engine refuses was named response_format, a field the
+    request never used."""
+    for plan, body in ((plan_chat, _chat(**fields)), (plan_completion, _completion(**fields))):
+        if param is None:  # a valid constraint: planned
+            plan(body)
+            continue
+        error = _error(plan, body)
+        assert error.param == param and "response_format" not in error.message
+
+
+def test_more_tools_than_the_engine_takes_are_refused_before_admission():
+    """2,000 tools passed the gateway and were refused by the engine, after admission (a
+    request counted against the tenant's rate) with no param."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tools = [{**tool, "function": {**tool["function"], "name": f"f{i}"}} for i in range(2000)]
+    error = _error(plan_chat, _chat(tools=tools))
+    assert error.param == "tools" and "128" in error.message
