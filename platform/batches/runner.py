@@ -42,7 +42,7 @@ from batches.models import Batch, BatchRequest
 from config.workers import database_worker
 from gateway.auth import refusal_of
 from gateway.authorization import GENERATION_KEY, model_not_found
-from gateway.errors import SERVER_ERROR, ApiError, from_run_error
+from gateway.errors import SERVER_ERROR, ApiError, from_run_error, invalid
 from gateway.handling import new_response_id
 from gateway.responses import Responder
 from gateway.tool_calls import check_auto_tool_choice
@@ -246,6 +246,8 @@ class BatchRun:
         request_id = request.request_id
         try:
             plan = self.plan_of(request.body_bytes())
+            if plan.stream:  # a batch answers each line whole
+                raise invalid("stream is not supported in a batch.", "stream")
             caller = await self._caller(plan.model)
             await check_auto_tool_choice(plan.tool_plan, caller.deployment.endpoints)
             attempt = self._attempts[request.pk] = self._attempts.get(request.pk, -1) + 1

@@ -101,7 +101,7 @@ class BatchList(msgspec.Struct):
     has_more: bool
 
 
-class BatchCreateRequest(msgspec.Struct, kw_only=True):
+class BatchCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     input_file_id: str
     endpoint: Endpoint
     completion_window: Literal["24h"]

@@ -18,6 +18,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from batches import objects, selectors, services
 from batches.models import Batch, File
+from batches.schemas import BatchCreateRequest
 from config.numerals import parse_count
 from config.workers import database_worker
 from gateway.auth import authenticate
@@ -165,6 +166,9 @@ async def file_content(request: HttpRequest, api_key: ApiKey, file_id: str) -> H
     return response
 
 
+BATCH_CREATE_FIELDS = frozenset(BatchCreateRequest.__struct_fields__)
+
+
 @database_worker
 def _batch_create(request: HttpRequest, api_key: ApiKey) -> dict:
     try:
@@ -173,6 +177,9 @@ def _batch_create(request: HttpRequest, api_key: ApiKey) -> dict:
         raise invalid("The request body is not valid JSON.") from None
     if not isinstance(payload, dict):
         raise invalid("The request body must be a JSON object.")
+    for name in payload:
+        if name not in BATCH_CREATE_FIELDS:  # as the generation endpoints refuse one
+            raise invalid(f"Unrecognized request argument supplied: {name}", param=name[:100])
     batch = services.batch_create(
         tenant=api_key.tenant,
         api_key=api_key,

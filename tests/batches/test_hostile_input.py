@@ -112,6 +112,17 @@ async def test_a_nul_in_a_batchs_fields_is_a_4xx(key):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
 
 
+async def test_a_batch_with_a_field_the_api_does_not_know_is_a_400_naming_it(key):
+    """It was created, the field ignored, where the generation endpoints refuse one."""
+    async with _client(key) as client:
+        upload = await _upload(client, _line())
+        body = {**CREATE, "input_file_id": upload.json()["id"], "extra": 1}
+        refused = await client.post("/v1/batches", json=body)
+        listed = await client.get("/v1/batches")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "extra"
+    assert listed.json()["data"] == []
+
+
 @pytest.mark.parametrize(
     ("parts", "message"),
     [

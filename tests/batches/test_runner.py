@@ -376,3 +376,25 @@ def test_a_lines_refusals_tried_again_are_not_counted_only_its_last(
     assert len(refused) == 3
     counts = RefusalCount.objects.filter(tenant=platform.tenant, source="batch")
     assert sorted((row.code, row.count) for row in counts) == [("context_length_exceeded", 1)]
+
+
+def test_a_line_that_asks_to_stream_is_refused_by_name(platform, shared_files):
+    """A batch answers each line whole: a line with ``stream: true`` was run as if it had not
+    asked, and billed."""
+    client = platform.client()
+    streaming = request_line("stream")
+    streaming["body"]["stream"] = True
+    created = _create(client, [request_line("a"), streaming])
+
+    assert run_batch(created.id) == "completed"
+
+    batch = client.batches.retrieve(created.id)
+    responses = {
+        line["custom_id"]: line["response"]
+        for file_id in (batch.output_file_id, batch.error_file_id)
+        for line in _lines_of(client, file_id)
+    }
+    assert responses["a"]["status_code"] == 200
+    refusal = responses["stream"]
+    assert refusal["status_code"] == 400 and refusal["body"]["error"]["param"] == "stream"
+    assert sorted(r.request_id for r in _batch_records(platform)) == [responses["a"]["request_id"]]
