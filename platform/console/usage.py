@@ -11,12 +11,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from django.db.models import Sum
+from django.db.models import Min, Sum
 from django.utils import timezone
 
 from console.selectors import MAX_SERIES, DateRange
 from tenants.models import ApiKey, RefusalCount, RollupCursor, Tenant, UsageRecord, UsageRollup
 from tenants.rollups import (
+    CREATED_AT_SLACK,
     CURSOR,
     HISTOGRAM_BOUNDS,
     STATUS_FIELDS,
@@ -388,9 +389,21 @@ def usage_csv_rows(
 
 
 def handover_of(start: datetime, end: datetime, end_user: str | None) -> datetime:
-    """Where the roll-ups hand over to the raw records: the cursor, within the range; the
-    range's start for an end user's usage (the roll-ups do not carry end users)."""
-    handover = start if end_user is not None else rolled_up_until() or start
+    """Where the roll-ups hand over to the raw records, within the range: the hour the roll-up
+    last ran in, or the earlier hour a record it may have missed began in (one created since
+    it ran, less the slack its next run rolls over again: a long stream that began in an hour
+    rolled up before it ended was missing until the next run); the range's start for an end
+    user's usage (the roll-ups do not carry end users)."""
+    if end_user is not None:
+        return start
+    cursor = RollupCursor.objects.filter(name=CURSOR).first()
+    if cursor is None:
+        return start
+    missed = UsageRecord.objects.filter(created_at__gte=cursor.position - CREATED_AT_SLACK)
+    earliest = missed.aggregate(earliest=Min("started_at"))["earliest"]
+    handover = _hour_floor(cursor.position)
+    if earliest is not None:
+        handover = min(handover, _hour_floor(earliest))
     return min(max(handover, start), end)
 
 

@@ -66,6 +66,25 @@ def test_a_request_shows_before_any_roll_up_and_counts_once_after(key, tenant):
     assert [period.requests for period in daily.by_period] == [3]
 
 
+def test_a_request_that_ends_after_a_roll_up_of_the_hour_it_began_in_shows_at_once(key, tenant):
+    """Hours before the roll-up's were read from the roll-ups alone: a request that began in
+    one and ended after the roll-up ran (a long stream) was missing from the dashboard, the
+    CSV and the batch figures until the next roll-up."""
+    _record(key, NOW - timedelta(hours=1), 1)  # 14:30, rolled up below
+    rollups.rollup_pending(now=NOW)
+    UsageRecord.objects.update(created_at=NOW - timedelta(minutes=30))  # before the run
+    _record(key, NOW - timedelta(minutes=30, seconds=10), 2)  # began 14:59:50, ends now
+
+    report = _report(tenant, granularity="hour")
+    rows = usage.usage_csv_rows(date_range=TODAY, tenant=tenant)
+    batch = batches_selectors.batch_usage(date_range=TODAY, tenant=tenant)
+
+    assert report.total.requests == 2 and report.total.tokens == 2 * 15
+    assert sum(row[4] for row in rows if isinstance(row[4], int)) == 2
+    assert batch.other_tokens == 2 * 15
+    assert _report(tenant, granularity="day").total.requests == 2
+
+
 def test_hours_and_days_and_their_labels(key, tenant):
     _record(key, NOW, 1)
     hourly = _report(tenant, granularity="hour")
