@@ -176,10 +176,15 @@ def _references_moved(node: object, root: str) -> object:
 def engine_messages(request: schemas.ChatCompletionRequest) -> list[Message]:
     """The conversation as the engine takes it, tool turns and earlier calls included."""
     messages = []
+    open_calls: set[str] = set()  # the ids of the calls a tool message may answer here
     for index, message in enumerate(request.messages):
         where = f"messages[{index}]"
         if message.role == "tool" and not message.tool_call_id:
             raise invalid("A tool message needs the tool_call_id it answers.", where)
+        if message.role == "tool":
+            _check_answers_a_call(message.tool_call_id, open_calls, where)
+        else:
+            open_calls = {call.id for call in message.tool_calls or ()}
         if message.tool_calls and message.role != "assistant":
             raise invalid("Only assistant messages may carry tool_calls.", f"{where}.tool_calls")
         if message.content is None and not (
@@ -213,6 +218,22 @@ def engine_messages(request: schemas.ChatCompletionRequest) -> list[Message]:
             )
         )
     return messages
+
+
+def _check_answers_a_call(call_id: str, open_calls: set[str], where: str) -> None:
+    """OpenAI's rule: a tool message answers a call of the assistant message with
+    ``tool_calls`` that it follows (after other answers to it)."""
+    if not open_calls:
+        raise invalid(
+            "A message with role 'tool' must answer a preceding assistant message with tool_calls.",
+            where,
+        )
+    if call_id not in open_calls:
+        raise invalid(
+            f"The tool_call_id {call_id[:64]!r} answers none of the tool_calls of the "
+            "assistant message before it.",
+            f"{where}.tool_call_id",
+        )
 
 
 def extra_prompt_text(request: schemas.ChatCompletionRequest, tools: list | None) -> str:

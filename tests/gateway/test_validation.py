@@ -449,3 +449,52 @@ def test_more_tools_than_the_engine_takes_are_refused_before_admission():
     tools = [{**tool, "function": {**tool["function"], "name": f"f{i}"}} for i in range(2000)]
     error = _error(plan_chat, _chat(tools=tools))
     assert error.param == "tools" and "128" in error.message
+
+
+def _call(call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}], "messages[1]"),
+        (
+            [
+                USER,
+                {"role": "assistant", "content": None, "tool_calls": [_call("a")]},
+                {"role": "tool", "tool_call_id": "b", "content": "x"},
+            ],
+            "messages[2].tool_call_id",
+        ),
+        (
+            [
+                USER,
+                {"role": "assistant", "content": None, "tool_calls": [_call("a")]},
+                {"role": "tool", "tool_call_id": "a", "content": "x"},
+                {"role": "user", "content": "and?"},
+                {"role": "tool", "tool_call_id": "a", "content": "x"},
+            ],
+            "messages[4]",
+        ),
+    ],
+)
+def test_a_tool_message_answers_a_call_of_the_assistant_message_before_it(messages, param):
+    """OpenAI's rule: one answering no call was read into the prompt as it came, a turn the
+    model's template may not even render."""
+    error = _error(plan_chat, _chat(messages=messages))
+    assert error.param == param and "tool_calls" in error.message
+
+
+def test_tool_messages_answering_the_calls_before_them_are_planned():
+    messages = [
+        USER,
+        {"role": "assistant", "content": None, "tool_calls": [_call("a"), _call("b")]},
+        {"role": "tool", "tool_call_id": "b", "content": "2"},
+        {"role": "tool", "tool_call_id": "a", "content": "1"},
+    ]
+    [request] = plan_chat(_chat(messages=messages)).prompts
+    assert [m.tool_call_id for m in request.messages] == [None, None, "b", "a"]
