@@ -296,6 +296,7 @@ class UsageRecordAdmin(admin.ModelAdmin):
         "prompt_tokens",
         "completion_tokens",
         "cached_tokens",
+        "billed_tokens",
         "time_to_first_token_ms",
         "latency_ms",
     )

@@ -241,6 +241,10 @@ class UsageRecord(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
+    # what its tokens are billed as, in online tokens, fixed when it is written: a batch
+    # line's weigh its plan's ``batch_price_factor`` then, so a later plan change re-bills
+    # nothing (no default: whoever writes a record must say)
+    billed_tokens = models.DecimalField(max_digits=14, decimal_places=2)
     time_to_first_token_ms = models.FloatField(null=True, blank=True)
     latency_ms = models.FloatField(null=True, blank=True)
     error_code = models.CharField(max_length=64, blank=True)
@@ -298,6 +302,8 @@ class UsageRollup(models.Model):
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0)
+    # the sum of its records' ``billed_tokens``: an hour may mix the factors of two plans
+    billed_tokens = models.DecimalField(max_digits=22, decimal_places=2, default=0)
     ttft_histogram = models.JSONField(default=list)
     latency_histogram = models.JSONField(default=list)
     # time per output token after the first (rollups.TPOT_BUCKETS_MS); [] in rows rolled up

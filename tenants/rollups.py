@@ -31,7 +31,7 @@ CURSOR = "usage"
 GROUP_FIELDS = ("tenant_id", "api_key_id", "user_id", "model", "source")
 STATUS_FIELDS = {"ok": "ok", "cancelled": "cancelled", "error": "errors", "rejected": "rejected"}
 SUM_FIELDS = ("requests", "ok", "cancelled", "errors", "rejected", "prompt_tokens",
-              "completion_tokens", "cached_tokens")  # fmt: skip
+              "completion_tokens", "cached_tokens", "billed_tokens")  # fmt: skip
 HISTOGRAM_BOUNDS = {
     "ttft_histogram": LATENCY_BUCKETS_MS,
     "latency_histogram": LATENCY_BUCKETS_MS,
@@ -116,14 +116,16 @@ def rollup_hour(start: datetime) -> int:
     records = UsageRecord.objects.filter(
         started_at__gte=start, started_at__lt=start + timedelta(hours=1)
     ).values_list(*GROUP_FIELDS, "status", "prompt_tokens", "completion_tokens",
-                  "cached_tokens", "time_to_first_token_ms", "latency_ms")  # fmt: skip
-    for *key, status, prompt, completion, cached, ttft, latency in records:
+                  "cached_tokens", "billed_tokens", "time_to_first_token_ms",
+                  "latency_ms")  # fmt: skip
+    for *key, status, prompt, completion, cached, billed, ttft, latency in records:
         row = groups[tuple(key)]
         row["requests"] += 1
         row[STATUS_FIELDS[status]] += 1
         row["prompt_tokens"] += prompt
         row["completion_tokens"] += completion
         row["cached_tokens"] += cached
+        row["billed_tokens"] += billed
         histogram_add(row["ttft_histogram"], ttft)
         histogram_add(row["latency_histogram"], latency)
         tpot = time_per_output_token_ms(latency, ttft, completion)

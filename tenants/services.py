@@ -9,6 +9,7 @@ them on a database thread of their own.
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
@@ -261,6 +262,16 @@ def api_key_authenticate(*, raw_key: str) -> ApiKey:
     return api_key
 
 
+def billed_tokens(*, tenant: Tenant, source: str, tokens: int) -> Decimal:
+    """What ``tokens`` of ``source`` are billed as now, in online tokens: batch tokens at the
+    tenant's plan's ``batch_price_factor`` (OpenAI's Batch API bills them at half price),
+    every other token one. Read from the plan the caller loaded with the tenant (the batch
+    runner loads it), so a record costs no query for it."""
+    if source == UsageRecord.Source.BATCH:
+        return tokens * tenant.plan.batch_price_factor
+    return Decimal(tokens)
+
+
 def usage_record_build(
     *,
     request_id: str,
@@ -281,7 +292,8 @@ def usage_record_build(
     end_user: str = "",
     metadata: dict[str, str] | None = None,
 ) -> UsageRecord:
-    """One request's usage record, validated and not yet saved."""
+    """One request's usage record, validated and not yet saved, billed at the tenant's plan
+    of now (``billed_tokens``): the record keeps what it costs, whatever plan comes later."""
     if api_key is None and user is None:
         raise ValidationError("A usage record needs an API key or a user.")
     if api_key is not None and api_key.tenant_id != tenant.pk:
@@ -299,6 +311,9 @@ def usage_record_build(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached_tokens,
+        billed_tokens=billed_tokens(
+            tenant=tenant, source=source, tokens=prompt_tokens + completion_tokens
+        ),
         time_to_first_token_ms=time_to_first_token_ms,
         latency_ms=latency_ms,
         error_code=error_code,

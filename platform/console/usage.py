@@ -409,14 +409,15 @@ def handover_of(start: datetime, end: datetime, end_user: str | None) -> datetim
 
 def raw_records(scoped, handover: datetime, end: datetime, end_user: str | None):
     """The usage records from ``handover`` to ``end`` (an end user's only, if one is given),
-    as the dicts ``Totals.add_record`` reads, with their tenant, key, model and source."""
+    as the dicts ``Totals.add_record`` reads, with their tenant, key, model and source (and
+    what they are billed as, for ``console.batches_selectors``)."""
     records = scoped(UsageRecord.objects).filter(started_at__gte=handover, started_at__lt=end)
     if end_user is not None:
         records = records.filter(end_user=end_user)
     return records.values(
         "tenant_id", "api_key_id", "model", "source", "status", "prompt_tokens",
-        "completion_tokens", "cached_tokens", "time_to_first_token_ms", "latency_ms",
-        "started_at",
+        "completion_tokens", "cached_tokens", "billed_tokens", "time_to_first_token_ms",
+        "latency_ms", "started_at",
     )  # fmt: skip
 
 

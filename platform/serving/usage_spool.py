@@ -20,6 +20,7 @@ import os
 import time
 import uuid
 from datetime import datetime
+from decimal import Decimal
 from pathlib import Path
 
 import msgspec
@@ -29,7 +30,7 @@ from django.utils import timezone
 
 from config.private_files import PRIVATE_MODE
 from tenants import services
-from tenants.models import UsageRecord
+from tenants.models import Tenant, UsageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,23 @@ def _row(record: UsageRecord) -> dict:
 def _record(line: bytes) -> UsageRecord:
     row = msgspec.json.decode(line)
     for field in _FIELDS:
-        if isinstance(field, models.DateTimeField) and row.get(field.attname) is not None:
-            row[field.attname] = datetime.fromisoformat(row[field.attname])
-    return UsageRecord(**row, created_at=timezone.now())
+        value = row.get(field.attname)
+        if isinstance(field, models.DateTimeField) and value is not None:
+            row[field.attname] = datetime.fromisoformat(value)
+        elif isinstance(field, models.DecimalField) and value is not None:
+            row[field.attname] = Decimal(value)
+    record = UsageRecord(**row, created_at=timezone.now())
+    if record.billed_tokens is None:
+        record.billed_tokens = _billed_now(record)
+    return record
+
+
+def _billed_now(record: UsageRecord) -> Decimal:
+    """What a record kept before records carried their billed tokens is billed as: at its
+    tenant's plan of now, as the migration that added them billed the records saved by then
+    (without it, the missing column failed the save, and the record was dropped as if its
+    tenant were gone). A tenant gone since: one a token (the record is dropped with it)."""
+    tenant = Tenant.objects.select_related("plan").filter(pk=record.tenant_id).first()
+    if tenant is None:
+        return Decimal(record.total_tokens)
+    return services.billed_tokens(tenant=tenant, source=record.source, tokens=record.total_tokens)

@@ -4,6 +4,7 @@ back with the SDK."""
 
 import json
 from datetime import timedelta
+from decimal import Decimal
 
 import httpx
 import openai
@@ -114,6 +115,8 @@ def test_a_batch_runs_every_line_once_as_the_online_api_answers_it(platform, sha
         line["response"]["request_id"] for line in output
     )
     assert {r.status for r in records} == {UsageRecord.Status.OK}
+    # billed at the plan's factor as each line ran (the plan the runner loaded with the tenant)
+    assert {r.billed_tokens / r.total_tokens for r in records} == {Decimal("0.5")}
 
 
 def test_a_line_the_api_would_refuse_is_answered_with_its_error(platform, shared_files):

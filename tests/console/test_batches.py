@@ -148,9 +148,9 @@ def test_another_tenants_batch_is_a_404(client, people, tenant, other_tenant, fi
     assert Batch.objects.get(pk=theirs.pk).status == Batch.Status.VALIDATING
 
 
-def _usage(tenant, source: str, tokens: int, n: int) -> None:
+def _usage(tenant, source: str, tokens: int, n: int, at: datetime | None = None) -> None:
     api_key, _ = services.api_key_create(tenant=tenant, name=f"{source}-{n}")
-    now = datetime.now(UTC)
+    now = at or datetime.now(UTC)
     usage_record_add(
         request_id=f"{tenant.slug}-{source}-{n}",
         tenant=tenant,
@@ -193,6 +193,30 @@ def test_batch_usage_is_billed_at_the_plans_factor(tenant, other_tenant, rolled_
     assert (mine.batch_requests, mine.batch_tokens, mine.other_tokens) == (2, 1500, 400)
     assert mine.billed_tokens == 400 + 750 and mine.price_factor == Decimal("0.50")
     assert everyone.batch_tokens == 1700 and everyone.billed_tokens == 400 + 750 + 200
+
+
+@pytest.mark.parametrize("rolled_up", [True, False])
+def test_a_plan_change_leaves_past_batch_usage_billed_as_it_was(tenant, rolled_up):
+    """Each batch token is billed at the factor of the plan it was used under: the factor
+    was read once, from the tenant's plan now, and a move to a dearer plan re-billed every
+    earlier day (1,000 batch tokens billed 500 showed 1,000 after it). A plan changed within
+    an hour leaves that hour's roll-up billing each record at its own factor."""
+    tenant.plan.batch_price_factor = Decimal("0.50")
+    tenant.plan.save()
+    _usage(tenant, UsageRecord.Source.BATCH, 1000, 1, at=datetime(2024, 3, 10, 9, 5, tzinfo=UTC))
+    tenant.plan = Plan.objects.create(slug="full", name="Full", batch_price_factor=Decimal("1"))
+    tenant.save()
+    _usage(tenant, UsageRecord.Source.BATCH, 200, 2, at=datetime(2024, 3, 10, 9, 40, tzinfo=UTC))
+    if rolled_up:
+        rollups.rollup_pending()
+    day = selectors.DateRange(datetime(2024, 3, 10).date(), datetime(2024, 3, 10).date())
+
+    billed = batches_selectors.batch_usage(date_range=day, tenant=tenant)
+    everyone = batches_selectors.batch_usage(date_range=day)
+
+    assert (billed.batch_tokens, billed.billed_tokens) == (1200, 500 + 200)
+    assert billed.price_factor is None  # "batch at 100%" would not be what the figure holds
+    assert everyone.billed_tokens == 500 + 200
 
 
 def test_the_dashboards_show_batch_usage_and_group_by_source(client, people, tenant):  # noqa: F811

@@ -4,7 +4,9 @@ costs a few transactions instead of one each, and one request's failure stays it
 import asyncio
 import threading
 from datetime import UTC, datetime
+from decimal import Decimal
 
+import msgspec
 import pytest
 from asgiref.sync import sync_to_async
 from django.core.cache import cache
@@ -243,6 +245,32 @@ def test_a_replay_skips_what_was_saved_and_drops_what_has_no_tenant(keys, spool,
     assert saved == {"saved-already": 7, "new": 3}
     assert UsageRecord.objects.get(request_id="new").created_at > created_at
     assert not list(spool.iterdir())
+
+
+def test_a_replay_keeps_what_a_record_was_billed_at(keys, spool):
+    """A kept batch line is billed at the plan it ran under, whatever the plan at replay; a
+    file kept before records carried their billing is billed at the plan of now (without
+    it, each of its records was dropped as if its tenant were gone)."""
+    api_key, _ = keys
+    plan = api_key.tenant.plan
+    plan.batch_price_factor = Decimal("0.50")
+    plan.save()
+    batch_line = {**_settlement(api_key, "batch", tokens=9).record, "source": "batch"}
+    usage_spool.spool_write([services.usage_record_build(**batch_line)])
+    old = services.usage_record_build(**{**batch_line, "request_id": "old"})
+    old_file = usage_spool.spool_write([old])
+    rows = [msgspec.json.decode(line) for line in old_file.read_bytes().splitlines()]
+    old_file.write_bytes(b"".join(
+        msgspec.json.encode({k: v for k, v in row.items() if k != "billed_tokens"}) + b"\n"
+        for row in rows
+    ))  # fmt: skip
+    plan.batch_price_factor = Decimal("0.25")
+    plan.save()
+
+    assert usage_spool.spool_replay() == 2
+
+    billed = dict(UsageRecord.objects.values_list("request_id", "billed_tokens"))
+    assert billed == {"batch": Decimal("4.50"), "old": Decimal("2.25")}
 
 
 def test_a_replay_with_the_database_still_away_keeps_the_file(keys, spool, monkeypatch):

@@ -1,6 +1,7 @@
 import threading
 import time
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import connection
@@ -137,6 +138,33 @@ def test_time_per_output_token_is_rolled_up(keys):
     assert rollups.time_per_output_token_ms(900, 40, 11) == 86
     p50 = rollups.histogram_percentile(day.tpot_histogram, 0.5, rollups.TPOT_BUCKETS_MS)
     assert 150 < p50 <= 250  # the middle one, 860 / 4 = 215 ms, lies in (150, 250]
+
+
+def test_rollups_carry_what_their_records_are_billed_at(keys):
+    """A plan changed within an hour: its hour and its day sum each record's own billed
+    tokens (a factor kept per row would bill the whole hour at one of them)."""
+    mine, _ = keys
+    plan = mine.tenant.plan
+    plan.batch_price_factor = Decimal("0.50")
+    plan.save()
+
+    def batch_line(n: int, minute: int) -> None:
+        usage_record_add(
+            request_id=f"b-{n}", tenant=mine.tenant, api_key=mine, model="demo-chat",
+            source=UsageRecord.Source.BATCH, status="ok", started_at=T0 + timedelta(minutes=minute),
+            finished_at=T0 + timedelta(minutes=minute), prompt_tokens=600, completion_tokens=400,
+        )  # fmt: skip
+
+    batch_line(1, 5)
+    plan.batch_price_factor = Decimal("1")
+    plan.save()
+    batch_line(2, 40)
+    _record(mine, T0 + timedelta(minutes=50), 10)  # an API request: one a token
+    rollups.rollup_pending(now=T0 + timedelta(hours=1))
+
+    for period in (UsageRollup.Period.HOUR, UsageRollup.Period.DAY):
+        billed = UsageRollup.objects.filter(period=period).aggregate(b=Sum("billed_tokens"))["b"]
+        assert billed == 500 + 1000 + 110
 
 
 def test_tasks_run_through_celery(eager, keys, settings):
