@@ -337,6 +337,18 @@ class RefusalCount(models.Model):
         indexes = [models.Index(fields=["tenant", "hour"], name="refusal_tenant_hour")]
 
 
+class MonthCounterGeneration(models.Model):
+    """How many times a tenant's month counters were recounted from the usage records (a
+    seed or a rebuild, ``tenants.month_locks``). Each counter keeps the generation that
+    counted it; a settle tried again after its record was written (the cache was down then)
+    adds nothing to a counter recounted since, which read the record."""
+
+    tenant = models.OneToOneField(
+        Tenant, on_delete=models.CASCADE, primary_key=True, related_name="+"
+    )
+    value = models.PositiveBigIntegerField(default=0)
+
+
 class RollupCursor(models.Model):
     """How far the roll-up task has read the usage records (by their ``created_at``)."""
 

@@ -16,8 +16,15 @@ the rebuilt counter). On PostgreSQL these are transaction-level advisory locks (
 not wait on one another); SQLite runs one writing transaction at a time already (the project's
 ``transaction_mode`` is ``IMMEDIATE``: a transaction takes the write lock as it begins).
 
-Public API: ``records_settling(tenant_ids)`` and ``counter_rebuilding(tenant_id)``, context
-managers that each open a transaction.
+A settle the cache did not take is tried again later, outside any transaction (the cache was
+down): after a rebuild that read its record, it must add nothing. So each rebuild counts one
+more *generation* of the tenant's counters (``MonthCounterGeneration``), and the counters it
+makes keep it; a settlement whose settle fails reads the tenant's generation in its
+transaction, and the settle tried again adds nothing to a counter of a later one.
+
+Public API: ``records_settling(tenant_ids)`` and ``counter_rebuilding(tenant_id)`` (which
+gives the rebuild's generation), context managers that each open a transaction;
+``generation_of(tenant_id)``.
 """
 
 import hashlib
@@ -25,6 +32,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from django.db import connection, transaction
+from django.db.models import F
+
+from tenants.models import MonthCounterGeneration
 
 
 def _lock_key(tenant_id: int) -> int:
@@ -53,9 +63,19 @@ def records_settling(tenant_ids: Iterable[int]) -> Iterator[None]:
 
 
 @contextmanager
-def counter_rebuilding(tenant_id: int) -> Iterator[None]:
+def counter_rebuilding(tenant_id: int) -> Iterator[int]:
     """A transaction in which a counter of the tenant is rebuilt from its records: no
-    settlement of the tenant's runs meanwhile."""
+    settlement of the tenant's runs meanwhile. Gives the rebuild's generation, for the
+    counter to keep."""
     with transaction.atomic():
         _lock([tenant_id], shared=False)
-        yield
+        MonthCounterGeneration.objects.get_or_create(tenant_id=tenant_id)
+        MonthCounterGeneration.objects.filter(tenant_id=tenant_id).update(value=F("value") + 1)
+        yield generation_of(tenant_id)
+
+
+def generation_of(tenant_id: int) -> int:
+    """The generation of the tenant's last rebuild (0: none yet). Within ``records_settling``,
+    the last before the settlement: a rebuild after it has a higher one."""
+    values = MonthCounterGeneration.objects.filter(tenant_id=tenant_id).values_list("value")
+    return next(iter(values), (0,))[0]

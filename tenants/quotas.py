@@ -32,6 +32,7 @@ headers); ``admission_release`` (idempotent, call it in ``finally``; or its two 
 record); ``quota_usage`` for dashboards.
 """
 
+import functools
 import logging
 import math
 import time
@@ -306,14 +307,16 @@ class _Admission:
         key = month_counter_name(scope.name, scope.ident, month_start)
         used_before = counter_value(name=key)
         if used_before is None:
-            with month_locks.counter_rebuilding(tenant.pk):
+            with month_locks.counter_rebuilding(tenant.pk) as generation:
                 used_before = month_tokens_used(
                     tenant=tenant,
                     api_key=api_key if scope.name == "key" else None,
                     since=month_start,
                     until=_month_after(month_start),  # a month just ended: its records only
                 )
-                counter_seed(name=key, value=used_before, ttl=MONTH_TTL_SECONDS)
+                counter_seed(
+                    name=key, value=used_before, ttl=MONTH_TTL_SECONDS, generation=generation
+                )
         if amount > needed:
             # read, not held: a request racing in makes one of the two refused
             amount = min(amount, max(budget - used_before, needed))
@@ -373,9 +376,9 @@ def month_counters_rebuild(*, tenant: Tenant, api_key: ApiKey | None = None) -> 
     name = month_counter_name(scope, tenant.pk if api_key is None else api_key.pk, month_start)
     if counter_value(name=name) is None:
         return  # none to correct: the next admission under the budget seeds it
-    with month_locks.counter_rebuilding(tenant.pk):
+    with month_locks.counter_rebuilding(tenant.pk) as generation:
         used = month_tokens_used(tenant=tenant, api_key=api_key, since=month_start)
-        counter_rebuild(name=name, settled=used)
+        counter_rebuild(name=name, settled=used, generation=generation)
 
 
 def _month_start(now: float) -> datetime:
@@ -493,10 +496,11 @@ def admission_settle_month(*, ticket: AdmissionTicket, actual_tokens: int) -> No
     if ticket.is_month_settled:
         return
     ticket.is_month_settled = True
+    generation = functools.partial(month_locks.generation_of, ticket.tenant_id)
     _all_tried(
         *(
             lambda reservation=reservation: reservation_settle(
-                reservation, actual_tokens=actual_tokens
+                reservation, actual_tokens=actual_tokens, generation=generation
             )
             for reservation in ticket.reservations
         )

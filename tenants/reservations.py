@@ -12,7 +12,9 @@ the settled tokens plus the live reservations. Settling removes the lease and co
 counter by the tokens used less the tokens reserved, or, if the reservation had already
 expired and come off, adds the tokens used. A settle the store did not take (Redis down) is
 tried again by the renewer each round, its lease kept meanwhile, until the store answers; a
-settle tried again after its first try went through (its answer lost) changes nothing.
+settle tried again after its first try went through (its answer lost) changes nothing, and
+one tried again after the counter was recounted from the records (a seed, a rebuild: a later
+generation, ``tenants.month_locks``) adds nothing, the recount having read its record.
 
 Two stores, as for the slots: Redis (a Lua script per step, so each is atomic, with leases on
 the server's clock) and in-process (the embedded mode's local memory, under the slots' lock).
@@ -28,9 +30,11 @@ value); ``reservation_settle``; ``counter_value`` (the counter once the expired 
 are off it); ``counter_held`` (what its live reservations hold); ``counter_rebuild``.
 """
 
+import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.core.cache import BaseCache, caches
@@ -38,6 +42,8 @@ from django.core.cache.backends.redis import RedisCache
 from redis.commands.core import Script
 
 from tenants import slots
+
+logger = logging.getLogger(__name__)
 
 # how long a settled reservation's id is remembered, so that settling it again changes nothing
 SETTLED_MEMORY_MS = 15 * 60 * 1000
@@ -87,9 +93,9 @@ for _, tokens in ipairs(redis.call('HVALS', KEYS[3])) do
 end
 """
 
-# ARGV: the settled tokens. Sets an existing counter to them plus what its live reservations
-# hold (a counter that is missing stays missing: the next admission seeds it). Returns 1 when
-# it was there.
+# KEYS[4]: the counter's generation. ARGV: the settled tokens, the rebuild's generation. Sets
+# an existing counter to them plus what its live reservations hold (a counter that is missing
+# stays missing: the next admission seeds it), and its generation. Returns 1 when it was there.
 _REBUILD = Script(
     None,
     _EXPIRE
@@ -101,6 +107,12 @@ end
     + _HELD_SUM
     + b"""
 redis.call('SET', KEYS[1], tonumber(ARGV[1]) + held, 'KEEPTTL')
+local ttl = redis.call('TTL', KEYS[1])
+if ttl > 0 then
+  redis.call('SET', KEYS[4], ARGV[2], 'EX', ttl)
+else
+  redis.call('SET', KEYS[4], ARGV[2])
+end
 return 1
 """,
 )
@@ -111,7 +123,8 @@ _HELD = Script(
     _EXPIRE + _HELD_SUM + b"return held\n",
 )
 
-# ARGV: the seed, the keys' TTL (s). Returns 1 when it created the counter, 0 when it was there.
+# KEYS[4]: the counter's generation. ARGV: the seed, the keys' TTL (s), the seed's generation.
+# Returns 1 when it created the counter, 0 when it was there.
 _SEED = Script(
     None,
     b"""
@@ -119,15 +132,17 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('SET', KEYS[4], ARGV[3], 'EX', ARGV[2])
 redis.call('DEL', KEYS[2], KEYS[3])
 return 1
 """,
 )
 
 # KEYS: the counter, its leases, its reservations, the reservations settled in the last
-# SETTLED_MEMORY_MS (a sorted set: id -> when). ARGV: the reservation's id, the tokens used,
-# SETTLED_MEMORY_MS. Settling one again (a try again whose first try went through, its answer
-# lost) changes nothing.
+# SETTLED_MEMORY_MS (a sorted set: id -> when), the counter's generation. ARGV: the
+# reservation's id, the tokens used, SETTLED_MEMORY_MS, the generation its record was written
+# in (-1: none known). Settling one again (a try again whose first try went through, its
+# answer lost) changes nothing; one whose record a later generation counted adds nothing.
 _SETTLE = Script(
     None,
     b"""
@@ -141,6 +156,10 @@ redis.call('ZADD', KEYS[4], now, ARGV[1])
 redis.call('PEXPIRE', KEYS[4], ARGV[3])
 local reserved = redis.call('HGET', KEYS[3], ARGV[1])
 local correction = tonumber(ARGV[2])
+local generation = redis.call('GET', KEYS[5])
+if tonumber(ARGV[4]) >= 0 and generation and tonumber(generation) > tonumber(ARGV[4]) then
+  correction = 0
+end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 and reserved then
   correction = correction - tonumber(reserved)
 end
@@ -205,9 +224,13 @@ class _RedisStore(slots._StoreIdentity):
         args += [reservation.reservation_id, ttl]
         return int(_ADD(keys=self._keys(reservation.key), args=args, client=self._client()))
 
-    def settle(self, reservation: Reservation, actual_tokens: int) -> None:
-        keys = [*self._keys(reservation.key), f"{reservation.key}:settled"]
-        args = [reservation.reservation_id, actual_tokens, SETTLED_MEMORY_MS]
+    def settle(
+        self, reservation: Reservation, actual_tokens: int, written_in: int | None = None
+    ) -> None:
+        key = reservation.key
+        keys = [*self._keys(key), f"{key}:settled", f"{key}:generation"]
+        written = -1 if written_in is None else written_in
+        args = [reservation.reservation_id, actual_tokens, SETTLED_MEMORY_MS, written]
         _SETTLE(keys=keys, args=args, client=self._client())
 
     def value(self, key: str) -> int | None:
@@ -217,11 +240,13 @@ class _RedisStore(slots._StoreIdentity):
     def held(self, key: str) -> int:
         return int(_HELD(keys=self._keys(key), client=self._client()))
 
-    def rebuild(self, key: str, settled: int) -> bool:
-        return bool(_REBUILD(keys=self._keys(key), args=[settled], client=self._client()))
+    def rebuild(self, key: str, settled: int, generation: int) -> bool:
+        keys = [*self._keys(key), f"{key}:generation"]
+        return bool(_REBUILD(keys=keys, args=[settled, generation], client=self._client()))
 
-    def seed(self, key: str, value: int, ttl: int) -> bool:
-        return bool(_SEED(keys=self._keys(key), args=[value, ttl], client=self._client()))
+    def seed(self, key: str, value: int, ttl: int, generation: int) -> bool:
+        keys = [*self._keys(key), f"{key}:generation"]
+        return bool(_SEED(keys=keys, args=[value, ttl, generation], client=self._client()))
 
     def renew(self, reservations: list[Reservation], lease: float) -> list[bool]:
         keys = [self._keys(r.key)[1] for r in reservations]
@@ -254,7 +279,9 @@ class _LocalStore(slots._StoreIdentity):
     # cache pickles what it holds, so the memory of settled ids stays in the process
     _settled: "OrderedDict[tuple[str, str], float]" = OrderedDict()
 
-    def settle(self, reservation: Reservation, actual_tokens: int) -> None:
+    def settle(
+        self, reservation: Reservation, actual_tokens: int, written_in: int | None = None
+    ) -> None:
         with slots._LocalStore._lock:
             now, settled = time.monotonic(), self._settled
             while settled and next(iter(settled.values())) < now - SETTLED_MEMORY_MS / 1000:
@@ -263,7 +290,9 @@ class _LocalStore(slots._StoreIdentity):
                 return
             settled[reservation.key, reservation.reservation_id] = now
             leases = self._backend.get(f"{reservation.key}:leases") or {}
-            correction = actual_tokens
+            generation = self._backend.get(f"{reservation.key}:generation")
+            is_counted = written_in is not None and generation is not None
+            correction = 0 if is_counted and generation > written_in else actual_tokens
             held = leases.pop(reservation.reservation_id, None)
             if held is not None:
                 correction -= held[1]
@@ -280,7 +309,7 @@ class _LocalStore(slots._StoreIdentity):
         with slots._LocalStore._lock:
             return sum(tokens for _, tokens in self._expire(key).values())
 
-    def rebuild(self, key: str, settled: int) -> bool:
+    def rebuild(self, key: str, settled: int, generation: int) -> bool:
         with slots._LocalStore._lock:
             leases = self._expire(key)
             if not self._backend.has_key(key):
@@ -288,12 +317,14 @@ class _LocalStore(slots._StoreIdentity):
             held = sum(tokens for _, tokens in leases.values())
             # by its difference: ``incr`` keeps the counter's time to live
             self._backend.incr(key, settled + held - self._backend.get(key))
+            self._backend.set(f"{key}:generation", generation, timeout=None)
             return True
 
-    def seed(self, key: str, value: int, ttl: int) -> bool:
+    def seed(self, key: str, value: int, ttl: int, generation: int) -> bool:
         with slots._LocalStore._lock:
             if not self._backend.add(key, value, timeout=ttl):
                 return False
+            self._backend.set(f"{key}:generation", generation, timeout=ttl)
             self._backend.delete(f"{key}:leases")
             return True
 
@@ -354,17 +385,35 @@ def reservation_add(*, name: str, tokens: int, ttl: int) -> tuple[Reservation, i
     return reservation, value
 
 
-def reservation_settle(reservation: Reservation, *, actual_tokens: int) -> None:
+def reservation_settle(
+    reservation: Reservation,
+    *,
+    actual_tokens: int,
+    generation: Callable[[], int] | None = None,
+) -> None:
     """Replace the reservation with ``actual_tokens`` on its counter (see the module
     docstring). Call it once. If the store fails, the error propagates, and the process's
     renewer keeps the lease and settles it again each round until the store answers (a lease
-    left to run out would take the reservation off and never put what was used on)."""
+    left to run out would take the reservation off and never put what was used on).
+    ``generation``: the generation the request's record is written in
+    (``tenants.month_locks``), read only then: tried again, the settle adds nothing to a
+    counter recounted from the records since."""
     slots.renewer.discard(reservation)
     try:
         reservation.store.settle(reservation, actual_tokens)
     except Exception:
-        slots.renewer.settle_later(reservation, actual_tokens)
+        slots.renewer.settle_later(reservation, actual_tokens, _read(generation))
         raise
+
+
+def _read(generation: Callable[[], int] | None) -> int | None:
+    if generation is None:
+        return None
+    try:
+        return generation()
+    except Exception:  # noqa: BLE001 - the database too: tried again as before, unguarded
+        logger.exception("could not read the month counters' generation")
+        return None
 
 
 def counter_value(*, name: str) -> int | None:
@@ -380,16 +429,18 @@ def counter_held(*, name: str) -> int:
     return store.held(store.key_for(name))
 
 
-def counter_rebuild(*, name: str, settled: int) -> bool:
+def counter_rebuild(*, name: str, settled: int, generation: int) -> bool:
     """Set the counter ``name`` to ``settled`` plus what its live reservations hold, in one
-    step, if it exists (True then); a missing one stays missing."""
+    step, if it exists (True then), and keep the rebuild's ``generation``; a missing one stays
+    missing."""
     store = _store()
-    return store.rebuild(store.key_for(name), settled)
+    return store.rebuild(store.key_for(name), settled, generation)
 
 
-def counter_seed(*, name: str, value: int, ttl: int) -> bool:
-    """Create the counter ``name`` at ``value`` (``ttl`` seconds to live) and drop its old
-    leases, in one step, unless it exists; True when this call created it. A reservation whose
-    lease is dropped so, settled later, adds its tokens used, as an expired one does."""
+def counter_seed(*, name: str, value: int, ttl: int, generation: int) -> bool:
+    """Create the counter ``name`` at ``value`` (``ttl`` seconds to live), keeping the seed's
+    ``generation``, and drop its old leases, in one step, unless it exists; True when this call
+    created it. A reservation whose lease is dropped so, settled later, adds its tokens used,
+    as an expired one does."""
     store = _store()
-    return store.seed(store.key_for(name), value, ttl)
+    return store.seed(store.key_for(name), value, ttl, generation)

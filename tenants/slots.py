@@ -299,11 +299,12 @@ class SlotRenewer:
         with self._changed:
             self._held.discard(slot)
 
-    def settle_later(self, reservation, actual_tokens: int) -> None:
+    def settle_later(self, reservation, actual_tokens: int, written_in: int | None = None) -> None:
         """Keep renewing ``reservation`` (a ``tenants.reservations.Reservation`` whose settle
-        failed) and settle it each round until its store answers."""
+        failed) and settle it each round until its store answers; ``written_in``: the
+        generation its record was written in (``tenants.month_locks``), if known."""
         with self._changed:
-            self._unsettled[reservation] = actual_tokens
+            self._unsettled[reservation] = (actual_tokens, written_in)
         self.add(reservation)
 
     @property
@@ -351,9 +352,9 @@ class SlotRenewer:
     def _settle_unsettled(self) -> None:
         with self._changed:
             unsettled = list(self._unsettled.items())
-        for reservation, actual_tokens in unsettled:
+        for reservation, (actual_tokens, written_in) in unsettled:
             try:
-                reservation.store.settle(reservation, actual_tokens)
+                reservation.store.settle(reservation, actual_tokens, written_in)
             except Exception:  # still down: again next round, the lease renewed meanwhile
                 logger.warning("could not settle a month reservation yet; trying again")
                 continue

@@ -113,15 +113,15 @@ def test_seeding_a_counter_keeps_the_reservations_added_after_it_was_created(sto
     name = f"month-{time.monotonic_ns()}"
     stale, _ = reservation_add(name=name, tokens=7, ttl=3600)  # a lease from before the seed
     reservation_settle(stale, actual_tokens=7)
-    assert counter_seed(name=name, value=500, ttl=3600) is False  # it exists
+    assert counter_seed(name=name, value=500, ttl=3600, generation=1) is False  # it exists
     fresh = f"{name}-new"
     leftover, _ = reservation_add(name=fresh, tokens=5, ttl=3600)  # an old lease of a counter
     cache.delete(fresh)  # ... that was evicted
     assert counter_value(name=fresh) is None
-    assert counter_seed(name=fresh, value=500, ttl=3600) is True
+    assert counter_seed(name=fresh, value=500, ttl=3600, generation=1) is True
     reserved, value = reservation_add(name=fresh, tokens=RESERVED, ttl=3600)  # the other request
     assert value == 500 + RESERVED
-    assert counter_seed(name=fresh, value=500, ttl=3600) is False  # the late one
+    assert counter_seed(name=fresh, value=500, ttl=3600, generation=1) is False  # the late one
     assert counter_value(name=fresh) == 500 + RESERVED
     slots.renewer.stop()  # its process dies: only its lease takes it off
     assert _eventually(lambda: counter_value(name=fresh) == 500, LEASE * 20)
@@ -143,10 +143,10 @@ def test_a_reservation_settled_while_its_store_is_down_is_settled_when_it_is_bac
     store_class = type(reservation.store)
     settle, is_down = store_class.settle, [True]
 
-    def settle_unless_down(self, reservation, actual_tokens) -> None:
+    def settle_unless_down(self, reservation, actual_tokens, *args) -> None:
         if is_down:
             raise ConnectionError("Error 111 connecting to the store. Connection refused.")
-        settle(self, reservation, actual_tokens)
+        settle(self, reservation, actual_tokens, *args)
 
     monkeypatch.setattr(store_class, "settle", settle_unless_down)
     with pytest.raises(ConnectionError):
@@ -171,3 +171,57 @@ def test_settling_a_reservation_again_changes_nothing(store):  # noqa: F811
     reservation_settle(reservation, actual_tokens=40)
     reservation_settle(reservation, actual_tokens=40)
     assert _month(tenant) == 40
+
+
+@pytest.mark.django_db(transaction=True)  # the settlement writes on a thread of its own
+@pytest.mark.parametrize("recount", ["seed after the counter is lost", "rebuild"])
+def test_a_settle_tried_again_after_a_recount_of_the_month_counts_once(
+    store,  # noqa: F811
+    monkeypatch,
+    recount,
+):
+    """The store was down as a request's record was written: its settle was tried again
+    later, outside the month lock, after a recount had read the record (the next admission's
+    seed, Redis having come back without the counter; a budget change's rebuild) and added its
+    tokens a second time: 1,400 on the counter for 700 in the records."""
+    import asyncio
+
+    from serving import settlement
+
+    tenant = _tenant(monthly_token_budget=100_000)
+    api_key, _ = services.api_key_create(tenant=tenant, name="k")
+    _recorded(tenant, 500)
+    ticket = quotas.admission_acquire(tenant=tenant, api_key=api_key, estimated_tokens=RESERVED)
+    [reservation] = ticket.reservations
+    store_class = type(reservation.store)
+    settle, is_down = store_class.settle, [True]
+
+    def settle_unless_down(self, reservation, actual_tokens, *args) -> None:
+        if is_down:
+            raise ConnectionError("Error 111 connecting to the store. Connection refused.")
+        settle(self, reservation, actual_tokens, *args)
+
+    monkeypatch.setattr(store_class, "settle", settle_unless_down)
+    now = timezone.now()
+    record = {
+        "request_id": "r-settled-while-down", "tenant": tenant, "api_key": api_key,
+        "model": "m", "source": UsageRecord.Source.API, "status": UsageRecord.Status.OK,
+        "started_at": now, "finished_at": now, "completion_tokens": 700,
+    }  # fmt: skip
+    asyncio.run(settlement.settle(settlement.Settlement(ticket, 700, record)))
+    assert _records_sum(tenant) == 1200
+    is_down.clear()
+    if recount == "rebuild":
+        quotas.month_counters_rebuild(tenant=tenant)
+    else:
+        name = quotas.month_counter_name("tenant", tenant.pk, quotas._month_start(time.time()))
+        cache.delete(name)
+        quotas.admission_release(
+            ticket=quotas.admission_acquire(tenant=tenant, estimated_tokens=1), actual_tokens=0
+        )
+
+    slots.renewer.renew()  # the settle tried again
+
+    assert _month(tenant) == _records_sum(tenant) == 1200
+    slots.renewer.renew()
+    assert _month(tenant) == 1200
