@@ -76,6 +76,8 @@ def counter_rebuilding(tenant_id: int) -> Iterator[int]:
 
 def generation_of(tenant_id: int) -> int:
     """The generation of the tenant's last rebuild (0: none yet). Within ``records_settling``,
-    the last before the settlement: a rebuild after it has a higher one."""
-    values = MonthCounterGeneration.objects.filter(tenant_id=tenant_id).values_list("value")
-    return next(iter(values), (0,))[0]
+    the last before the settlement: a rebuild after it has a higher one. Read in a savepoint:
+    a failure to read it leaves the transaction around it (a settlement's records) whole."""
+    with transaction.atomic():
+        values = MonthCounterGeneration.objects.filter(tenant_id=tenant_id).values_list("value")
+        return next(iter(values), (0,))[0]

@@ -225,3 +225,48 @@ def test_a_settle_tried_again_after_a_recount_of_the_month_counts_once(
     assert _month(tenant) == _records_sum(tenant) == 1200
     slots.renewer.renew()
     assert _month(tenant) == 1200
+
+
+@pytest.mark.django_db(transaction=True)  # the settlement writes on a thread of its own
+def test_a_generation_that_cannot_be_read_loses_no_record(store, monkeypatch):  # noqa: F811
+    """The generation is read inside the settlement's transaction, the store being down: a
+    failed read must not spoil the transaction that writes the request's record."""
+    import asyncio
+
+    from django.db import connection
+
+    from serving import settlement
+    from tenants import month_locks
+
+    tenant = _tenant(monthly_token_budget=100_000)
+    api_key, _ = services.api_key_create(tenant=tenant, name="k")
+    ticket = quotas.admission_acquire(tenant=tenant, api_key=api_key, estimated_tokens=RESERVED)
+    store_class = type(ticket.reservations[0].store)
+
+    def store_down(*args) -> None:
+        raise ConnectionError("Error 111 connecting to the store. Connection refused.")
+
+    class Unreadable:  # the generation's query fails in the database itself
+        def filter(self, **kwargs):
+            return self
+
+        def values_list(self, *names):
+            return self
+
+        def __iter__(self):
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT value FROM no_such_table")
+            return iter(())
+
+    monkeypatch.setattr(store_class, "settle", store_down)
+    monkeypatch.setattr(month_locks.MonthCounterGeneration, "objects", Unreadable())
+    now = timezone.now()
+    record = {
+        "request_id": "r-kept", "tenant": tenant, "api_key": api_key, "model": "m",
+        "source": UsageRecord.Source.API, "status": UsageRecord.Status.OK,
+        "started_at": now, "finished_at": now, "completion_tokens": 70,
+    }  # fmt: skip
+    asyncio.run(settlement.settle(settlement.Settlement(ticket, 70, record)))
+    monkeypatch.undo()
+
+    assert UsageRecord.objects.filter(request_id="r-kept").exists()
