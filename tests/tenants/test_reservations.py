@@ -57,6 +57,37 @@ def _eventually(predicate, within: float) -> bool:
     return True
 
 
+def _store_down(monkeypatch, reservation) -> list[bool]:
+    """Make the reservation's store refuse every settle while the list returned holds True
+    (clear it to bring the store back)."""
+    store_class = type(reservation.store)
+    settle, is_down = store_class.settle, [True]
+
+    def settle_unless_down(self, reservation, actual_tokens, *args) -> None:
+        if is_down:
+            raise ConnectionError("Error 111 connecting to the store. Connection refused.")
+        settle(self, reservation, actual_tokens, *args)
+
+    monkeypatch.setattr(store_class, "settle", settle_unless_down)
+    return is_down
+
+
+def _settle_with_a_record(ticket, api_key, request_id: str, tokens: int) -> None:
+    """End the ticket's request as the platform does (``serving.settlement``): its record
+    written and its month settled in one transaction."""
+    import asyncio
+
+    from serving import settlement
+
+    now = timezone.now()
+    record = {
+        "request_id": request_id, "tenant": api_key.tenant, "api_key": api_key, "model": "m",
+        "source": UsageRecord.Source.API, "status": UsageRecord.Status.OK,
+        "started_at": now, "finished_at": now, "completion_tokens": tokens,
+    }  # fmt: skip
+    asyncio.run(settlement.settle(settlement.Settlement(ticket, tokens, record)))
+
+
 def test_a_dead_processes_reservation_comes_off_the_month_with_its_lease(store):  # noqa: F811
     """A web process killed mid-request never settles: its reservation stayed on the month
     counter (1,032 tokens, with no record) for the rest of the month."""
@@ -140,15 +171,7 @@ def test_a_reservation_settled_while_its_store_is_down_is_settled_when_it_is_bac
     _recorded(tenant, 500)
     ticket = quotas.admission_acquire(tenant=tenant, estimated_tokens=RESERVED)
     [reservation] = ticket.reservations
-    store_class = type(reservation.store)
-    settle, is_down = store_class.settle, [True]
-
-    def settle_unless_down(self, reservation, actual_tokens, *args) -> None:
-        if is_down:
-            raise ConnectionError("Error 111 connecting to the store. Connection refused.")
-        settle(self, reservation, actual_tokens, *args)
-
-    monkeypatch.setattr(store_class, "settle", settle_unless_down)
+    is_down = _store_down(monkeypatch, reservation)
     with pytest.raises(ConnectionError):
         quotas.admission_release(ticket=ticket, actual_tokens=40)
     slots.renewer.renew()  # a round while it is still down: the lease is kept
@@ -184,31 +207,13 @@ def test_a_settle_tried_again_after_a_recount_of_the_month_counts_once(
     later, outside the month lock, after a recount had read the record (the next admission's
     seed, Redis having come back without the counter; a budget change's rebuild) and added its
     tokens a second time: 1,400 on the counter for 700 in the records."""
-    import asyncio
-
-    from serving import settlement
-
     tenant = _tenant(monthly_token_budget=100_000)
     api_key, _ = services.api_key_create(tenant=tenant, name="k")
     _recorded(tenant, 500)
     ticket = quotas.admission_acquire(tenant=tenant, api_key=api_key, estimated_tokens=RESERVED)
     [reservation] = ticket.reservations
-    store_class = type(reservation.store)
-    settle, is_down = store_class.settle, [True]
-
-    def settle_unless_down(self, reservation, actual_tokens, *args) -> None:
-        if is_down:
-            raise ConnectionError("Error 111 connecting to the store. Connection refused.")
-        settle(self, reservation, actual_tokens, *args)
-
-    monkeypatch.setattr(store_class, "settle", settle_unless_down)
-    now = timezone.now()
-    record = {
-        "request_id": "r-settled-while-down", "tenant": tenant, "api_key": api_key,
-        "model": "m", "source": UsageRecord.Source.API, "status": UsageRecord.Status.OK,
-        "started_at": now, "finished_at": now, "completion_tokens": 700,
-    }  # fmt: skip
-    asyncio.run(settlement.settle(settlement.Settlement(ticket, 700, record)))
+    is_down = _store_down(monkeypatch, reservation)
+    _settle_with_a_record(ticket, api_key, "r-settled-while-down", 700)
     assert _records_sum(tenant) == 1200
     is_down.clear()
     if recount == "rebuild":
@@ -231,20 +236,13 @@ def test_a_settle_tried_again_after_a_recount_of_the_month_counts_once(
 def test_a_generation_that_cannot_be_read_loses_no_record(store, monkeypatch):  # noqa: F811
     """The generation is read inside the settlement's transaction, the store being down: a
     failed read must not spoil the transaction that writes the request's record."""
-    import asyncio
-
     from django.db import connection
 
-    from serving import settlement
     from tenants import month_locks
 
     tenant = _tenant(monthly_token_budget=100_000)
     api_key, _ = services.api_key_create(tenant=tenant, name="k")
     ticket = quotas.admission_acquire(tenant=tenant, api_key=api_key, estimated_tokens=RESERVED)
-    store_class = type(ticket.reservations[0].store)
-
-    def store_down(*args) -> None:
-        raise ConnectionError("Error 111 connecting to the store. Connection refused.")
 
     class Unreadable:  # the generation's query fails in the database itself
         def filter(self, **kwargs):
@@ -258,15 +256,9 @@ def test_a_generation_that_cannot_be_read_loses_no_record(store, monkeypatch):  
                 cursor.execute("SELECT value FROM no_such_table")
             return iter(())
 
-    monkeypatch.setattr(store_class, "settle", store_down)
+    _store_down(monkeypatch, ticket.reservations[0])
     monkeypatch.setattr(month_locks.MonthCounterGeneration, "objects", Unreadable())
-    now = timezone.now()
-    record = {
-        "request_id": "r-kept", "tenant": tenant, "api_key": api_key, "model": "m",
-        "source": UsageRecord.Source.API, "status": UsageRecord.Status.OK,
-        "started_at": now, "finished_at": now, "completion_tokens": 70,
-    }  # fmt: skip
-    asyncio.run(settlement.settle(settlement.Settlement(ticket, 70, record)))
+    _settle_with_a_record(ticket, api_key, "r-kept", 70)
     monkeypatch.undo()
 
     assert UsageRecord.objects.filter(request_id="r-kept").exists()
